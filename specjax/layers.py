@@ -1,0 +1,129 @@
+"""LLaMA building blocks as Flax linen modules: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+No mutable collections: the attention layer takes its slice of the KV cache
+as an argument and returns the updated slice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache
+from specjax.config import ModelConfig
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
+  return nn.Dense(features, use_bias=False, dtype=cfg.jnp_dtype,
+                  param_dtype=cfg.jnp_param_dtype, kernel_init=_init, name=name)
+
+
+class RMSNorm(nn.Module):
+  """x / rms(x) * scale, computed in f32 (as HF's LlamaRMSNorm)."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
+                       self.cfg.jnp_param_dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True)
+                              + self.cfg.norm_eps)
+    return scale.astype(self.cfg.jnp_dtype) * x32.astype(self.cfg.jnp_dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """RoPE inverse frequencies [D/2], with LLaMA-3 scaling when configured."""
+  d = cfg.d_head
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  rs = cfg.rope_scaling
+  if rs is None:
+    return inv.astype(np.float32)
+  # Llama 3: long wavelengths are slowed by `factor`, short ones kept, and
+  # the band in between interpolated smoothly.
+  low_wavelen = rs.original_max_position / rs.low_freq_factor
+  high_wavelen = rs.original_max_position / rs.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+  smooth = ((rs.original_max_position / wavelen - rs.low_freq_factor)
+            / (rs.high_freq_factor - rs.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates x [B, T, N, D] by positions [B, T] (HF 'rotate_half' convention)."""
+  freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(freqs)[:, :, None, :].astype(x.dtype)  # [B, T, 1, D/2]
+  sin = jnp.sin(freqs)[:, :, None, :].astype(x.dtype)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention over a preallocated cache.
+
+  The G = H // K query heads that share a kv head are grouped on their own
+  axis, so repeated kv heads are never materialised.
+  """
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, k_cache, v_cache, lengths):
+    # x [B, T, E]; positions [B, T]; k_cache, v_cache [B, S, K, D]; lengths [B]
+    cfg = self.cfg
+    b, t, _ = x.shape
+    h, k, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    q = dense(cfg, h * d, "wq")(x).reshape(b, t, h, d)
+    kk = dense(cfg, k * d, "wk")(x).reshape(b, t, k, d)
+    vv = dense(cfg, k * d, "wv")(x).reshape(b, t, k, d)
+    inv_freq = rope_inv_freq(cfg)
+    q, kk = apply_rope(q, positions, inv_freq), apply_rope(kk, positions, inv_freq)
+
+    # Write first, then attend: the new tokens see themselves and nothing
+    # stale past the row's length.
+    k_cache = kv_cache.write(k_cache, kk, lengths)
+    v_cache = kv_cache.write(v_cache, vv, lengths)
+
+    q = q.reshape(b, t, k, h // k, d)  # [B, T, K, G, D]
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache,
+                        preferred_element_type=jnp.float32) / math.sqrt(d)
+    slots = jnp.arange(k_cache.shape[1])
+    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache)  # [B, T, K, G, D]
+    out = dense(cfg, cfg.dim, "wo")(out.reshape(b, t, h * d))
+    return out, k_cache, v_cache
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    gate = dense(cfg, cfg.ffn_dim, "w_gate")(x)
+    up = dense(cfg, cfg.ffn_dim, "w_up")(x)
+    return dense(cfg, cfg.dim, "w_down")(jax.nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, k_cache, v_cache, lengths):
+    h, k_cache, v_cache = Attention(self.cfg, name="attn")(
+        RMSNorm(self.cfg, name="attn_norm")(x), positions, k_cache, v_cache, lengths)
+    x = x + h
+    x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
+    return x, k_cache, v_cache

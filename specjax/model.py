@@ -1,0 +1,89 @@
+"""The LLaMA model: a pure function of (params, tokens, positions, cache).
+
+    logits, cache = forward(params, tokens, cache, cfg)
+
+Layers are unrolled in Python over separate per-layer parameters (the
+`layers_{i}` subtrees). On XLA:CPU this decodes ~2.4x faster than a
+`lax.scan` over stacked weights (see ARCHITECTURE.md for the figures) and
+compiles in seconds even at 80 layers.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from specjax import kv_cache as kvc
+from specjax.config import ModelConfig
+from specjax.layers import Block, RMSNorm, _init
+
+
+class Llama(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions, cache: kvc.KVCache):
+    # tokens, positions [B, T] -> logits [B, T, V] (f32)
+    cfg = self.cfg
+    embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
+                     param_dtype=cfg.jnp_param_dtype, embedding_init=_init,
+                     name="embed")
+    x = embed(tokens)  # [B, T, E]
+    ks, vs = [], []
+    for i in range(cfg.n_layers):
+      x, k, v = Block(cfg, name=f"layers_{i}")(
+          x, positions, cache.k[i], cache.v[i], cache.lengths)
+      ks.append(k)
+      vs.append(v)
+    x = RMSNorm(cfg, name="final_norm")(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x)
+    else:
+      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
+                        param_dtype=cfg.jnp_param_dtype, kernel_init=_init,
+                        name="lm_head")(x)
+    t = tokens.shape[1]
+    new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
+    return logits.astype(jnp.float32), new_cache
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+  """Random parameters for `cfg` (normal(0.02) weights, unit norms).
+
+  Jitted so that only the final arrays are materialised (matters at 7B+).
+  """
+  model = Llama(cfg)
+
+  @jax.jit
+  def _init_fn(key):
+    cache = kvc.init_cache(cfg, 1, 1)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return model.init(key, tokens, tokens, cache)["params"]
+
+  return _init_fn(jax.random.PRNGKey(seed))
+
+
+def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None):
+  """Runs T new tokens per row against the cache.
+
+  Args:
+    params: the `params` collection of `Llama(cfg)`.
+    tokens: [B, T] int token ids; row b is written at slots cache.lengths[b]..
+    cache: KV cache; its capacity must fit lengths + T (see kv_cache.check_capacity).
+    cfg: the model config (static under jit).
+    positions: [B, T] absolute positions; defaults to lengths[:, None] + arange(T).
+  Returns:
+    (logits [B, T, V] float32, cache with lengths + T).
+  """
+  if positions is None:
+    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+  return Llama(cfg).apply({"params": params}, tokens, positions, cache)
+
+
+def param_count(params) -> int:
+  return sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+
+def param_bytes(params) -> int:
+  return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
