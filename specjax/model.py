@@ -23,8 +23,9 @@ class Llama(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, positions, cache: kvc.KVCache):
-    # tokens, positions [B, T] -> logits [B, T, V] (f32)
+  def __call__(self, tokens, positions, cache: kvc.KVCache, logit_index=None):
+    # tokens, positions [B, T] -> logits [B, T, V] (f32), or [B, 1, V] at
+    # logit_index [B] (prefill needs only the last real token's logits).
     cfg = self.cfg
     embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
                      param_dtype=cfg.jnp_param_dtype, embedding_init=_init,
@@ -36,6 +37,8 @@ class Llama(nn.Module):
           x, positions, cache.k[i], cache.v[i], cache.lengths)
       ks.append(k)
       vs.append(v)
+    if logit_index is not None:
+      x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, E]
     x = RMSNorm(cfg, name="final_norm")(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x)
@@ -64,7 +67,8 @@ def init_params(cfg: ModelConfig, seed: int = 0):
   return _init_fn(jax.random.PRNGKey(seed))
 
 
-def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None):
+def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,
+            logit_index=None):
   """Runs T new tokens per row against the cache.
 
   Args:
@@ -73,12 +77,14 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
     cache: KV cache; its capacity must fit lengths + T (see kv_cache.check_capacity).
     cfg: the model config (static under jit).
     positions: [B, T] absolute positions; defaults to lengths[:, None] + arange(T).
+    logit_index: optional [B] index into T; then only those logits are computed.
   Returns:
-    (logits [B, T, V] float32, cache with lengths + T).
+    (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T).
   """
   if positions is None:
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
-  return Llama(cfg).apply({"params": params}, tokens, positions, cache)
+  return Llama(cfg).apply({"params": params}, tokens, positions, cache,
+                          logit_index)
 
 
 def param_count(params) -> int:

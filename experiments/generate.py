@@ -1,0 +1,66 @@
+"""Target-only generation, timed like llama.cpp's llama_print_timings.
+
+Run on built-in defaults (random weights at the CPU target's real shape,
+no download):
+  python experiments/generate.py --model=cpu-target --n_predict=64
+
+A real checkpoint (HF directory with config.json + safetensors, or an orbax
+directory written by specjax) works the same way:
+  python experiments/generate.py --model=/path/to/llama --prompt="Hello"
+"""
+
+from absl import flags
+
+from specjax import checkpoint, cli, generation, steps
+from specjax.sampling import SamplingParams
+
+_MODEL = flags.DEFINE_string("model", "cpu-target", "Preset name, HF directory or orbax directory.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
+_PROMPT_TOKENS = flags.DEFINE_string("prompt_tokens", None, "Prompt as comma-separated token ids.")
+_N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate.", lower_bound=1)
+_TEMP = flags.DEFINE_float("temp", 0.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter; 0 = off.", lower_bound=0)
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) filter; 1 = off.", lower_bound=1e-6, upper_bound=1.0)
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (and random-init seed for presets).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16"],
+                           "Compute and parameter dtype; default: the model's own.")
+_CTX = flags.DEFINE_integer("ctx_size", None, "Context (KV cache) size; default: the model's max_seq_len.", lower_bound=1)
+_LOOP = flags.DEFINE_enum("loop", "device", ["device", "host"], "Device while_loop or host loop of jitted steps.")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Run once untimed first so the timed run excludes compilation.")
+_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Do not stop at the end-of-sequence token.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, text and timings as one JSON object.")
+
+
+def main(argv):
+  del argv
+  cfg, params, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value, seed=_SEED.value)
+  prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, cfg.vocab_size)
+  sp = SamplingParams(_TEMP.value, _TOP_K.value, _TOP_P.value)
+  eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else cfg.eos_token_id)
+  m = steps.Model(cfg, params)
+  run = lambda: generation.generate(m, [prompt], _N_PREDICT.value, sp, seed=_SEED.value,
+                                    eos_id=eos, loop=_LOOP.value, ctx_size=_CTX.value)
+  compile_s = run().compile_s if _WARMUP.value else 0.0
+  res = run()
+  compile_s += res.compile_s
+  out = res.tokens[0]
+  print(cli.detokenize(tok, prompt) + cli.detokenize(tok, out), flush=True)
+  print()
+  print(f"model: {cfg.name}, {cfg.num_params() / 1e6:.1f} M params, {cfg.dtype}, loop={_LOOP.value}")
+  print(f"{'compile time':>18} = {1e3 * compile_s:10.2f} ms (excluded from the timings below)")
+  print(cli.rate_line("prompt eval time", res.prompt_s, res.n_prompt, "tokens"))
+  print(cli.rate_line("eval time", res.eval_s, res.n_eval, "runs"))
+  if _JSON_OUT.value:
+    cli.write_json(_JSON_OUT.value, {
+        "model": cfg.name, "config": cfg.to_dict(), "prompt_tokens": prompt, "tokens": out,
+        "text": cli.detokenize(tok, out) if tok else None,
+        "n_prompt": res.n_prompt, "n_eval": res.n_eval,
+        "prompt_ms": 1e3 * res.prompt_s, "eval_ms": 1e3 * res.eval_s,
+        "eval_ms_per_token": 1e3 * res.eval_s / max(res.n_eval, 1),
+        "eval_tokens_per_s": res.n_eval / res.eval_s if res.eval_s else None,
+        "compile_ms": 1e3 * compile_s, "loop": _LOOP.value,
+        "sampling": {"temp": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p, "seed": _SEED.value}})
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,89 @@
+"""Shared plumbing for the absl scripts in experiments/: errors, prompts, output."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Callable
+
+from absl import app
+
+from specjax.errors import SpecjaxError
+
+# Used when a model has no tokenizer and no prompt is given: 32 fixed ids.
+DEFAULT_PROMPT_TOKENS = [1] + list(range(100, 131))
+DEFAULT_PROMPT_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def run(main: Callable[[list[str]], Any]) -> None:
+  """absl's app.run, with bad input printed as one line and exit status 1."""
+  def wrapped(argv):
+    try:
+      return main(argv)
+    except SpecjaxError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(1)
+    except KeyboardInterrupt:
+      print("interrupted", file=sys.stderr)
+      sys.exit(130)
+  app.run(wrapped)
+
+
+def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
+                 vocab_size: int) -> list[int]:
+  """Token ids from --prompt (needs a tokenizer) or --prompt_tokens=1,2,3."""
+  if prompt is not None and prompt_tokens is not None:
+    raise SpecjaxError("give --prompt or --prompt_tokens, not both")
+  if prompt_tokens is not None:
+    try:
+      ids = [int(t) for t in prompt_tokens.replace(" ", "").split(",") if t]
+    except ValueError:
+      raise SpecjaxError(f"--prompt_tokens must be comma-separated integers, "
+                         f"got {prompt_tokens!r}") from None
+  elif tokenizer is not None:
+    ids = tokenizer.encode(DEFAULT_PROMPT_TEXT if prompt is None else prompt)
+  elif prompt is not None:
+    raise SpecjaxError("this model has no tokenizer (no tokenizer.json or "
+                       "tokenizer.model in its directory): pass --prompt_tokens")
+  else:
+    ids = list(DEFAULT_PROMPT_TOKENS)
+  if not ids:
+    raise SpecjaxError("the prompt is empty")
+  bad = [t for t in ids if not 0 <= t < vocab_size]
+  if bad:
+    raise SpecjaxError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                       f"[0, {vocab_size})")
+  return ids
+
+
+def detokenize(tokenizer, ids: list[int]) -> str:
+  if tokenizer is None:
+    return " ".join(str(t) for t in ids)
+  return tokenizer.decode(ids)
+
+
+def write_json(path: str, obj: dict[str, Any]) -> None:
+  """Writes obj as JSON, creating the parent folder."""
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(obj, f, indent=1, default=_json_default)
+    f.write("\n")
+
+
+def _json_default(x):
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  if hasattr(x, "item"):
+    return x.item()
+  raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def rate_line(label: str, secs: float, n: int, unit: str) -> str:
+  """llama_print_timings style: total ms / n, ms per token, tokens per second."""
+  ms = 1e3 * secs
+  per = ms / n if n else float("nan")
+  tps = n / secs if secs > 0 else float("nan")
+  return (f"{label:>18} = {ms:10.2f} ms / {n:5d} {unit:6s} ({per:8.2f} ms per "
+          f"token, {tps:9.2f} tokens per second)")
