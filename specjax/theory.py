@@ -136,22 +136,22 @@ def expected_accepted(n_draft: int, p: ArrayLike) -> float | np.ndarray:
 def expected_accepted_fraction(n_draft: ArrayLike, f: ArrayLike) -> float | np.ndarray:
   """Accepted drafts per step under the deterministic `fraction:F` simulation.
 
-  The simulation accepts the first floor(F * N) of N drafts every step, as in
-  ggerganov's "accept the first 0.8*N tokens unconditionally" patch in [T3649].
-  Note that the patch's literal test `i_dft < 0.8*N` accepts ceil(F * N)
-  tokens; the two agree when F * N is an integer (N = 5, F = 0.8) and differ
-  otherwise (N = 8, F = 0.8: floor gives 6, the patch 7).
+  ggerganov's patch in [T3649] accepts drafted position i (0-based) while
+  `i_dft < F*N`, i.e. the first ceil(F * N) of N drafts every step. That is
+  the count behind the thread's 87.5 % for N = 8, F = 0.8 (7 of 8), so it is
+  the definition used here and by `specjax.acceptance` (not floor(F * N),
+  which gives 6).
 
   Args:
     n_draft: draft length N, an integer >= 0.
     f: accepted fraction F in [0, 1].
 
   Returns:
-    floor(F * N), as a float; a tiny tolerance keeps 0.29 * 100 at 29.
+    ceil(F * N), as a float; a tiny tolerance keeps 0.8 * 5 at 4.
   """
   n = _draft_length(n_draft)
   frac = _probability(f, "f")
-  return _out(np.floor(frac * n + 1e-9).astype(float))
+  return _out(np.ceil(frac * n - 1e-9).astype(float))
 
 
 def alpha_from_mean_accepted(mean_accepted: ArrayLike, gamma: int) -> float | np.ndarray:

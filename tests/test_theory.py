@@ -152,9 +152,11 @@ def test_geometric_pmf_matches_sequential_bernoulli_simulation():
   np.testing.assert_allclose(hist, pmf, atol=4 * np.sqrt(0.25 / n))
 
 
-def test_expected_accepted_fraction_is_floor():
+def test_expected_accepted_fraction_is_the_threads_count():
+  # i_dft < F*N: N=8, F=0.8 accepts 7 (the thread's 87.5 %); N=5 accepts 4.
   assert theory.expected_accepted_fraction(5, 0.8) == 4
-  assert theory.expected_accepted_fraction(8, 0.8) == 6
+  assert theory.expected_accepted_fraction(8, 0.8) == 7
+  assert sum(i < 0.8 * 8 for i in range(8)) == 7
   assert theory.expected_accepted_fraction(100, 0.29) == 29
   assert theory.expected_accepted_fraction(8, 1.0) == 8
   assert theory.expected_accepted_fraction(8, 0.0) == 0

@@ -1,0 +1,146 @@
+"""How drafted tokens are judged: the real rules and the seed thread's simulations.
+
+Every rule returns, per row, the number of accepted draft tokens k and the one
+token the target emits after them (the correction at the first rejection, or
+the bonus token when every drafted token is accepted).
+
+  real            greedy (temperature 0): accept while draft == target argmax.
+                  Otherwise exact speculative sampling (Leviathan et al. 2023,
+                  Chen et al. 2023): accept x with probability min(1, p(x)/q(x));
+                  at the first rejection sample norm(max(0, p - q)).
+  bernoulli:P     each drafted token, in order, accepted with probability P
+                  (the thread's `frand() < p`).
+  fraction:F      drafted positions i (0-based) with i < F * gamma are accepted
+                  (the thread's `i_dft < 0.8*N`: ceil(F * gamma) tokens).
+  always          every drafted token accepted.
+  mean_length:L   bernoulli with the P whose expected accepted count is L.
+Simulated rules emit the target's own token at the first rejected position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling, theory
+from specjax.errors import ConfigError
+from specjax.sampling import SamplingParams
+
+KINDS = ("real", "bernoulli", "fraction", "always", "mean_length")
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptRule:
+  kind: str = "real"
+  value: float = 0.0  # P, F or L
+
+  def __str__(self) -> str:
+    return self.kind if self.kind in ("real", "always") else f"{self.kind}:{self.value:g}"
+
+  @property
+  def simulated(self) -> bool:
+    return self.kind != "real"
+
+  def resolve(self, gamma: int) -> "AcceptRule":
+    """mean_length:L -> bernoulli:P for this gamma (P from theory's inverse)."""
+    if self.kind != "mean_length":
+      return self
+    if not 0.0 <= self.value <= gamma:
+      raise ConfigError(f"mean_length:{self.value:g} must lie in [0, gamma={gamma}]")
+    return AcceptRule("bernoulli", theory.alpha_from_mean_accepted(self.value, gamma))
+
+
+def parse_rule(spec: str) -> AcceptRule:
+  """Parses 'real', 'always', 'bernoulli:0.8', 'fraction:0.8', 'mean_length:3'."""
+  kind, _, arg = str(spec).strip().partition(":")
+  if kind not in KINDS:
+    raise ConfigError(f"unknown acceptance rule {spec!r}; valid: real, always, "
+                      "bernoulli:P, fraction:F, mean_length:L")
+  if kind in ("real", "always"):
+    if arg:
+      raise ConfigError(f"acceptance rule {kind!r} takes no value, got {spec!r}")
+    return AcceptRule(kind)
+  try:
+    value = float(arg)
+  except ValueError:
+    raise ConfigError(f"acceptance rule {spec!r} needs a number after ':'") from None
+  if kind in ("bernoulli", "fraction") and not 0.0 <= value <= 1.0:
+    raise ConfigError(f"{kind}:{value:g} must lie in [0, 1]")
+  if kind == "mean_length" and value < 0:
+    raise ConfigError(f"mean_length:{value:g} must be >= 0")
+  return AcceptRule(kind, value)
+
+
+def _leading(accepted: jax.Array) -> jax.Array:
+  """Length of the leading run of True along the last axis: [B, N] -> [B]."""
+  return jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=-1), axis=-1)
+
+
+def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[b, idx[b]] for x [B, N, ...]."""
+  return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
+
+
+def judge(key, rule: AcceptRule, sp: SamplingParams, drafts, q, p, n_drafted):
+  """Decides how many drafted tokens to keep and the token after them.
+
+  Args:
+    key: PRNG key for this step's acceptance.
+    rule: a resolved AcceptRule (no mean_length).
+    sp: sampling settings applied to both models.
+    drafts: [B, G] drafted tokens.
+    q: [B, G, V] draft distributions (used by the real rule when sampling).
+    p: [B, G+1, V] target distributions at the G+1 verified positions.
+    n_drafted: [B] tokens really drafted (< G after an early stop).
+  Returns:
+    (n_accepted [B], next_token [B]).
+  """
+  b, g = drafts.shape
+  k_u, k_tok = jax.random.split(key)
+  pos = jnp.arange(g)[None, :]
+  p_draft = jnp.take_along_axis(p[:, :g], drafts[..., None], -1)[..., 0]  # [B, G]
+  if rule.kind == "real" and sp.greedy:
+    ok = drafts == jnp.argmax(p[:, :g], -1)
+  elif rule.kind == "real":
+    q_draft = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+    u = jax.random.uniform(k_u, (b, g))
+    ok = u * q_draft < p_draft            # u < p/q without dividing
+  elif rule.kind == "bernoulli":
+    ok = jax.random.uniform(k_u, (b, g)) < rule.value
+  elif rule.kind == "fraction":
+    n_keep = int(theory.expected_accepted_fraction(g, rule.value))
+    ok = jnp.broadcast_to(pos < n_keep, (b, g))
+  elif rule.kind == "always":
+    ok = jnp.ones((b, g), bool)
+  else:
+    raise ConfigError(f"unresolved acceptance rule {rule}")
+  n_acc = _leading(ok & (pos < n_drafted[:, None]))
+
+  p_next = _at(p, n_acc)                  # target distribution after the accepted run
+  if rule.kind == "real" and not sp.greedy:
+    # At a rejection (a real draft there) sample the residual max(0, p - q).
+    rejected = n_acc < n_drafted
+    q_next = _at(q, jnp.minimum(n_acc, g - 1))
+    resid = jnp.maximum(p_next - q_next, 0.0)
+    mass = jnp.sum(resid, -1, keepdims=True)
+    resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_next)
+    p_next = jnp.where(rejected[:, None], resid, p_next)
+  if sp.greedy:
+    nxt = jnp.argmax(p_next, -1).astype(jnp.int32)
+  else:
+    nxt = sampling.sample(k_tok, p_next)
+  return n_acc, nxt
+
+
+def expected_accepted(rule: AcceptRule, gamma: int) -> float | None:
+  """Expected accepted tokens per step under a simulated rule (None for real)."""
+  rule = rule.resolve(gamma)
+  if rule.kind == "bernoulli":
+    return float(theory.expected_accepted(gamma, rule.value))
+  if rule.kind == "fraction":
+    return float(theory.expected_accepted_fraction(gamma, rule.value))
+  if rule.kind == "always":
+    return float(gamma)
+  return None

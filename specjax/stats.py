@@ -1,0 +1,110 @@
+"""Per-step records -> every speculative-decoding metric, each defined once.
+
+Definitions (see ARCHITECTURE.md; llama.cpp's names where it has them):
+  n_draft          gamma, the draft length asked for.
+  n_predict        tokens emitted, including the first token sampled from the
+                   prompt evaluation (as llama.cpp counts).
+  n_drafted        draft tokens really proposed (fewer than gamma per step
+                   after an early stop).
+  n_accept         drafted tokens accepted.
+  accept           n_accept / n_drafted (llama.cpp's number; NOT the paper's alpha).
+  n_steps          target verify calls.
+  tokens_per_step  tokens emitted by the steps / n_steps (accepted + the one
+                   correction or bonus token per step).
+  mean_accepted    n_accept / n_steps.
+  alpha            the per-token acceptance rate whose expected accepted count
+                   for gamma equals mean_accepted: an estimate under the
+                   theory's i.i.d. assumption (theory.alpha_from_mean_accepted).
+  accept_hist      steps that accepted k drafts, k = 0..gamma.
+  alpha_at_pos     at draft position i (1-based), the fraction of steps that
+                   reached i (all before accepted, i drafted) and accepted it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from specjax import theory
+
+
+@dataclasses.dataclass
+class Records:
+  """Per-step, per-row records of a speculative run (only live rows count)."""
+  n_acc: np.ndarray      # [steps, B] accepted drafts
+  n_drafted: np.ndarray  # [steps, B] drafts really proposed
+  live: np.ndarray       # [steps, B] 1 where the row was still generating
+
+  @classmethod
+  def from_arrays(cls, rec: dict[str, Any]) -> "Records":
+    live = np.asarray(rec["live"]).astype(bool)
+    return cls(n_acc=np.asarray(rec["n_acc"])[live],
+               n_drafted=np.asarray(rec["n_drafted"])[live],
+               live=live[live])
+
+
+@dataclasses.dataclass
+class SpecStats:
+  n_draft: int
+  n_predict: int
+  n_drafted: int
+  n_accept: int
+  n_steps: int
+  accept: float
+  tokens_per_step: float
+  mean_accepted: float
+  alpha: float
+  accept_hist: list[int]
+  alpha_at_pos: list[float | None]
+  eval_s: float = 0.0
+  tokens_per_s: float = 0.0
+  phase_s: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def compute(cls, rec: Records, gamma: int, n_predict: int, eval_s: float = 0.0,
+              phase_s: dict[str, float] | None = None) -> "SpecStats":
+    k, m = rec.n_acc.ravel(), rec.n_drafted.ravel()
+    n_steps = int(k.size)
+    n_accept, n_drafted = int(k.sum()), int(m.sum())
+    mean_acc = n_accept / n_steps if n_steps else 0.0
+    reached = [(k >= i - 1) & (m >= i) for i in range(1, gamma + 1)]
+    alpha_pos = [float(((k >= i) & r).sum() / r.sum()) if r.sum() else None
+                 for i, r in zip(range(1, gamma + 1), reached)]
+    phase = dict(phase_s or {})
+    if phase:
+      phase["rest_s"] = max(eval_s - sum(phase.values()), 0.0)
+    return cls(
+        n_draft=gamma, n_predict=n_predict, n_drafted=n_drafted, n_accept=n_accept,
+        n_steps=n_steps, accept=n_accept / n_drafted if n_drafted else 0.0,
+        tokens_per_step=(n_accept + n_steps) / n_steps if n_steps else 0.0,
+        mean_accepted=mean_acc,
+        alpha=float(theory.alpha_from_mean_accepted(min(mean_acc, gamma), gamma)),
+        accept_hist=np.bincount(k, minlength=gamma + 1).tolist(),
+        alpha_at_pos=alpha_pos, eval_s=eval_s,
+        # the first token comes from the prompt evaluation, not from the loop
+        tokens_per_s=(n_predict - 1) / eval_s if eval_s > 0 else 0.0,
+        phase_s=phase)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def summary_lines(self) -> list[str]:
+    """The seed thread's block, then the rest."""
+    lines = [f"n_draft   = {self.n_draft}", f"n_predict = {self.n_predict}",
+             f"n_drafted = {self.n_drafted}", f"n_accept  = {self.n_accept}",
+             f"accept    = {100 * self.accept:.3f}%", "",
+             f"n_steps         = {self.n_steps} (target verify calls)",
+             f"tokens_per_step = {self.tokens_per_step:.3f}",
+             f"mean_accepted   = {self.mean_accepted:.3f}",
+             f"alpha (i.i.d. estimate) = {self.alpha:.4f}",
+             f"accepted-length histogram (k=0..{self.n_draft}) = {self.accept_hist}",
+             "alpha at draft position = [" + ", ".join(
+                 "-" if a is None else f"{a:.3f}" for a in self.alpha_at_pos) + "]"]
+    if self.phase_s:
+      total = max(self.eval_s, 1e-12)
+      lines.append("time split: " + ", ".join(
+          f"{k[:-2]} {1e3 * v:.1f} ms ({100 * v / total:.1f}%)"
+          for k, v in self.phase_s.items()))
+    return lines
