@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from absl import app
+from absl import app, logging
 
 from specjax.errors import SpecjaxError
 
@@ -19,6 +19,7 @@ DEFAULT_PROMPT_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci nu
 def run(main: Callable[[list[str]], Any]) -> None:
   """absl's app.run, with bad input printed as one line and exit status 1."""
   def wrapped(argv):
+    logging.set_verbosity(logging.WARNING)  # hide JAX's backend probing
     try:
       return main(argv)
     except SpecjaxError as e:
@@ -58,8 +59,9 @@ def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
 
 
 def detokenize(tokenizer, ids: list[int]) -> str:
+  """Text for ids; without a tokenizer, the ids themselves ('1 100 101 ')."""
   if tokenizer is None:
-    return " ".join(str(t) for t in ids)
+    return "".join(f"{t} " for t in ids)
   return tokenizer.decode(ids)
 
 
