@@ -83,12 +83,23 @@ def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
 
 
-def judge(key, rule: AcceptRule, sp: SamplingParams, drafts, q, p, n_drafted):
+def traced_value(rule: AcceptRule, gamma: int) -> float:
+  """The rule's number as `judge` takes it: P for bernoulli, the accepted
+  count for fraction, unused otherwise. Passed as a traced value so that one
+  compilation serves every rate of a kind."""
+  rule = rule.resolve(gamma)
+  if rule.kind == "fraction":
+    return float(theory.expected_accepted_fraction(gamma, rule.value))
+  return float(rule.value)
+
+
+def judge(key, kind: str, value, sp: SamplingParams, drafts, q, p, n_drafted):
   """Decides how many drafted tokens to keep and the token after them.
 
   Args:
     key: PRNG key for this step's acceptance.
-    rule: a resolved AcceptRule (no mean_length).
+    kind: a rule kind other than mean_length (resolved to bernoulli first).
+    value: traced_value() of the rule (scalar, may be traced).
     sp: sampling settings applied to both models.
     drafts: [B, G] drafted tokens.
     q: [B, G, V] draft distributions (used by the real rule when sampling).
@@ -101,25 +112,24 @@ def judge(key, rule: AcceptRule, sp: SamplingParams, drafts, q, p, n_drafted):
   k_u, k_tok = jax.random.split(key)
   pos = jnp.arange(g)[None, :]
   p_draft = jnp.take_along_axis(p[:, :g], drafts[..., None], -1)[..., 0]  # [B, G]
-  if rule.kind == "real" and sp.greedy:
+  if kind == "real" and sp.greedy:
     ok = drafts == jnp.argmax(p[:, :g], -1)
-  elif rule.kind == "real":
+  elif kind == "real":
     q_draft = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
     u = jax.random.uniform(k_u, (b, g))
     ok = u * q_draft < p_draft            # u < p/q without dividing
-  elif rule.kind == "bernoulli":
-    ok = jax.random.uniform(k_u, (b, g)) < rule.value
-  elif rule.kind == "fraction":
-    n_keep = int(theory.expected_accepted_fraction(g, rule.value))
-    ok = jnp.broadcast_to(pos < n_keep, (b, g))
-  elif rule.kind == "always":
+  elif kind == "bernoulli":
+    ok = jax.random.uniform(k_u, (b, g)) < value
+  elif kind == "fraction":
+    ok = jnp.broadcast_to(pos < value, (b, g))
+  elif kind == "always":
     ok = jnp.ones((b, g), bool)
   else:
-    raise ConfigError(f"unresolved acceptance rule {rule}")
+    raise ConfigError(f"unresolved acceptance rule {kind!r}")
   n_acc = _leading(ok & (pos < n_drafted[:, None]))
 
   p_next = _at(p, n_acc)                  # target distribution after the accepted run
-  if rule.kind == "real" and not sp.greedy:
+  if kind == "real" and not sp.greedy:
     # At a rejection (a real draft there) sample the residual max(0, p - q).
     rejected = n_acc < n_drafted
     q_next = _at(q, jnp.minimum(n_acc, g - 1))

@@ -138,7 +138,7 @@ def test_wrong_rule_fails_the_same_test(small_vocab_pair, monkeypatch):
   target, draft = small_vocab_pair
   sp = SamplingParams(1.0)
 
-  def biased(key, rule, sp, drafts, q, p, n_drafted):
+  def biased(key, kind, value, sp, drafts, q, p, n_drafted):
     return _biased_judge(key, sp, drafts, q, p, n_drafted)
 
   jax.clear_caches()
@@ -243,6 +243,8 @@ def test_bad_settings(pair):
   other = config.get_preset("tiny").replace(name="other", vocab_size=300)
   with pytest.raises(ConfigError, match="vocabularies differ"):
     speculative.SpecConfig(target.cfg, other, 4)
+  with pytest.raises(ConfigError, match="vocabularies differ"):
+    speculative.generate(target, steps.Model(other, model.init_params(other)), [[1]], 4, 2)
   with pytest.raises(ConfigError, match="gamma"):
     speculative.SpecConfig(target.cfg, target.cfg, 0)
   for bad in ["sometimes", "bernoulli:1.5", "bernoulli:x", "always:1"]:
@@ -250,3 +252,13 @@ def test_bad_settings(pair):
       acceptance.parse_rule(bad)
   with pytest.raises(ConfigError, match="mean_length"):
     acceptance.parse_rule("mean_length:9").resolve(4)
+
+
+def test_one_compilation_serves_every_rate_of_a_rule(pair):
+  from specjax.timing import CompileWatch
+  target, draft = pair
+  speculative.generate(target, draft, [PROMPTS[0]], 12, 3, rule="bernoulli:0.3")
+  with CompileWatch() as cw:
+    for rule in ["bernoulli:0.6", "bernoulli:0.9", "mean_length:1.5"]:
+      speculative.generate(target, draft, [PROMPTS[0]], 12, 3, rule=rule)
+  assert cw.names["spec_loop"] == 0, cw.names
