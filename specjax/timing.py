@@ -137,4 +137,5 @@ def environment() -> dict[str, Any]:
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
           "backend": jax.default_backend(), "device_kind": dev.device_kind,
           "n_devices": jax.device_count(), "host": platform.node(),
-          "cpu_count": os.cpu_count(), "git_commit": git_commit()}
+          "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+          "git_commit": git_commit()}

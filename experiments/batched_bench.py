@@ -1,0 +1,52 @@
+"""Batched decoding throughput, after llama.cpp's llama-batched-bench.
+
+  python experiments/batched_bench.py --model=cpu-target --batch=1,2,4,8 --pp=128 --tg=32
+
+For every (PP, TG, B): B rows of PP prompt tokens in one prefill call (T_PP),
+then TG decode steps of B tokens each (T_TG), both medians of --reps timed
+repetitions with compile time excluded. Columns as llama.cpp defines them:
+N_KV = B*(PP+TG), S_PP = B*PP/T_PP, S_TG = B*TG/T_TG, T = T_PP+T_TG, S = N_KV/T.
+"""
+
+import sys
+
+from absl import flags
+
+from specjax import bench, checkpoint, cli, config, steps
+
+_MODEL = flags.DEFINE_string("model", "cpu-target", "Preset name, HF directory or orbax directory.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute and parameter dtype (float32, bfloat16, float16).")
+_BATCH = flags.DEFINE_list("batch", ["1", "2", "4", "8"], "Batch sizes B (parallel sequences).")
+_PP = flags.DEFINE_list("pp", ["128"], "Prompt lengths PP per sequence.")
+_TG = flags.DEFINE_list("tg", ["32"], "Generated tokens TG per sequence.")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each phase (after one untimed warm-up).", lower_bound=1)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights (presets) and tokens.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Write all results as one JSON object.")
+_JSONL_OUT = flags.DEFINE_string("jsonl_out", None, "Append one JSON line per (PP, TG, B), as each finishes.")
+
+
+def main(argv):
+  del argv
+  batches = bench.parse_ints(_BATCH.value, "--batch")
+  pps, tgs = bench.parse_ints(_PP.value, "--pp"), bench.parse_ints(_TG.value, "--tg")
+  cfg, params, _ = checkpoint.load_model(_MODEL.value, dtype=config.canonical_dtype(_DTYPE.value),
+                                         seed=_SEED.value)
+
+  def on_record(r):
+    print(bench.batched_table([r]).splitlines()[-1], file=sys.stderr, flush=True)  # progress
+    if _JSONL_OUT.value:
+      bench.append_jsonl(_JSONL_OUT.value, [r])
+
+  records = bench.run_batched_bench(steps.Model(cfg, params), batches, pps, tgs, _REPS.value,
+                                    _SEED.value, on_record=on_record)
+  print(f"model: {cfg.name}, {bench.format_params(records[0]['n_params'])} params, "
+        f"{bench.format_size(records[0]['size_bytes'])}, {cfg.dtype}, backend {records[0]['backend']}, "
+        f"KV capacity {records[0]['capacity']}, T_PP/T_TG medians of {_REPS.value} reps")
+  print()
+  print(bench.batched_table(records))
+  if _JSON_OUT.value:
+    cli.write_json(_JSON_OUT.value, {"flags": flags.FLAGS.flag_values_dict(), "results": records})
+
+
+if __name__ == "__main__":
+  cli.run(main)

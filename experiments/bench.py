@@ -1,0 +1,54 @@
+"""Prompt-processing and generation throughput, after llama.cpp's llama-bench.
+
+  python experiments/bench.py --model=llama-160m,cpu-target,cpu-draft \
+      --n_prompt=1,2,4,8,16 --n_gen=32 --reps=5
+
+pp N is one forward_step over N new tokens against a cache that already
+holds --n_depth tokens (the speculative verify shape); tg N is N successive
+one-token decode steps from the same depth. Prints a markdown table (t/s as
+mean ± std over --reps, ms per forward_step call as a median, compile seconds
+kept out of every timing) and the verify-cost curve T(N)/T(1). Presets run
+on random weights: speed does not depend on their values.
+"""
+
+import sys
+
+from absl import flags
+
+from specjax import bench, cli
+
+_MODEL = flags.DEFINE_list("model", ["cpu-target"], "Models: preset names, HF or orbax directories.")
+_DTYPE = flags.DEFINE_list("dtype", ["float32"], "Compute and parameter dtypes (float32, bfloat16, float16).")
+_N_PROMPT = flags.DEFINE_list("n_prompt", ["1", "2", "4", "8", "16", "64"], "pp test sizes: tokens per forward_step call.")
+_N_GEN = flags.DEFINE_integer("n_gen", 32, "tg test length: decode steps per repetition; 0 = no tg test.", lower_bound=0)
+_N_DEPTH = flags.DEFINE_integer("n_depth", 128, "Tokens already in the KV cache before each test.", lower_bound=0)
+_REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per test (after one untimed warm-up).", lower_bound=1)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights (presets) and tokens.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Write all results as one JSON object.")
+_JSONL_OUT = flags.DEFINE_string("jsonl_out", None, "Append one JSON line per test, as each finishes.")
+
+
+def main(argv):
+  del argv
+  n_prompt = bench.parse_ints(_N_PROMPT.value, "--n_prompt")
+
+  def on_record(r):
+    print(bench.markdown_table(bench.BENCH_COLUMNS, [bench.bench_row(r)]).splitlines()[-1],
+          file=sys.stderr, flush=True)  # progress; the aligned table follows on stdout
+    if _JSONL_OUT.value:
+      bench.append_jsonl(_JSONL_OUT.value, [r])
+
+  records = bench.run_bench(_MODEL.value, _DTYPE.value, n_prompt, _N_GEN.value,
+                            _N_DEPTH.value, _REPS.value, _SEED.value, on_record=on_record)
+  print(bench.bench_table(records))
+  print()
+  print(bench.BENCH_NOTES)
+  print()
+  print("Verify-cost curve (pp medians):")
+  print(bench.verify_curve_table(records))
+  if _JSON_OUT.value:
+    cli.write_json(_JSON_OUT.value, {"flags": flags.FLAGS.flag_values_dict(), "results": records})
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,598 @@
+"""Throughput benchmarks: llama-bench, llama-batched-bench, and the layer loop.
+
+Three benchmarks, each a library function that the thin scripts in
+experiments/ call, and each timed with the one method of specjax.timing
+(`measure`: warm-up untimed, compile time kept apart, every clock stopped
+after `block_until_ready`):
+
+* `run_bench`, after llama.cpp's llama-bench. Every test starts from a cache
+  that already holds `n_depth` tokens (batch 1):
+    pp N  one `forward_step` over N new tokens: the speculative verify shape;
+    tg N  N successive T=1 decode steps, timed as one run of N.
+  Between repetitions the cache is rolled back to n_depth (only its lengths
+  are set). t/s is n_tokens / rep time, mean ± std over repetitions, as
+  llama-bench prints it. pp records also carry `verify_ratio` = T(N) / T(1)
+  (medians, same model and dtype): the verify-cost curve.
+* `run_batched_bench`, after llama-batched-bench: B rows of PP prompt tokens,
+  then TG decode steps, with llama.cpp's definitions
+    N_KV = B (PP + TG), S_PP = B PP / T_PP, S_TG = B TG / T_TG,
+    T = T_PP + T_TG, S = N_KV / T.
+* `run_layer_loop_bench`: specjax's unrolled layer loop against a `lax.scan`
+  over stacked per-layer weights: compile time and decode ms/step on one
+  preset, and lowering + compile time alone (nothing allocated) at real
+  depth, e.g. llama-2-70b's 80 layers.
+
+The cache capacity is fixed per model (the largest test plus a round-up), so
+each (shape, dtype) compiles once. Attention runs over the whole capacity, so
+the capacity is recorded with every result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import checkpoint
+from specjax import config as config_lib
+from specjax import kv_cache as kvc
+from specjax import model as model_lib
+from specjax import steps, timing
+from specjax.config import ModelConfig
+from specjax.errors import ConfigError
+from specjax.layers import Block, RMSNorm, _init
+
+CAPACITY_ROUND = 16  # cache capacities are rounded up to a multiple of this
+Record = dict[str, Any]
+
+# ----------------------------------------------------------------------------
+# Shared helpers: flag lists, units, tables, JSON lines.
+
+
+def parse_ints(value: str | Sequence[int], name: str = "value",
+               minimum: int = 1) -> list[int]:
+  """'1,2,4' (or a list) -> [1, 2, 4]; each >= minimum."""
+  items = value.split(",") if isinstance(value, str) else list(value)
+  try:
+    out = [int(str(v).strip()) for v in items if str(v).strip()]
+  except ValueError:
+    raise ConfigError(f"{name} must be comma-separated integers, "
+                      f"got {value!r}") from None
+  if not out:
+    raise ConfigError(f"{name} is empty")
+  bad = [v for v in out if v < minimum]
+  if bad:
+    raise ConfigError(f"{name} values must be >= {minimum}, got {bad}")
+  return out
+
+
+def format_size(nbytes: int) -> str:
+  """Bytes as llama-bench prints model size: MiB below 1 GiB, else GiB."""
+  if nbytes < 1024 ** 3:
+    return f"{nbytes / 1024 ** 2:.2f} MiB"
+  return f"{nbytes / 1024 ** 3:.2f} GiB"
+
+
+def format_params(n: int) -> str:
+  """Parameter count as llama-bench prints it: M below 1e9, else B."""
+  return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
+
+
+def capacity_for(n_tokens: int) -> int:
+  """n_tokens rounded up to a multiple of CAPACITY_ROUND."""
+  return -(-int(n_tokens) // CAPACITY_ROUND) * CAPACITY_ROUND
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]],
+                   right: Sequence[bool] | None = None) -> str:
+  """A markdown table, columns padded to their widest cell."""
+  rows = [list(map(str, r)) for r in rows]
+  right = right or [False] * len(columns)
+  widths = [max([len(c)] + [len(r[i]) for r in rows])
+            for i, c in enumerate(columns)]
+  pad = lambda s, i: s.rjust(widths[i]) if right[i] else s.ljust(widths[i])
+  line = lambda cells: "| " + " | ".join(pad(c, i) for i, c in enumerate(cells)) + " |"
+  rule = "|" + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2))
+                        for w, r in zip(widths, right)) + "|"
+  return "\n".join([line(columns), rule] + [line(r) for r in rows])
+
+
+def append_jsonl(path: str, records: Iterable[Record]) -> None:
+  """Appends one JSON object per line to `path` (folder created)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "a") as f:
+    for r in records:
+      f.write(json.dumps(r, default=_json_default) + "\n")
+
+
+def _json_default(x):
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def _model_info(cfg: ModelConfig, params) -> Record:
+  return {"model": cfg.name, "size_bytes": model_lib.param_bytes(params),
+          "n_params": model_lib.param_count(params),
+          "backend": jax.default_backend(), "dtype": cfg.dtype}
+
+
+def load_avg() -> list[float] | None:
+  """Host load average (1, 5, 15 min) when a result is taken: other work on
+  the machine shows up in the timings, so every record says how busy it was."""
+  try:
+    return list(os.getloadavg())
+  except OSError:
+    return None
+
+
+def _random_tokens(rng: np.random.RandomState, cfg: ModelConfig, b: int,
+                   t: int) -> jax.Array:
+  return jnp.asarray(rng.randint(0, cfg.vocab_size, (b, t)), jnp.int32)
+
+
+def _fill(m: steps.Model, batch: int, capacity: int, depth: int,
+          rng: np.random.RandomState) -> kvc.KVCache:
+  """A new cache holding `depth` random tokens per row (untimed setup)."""
+  cache = m.new_cache(batch, capacity)
+  if depth:
+    prompts = rng.randint(0, m.cfg.vocab_size, (batch, depth)).tolist()
+    cache = timing.block(m.prefill(prompts, cache)[1])
+  return cache
+
+
+# ----------------------------------------------------------------------------
+# llama-bench: pp N and tg N at depth n_depth.
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchTest:
+  """One llama-bench test: `pp` (one call over n tokens) or `tg` (n steps)."""
+  kind: str
+  n: int
+  depth: int = 0
+
+  @property
+  def name(self) -> str:
+    """llama-bench's test label: 'pp16', 'tg32 @ d128'."""
+    return f"{self.kind}{self.n}" + (f" @ d{self.depth}" if self.depth else "")
+
+  @property
+  def n_calls(self) -> int:
+    """forward_step calls per repetition."""
+    return 1 if self.kind == "pp" else self.n
+
+
+def _pp_run(m: steps.Model, holder: list, tokens: jax.Array, depth: np.ndarray):
+  """pp: roll back to depth, one forward_step over tokens [B, N]."""
+  def run():
+    cache = kvc.rollback(holder[0], depth)
+    logits, holder[0] = m.forward(tokens, cache, lengths=depth)
+    return logits
+  return run
+
+
+def _tg_run(m: steps.Model, holder: list, tok: jax.Array, depth: np.ndarray,
+            n: int):
+  """tg: roll back to depth, n decode steps of tok [B, 1] queued back to back.
+
+  The cache is threaded through `holder` because forward_step donates it.
+  """
+  def run():
+    cache = kvc.rollback(holder[0], depth)
+    for i in range(n):
+      logits, cache = m.forward(tok, cache, lengths=depth + i)
+    holder[0] = cache
+    return logits
+  return run
+
+
+def bench_model(m: steps.Model, n_prompt: Sequence[int], n_gen: int,
+                n_depth: int, reps: int, seed: int = 0,
+                extra: Record | None = None,
+                on_record: Callable[[Record], None] | None = None
+                ) -> list[Record]:
+  """Runs pp N for each N in n_prompt (ascending), then tg n_gen (batch 1).
+
+  Args:
+    m: the model; its cfg.dtype is the dtype reported.
+    n_prompt: the pp sizes; n_gen: tg length (0 skips tg).
+    n_depth: tokens already in the cache before every repetition.
+    reps: timed repetitions per test (after one untimed warm-up).
+    extra: fields added to every record (environment, model spec).
+    on_record: called with each finished record, as soon as its test is done.
+  Returns:
+    One record per test (`bench_record`).
+  """
+  tests = [BenchTest("pp", n, n_depth) for n in sorted(set(n_prompt))]
+  tests += [BenchTest("tg", n_gen, n_depth)] if n_gen else []
+  capacity = capacity_for(n_depth + max(t.n for t in tests))
+  kvc.check_capacity([n_depth], max(t.n for t in tests), capacity)
+  rng = np.random.RandomState(seed)
+  holder = [_fill(m, 1, capacity, n_depth, rng)]
+  depth = np.full((1,), n_depth, np.int32)
+  info = {**_model_info(m.cfg, m.params), **(extra or {})}
+  records, t1 = [], None
+  for test in tests:
+    if test.kind == "pp":
+      run = _pp_run(m, holder, _random_tokens(rng, m.cfg, 1, test.n), depth)
+    else:
+      run = _tg_run(m, holder, _random_tokens(rng, m.cfg, 1, 1), depth, test.n)
+    t = timing.measure(run, reps=reps)
+    if test.kind == "pp" and test.n == 1:
+      t1 = t.median  # pp1 runs first: the base of every verify_ratio
+    records.append(bench_record(info, test, t, capacity, t1))
+    if on_record:
+      on_record(records[-1])
+  return records
+
+
+def bench_record(info: Record, test: BenchTest, t: timing.Timing,
+                 capacity: int, t1_s: float | None = None) -> Record:
+  """One llama-bench result: model info, test, timings, t/s, and for pp
+  tests verify_ratio = T(N) / T(1) (medians; None without a T(1))."""
+  tps = [test.n / s for s in t.times]  # per-repetition tokens/s
+  ratio = t.median / t1_s if (test.kind == "pp" and t1_s) else None
+  return {**info, "test": test.name, "kind": test.kind, "n_tokens": test.n,
+          "n_depth": test.depth, "batch": 1, "capacity": capacity,
+          "times_s": t.times, **t.to_dict(),
+          "tps_mean": float(np.mean(tps)),
+          "tps_std": float(np.std(tps, ddof=1)) if len(tps) > 1 else 0.0,
+          "ms_per_call": 1e3 * t.median / test.n_calls,
+          "verify_ratio": ratio, "load_avg": load_avg()}
+
+
+def run_bench(models: Sequence[str], dtypes: Sequence[str],
+              n_prompt: Sequence[int], n_gen: int, n_depth: int, reps: int,
+              seed: int = 0, on_record: Callable[[Record], None] | None = None,
+              load: Callable = checkpoint.load_model) -> list[Record]:
+  """llama-bench over models x dtypes; every record carries the environment.
+
+  Args:
+    models: `--model` values (presets, HF or orbax directories).
+    dtypes: compute and param dtypes ('float32', 'bf16', ...).
+    load: (spec, dtype=, seed=) -> (cfg, params, tokenizer), the model loader.
+  """
+  if reps < 1:
+    raise ConfigError(f"reps must be >= 1, got {reps}")
+  if n_depth < 0 or n_gen < 0 or not n_prompt or min(n_prompt) < 1:
+    raise ConfigError("need n_depth >= 0, n_gen >= 0 and n_prompt sizes >= 1")
+  env = timing.environment()
+  records = []
+  for spec in models:
+    for dtype in dtypes:
+      cfg, params, _ = load(spec, dtype=config_lib.canonical_dtype(dtype),
+                            seed=seed)
+      need = n_depth + max(max(n_prompt), n_gen)
+      if need > cfg.max_seq_len:
+        raise ConfigError(f"{cfg.name}: n_depth + largest test = {need} "
+                          f"exceeds max_seq_len {cfg.max_seq_len}")
+      records += bench_model(steps.Model(cfg, params), n_prompt, n_gen,
+                             n_depth, reps, seed,
+                             extra={"model_spec": spec, "env": env},
+                             on_record=on_record)
+      del params
+  return records
+
+
+BENCH_COLUMNS = ("model", "size", "params", "backend", "dtype", "test",
+                 "t/s", "ms/call (median)", "compile s")
+_BENCH_RIGHT = (False, True, True, False, False, True, True, True, True)
+
+
+def bench_row(r: Record) -> list[str]:
+  """One table row: t/s mean ± std; ms per forward_step call, median."""
+  return [r["model"], format_size(r["size_bytes"]), format_params(r["n_params"]),
+          r["backend"], r["dtype"], r["test"],
+          f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f}",
+          f"{r['ms_per_call']:.2f}", f"{r['compile_s']:.2f}"]
+
+
+def bench_table(records: Sequence[Record]) -> str:
+  """The llama-bench markdown table (+ ms per call and compile seconds)."""
+  return markdown_table(BENCH_COLUMNS, [bench_row(r) for r in records],
+                        _BENCH_RIGHT)
+
+
+BENCH_NOTES = (
+    "t/s: tokens / repetition time, mean ± std over repetitions. "
+    "ms/call: median ms of one forward_step call (pp N: the one call over N "
+    "tokens; tg N: repetition time / N). compile s: compilation this test "
+    "triggered (0 when an earlier test compiled the same shape), excluded "
+    "from every timing.")
+
+
+def verify_curve_table(records: Sequence[Record]) -> str:
+  """T(N) / T(1) per model and dtype: the cost of verifying N tokens."""
+  pp = [r for r in records if r["kind"] == "pp" and r["verify_ratio"]]
+  return markdown_table(
+      ("model", "dtype", "N", "T(N) ms", "T(N)/T(1)"),
+      [(r["model"], r["dtype"], str(r["n_tokens"]),
+        f"{1e3 * r['median_s']:.2f}", f"{r['verify_ratio']:.3f}") for r in pp],
+      (False, False, True, True, True))
+
+
+# ----------------------------------------------------------------------------
+# llama-batched-bench.
+
+
+def _prefill_run(m: steps.Model, holder: list, tokens: jax.Array):
+  """Prompt phase: roll back to 0, one prefill_step over tokens [B, PP]
+  (logits of each row's last token only, as llama-batched-bench asks)."""
+  b, pp = tokens.shape
+  n_valid = jnp.full((b,), pp, jnp.int32)
+  zero = np.zeros((b,), np.int32)
+  def run():
+    cache = kvc.rollback(holder[0], zero)
+    logits, holder[0] = steps.prefill_step(m.params, tokens, n_valid, cache,
+                                           cfg=m.cfg)
+    return logits
+  return run
+
+
+def batched_point(m: steps.Model, b: int, pp: int, tg: int, capacity: int,
+                  reps: int, rng: np.random.RandomState) -> Record:
+  """One (PP, TG, B) point: T_PP and T_TG medians from `timing.measure`."""
+  kvc.check_capacity([0], pp + tg, capacity)
+  holder = [m.new_cache(b, capacity)]
+  t_pp = timing.measure(_prefill_run(m, holder, _random_tokens(rng, m.cfg, b, pp)),
+                        reps=reps)
+  # The cache now holds the PP prompt tokens of every row.
+  depth = np.full((b,), pp, np.int32)
+  t_tg = timing.measure(_tg_run(m, holder, _random_tokens(rng, m.cfg, b, 1),
+                                depth, tg), reps=reps)
+  return batched_record(pp, tg, b, t_pp, t_tg, capacity)
+
+
+def batched_record(pp: int, tg: int, b: int, t_pp: timing.Timing,
+                   t_tg: timing.Timing, capacity: int) -> Record:
+  """llama-batched-bench's numbers, each defined once here."""
+  n_kv = b * (pp + tg)
+  tp, tt = t_pp.median, t_tg.median
+  return {"pp": pp, "tg": tg, "batch": b, "n_kv": n_kv,
+          "t_pp_s": tp, "s_pp_tps": b * pp / tp,
+          "t_tg_s": tt, "s_tg_tps": b * tg / tt,
+          "t_s": tp + tt, "s_tps": n_kv / (tp + tt),
+          "capacity": capacity, "timing_pp": t_pp.to_dict(),
+          "timing_tg": t_tg.to_dict(), "load_avg": load_avg()}
+
+
+def run_batched_bench(m: steps.Model, batches: Sequence[int],
+                      pps: Sequence[int], tgs: Sequence[int], reps: int,
+                      seed: int = 0,
+                      on_record: Callable[[Record], None] | None = None
+                      ) -> list[Record]:
+  """llama-batched-bench: every (PP, TG, B), in llama.cpp's loop order.
+
+  The capacity is max(PP) + max(TG) (rounded up) for every point, so each
+  (B, PP) prompt shape and each B decode shape compiles once.
+  """
+  if reps < 1:
+    raise ConfigError(f"reps must be >= 1, got {reps}")
+  capacity = capacity_for(max(pps) + max(tgs))
+  if max(pps) + max(tgs) > m.cfg.max_seq_len:
+    raise ConfigError(f"{m.cfg.name}: PP + TG = {max(pps) + max(tgs)} exceeds "
+                      f"max_seq_len {m.cfg.max_seq_len}")
+  info, env = _model_info(m.cfg, m.params), timing.environment()
+  rng = np.random.RandomState(seed)
+  records = []
+  for pp in pps:
+    for tg in tgs:
+      for b in batches:
+        r = {**info, **batched_point(m, b, pp, tg, capacity, reps, rng),
+             "env": env}
+        records.append(r)
+        if on_record:
+          on_record(r)
+  return records
+
+
+BATCHED_COLUMNS = ("PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s",
+                   "S_TG t/s", "T s", "S t/s")
+
+
+def batched_row(r: Record) -> list[str]:
+  return [str(r["pp"]), str(r["tg"]), str(r["batch"]), str(r["n_kv"]),
+          f"{r['t_pp_s']:.3f}", f"{r['s_pp_tps']:.2f}", f"{r['t_tg_s']:.3f}",
+          f"{r['s_tg_tps']:.2f}", f"{r['t_s']:.3f}", f"{r['s_tps']:.2f}"]
+
+
+def batched_table(records: Sequence[Record]) -> str:
+  return markdown_table(BATCHED_COLUMNS, [batched_row(r) for r in records],
+                        [True] * len(BATCHED_COLUMNS))
+
+
+# ----------------------------------------------------------------------------
+# Layer loop: Python-unrolled layers (specjax) vs lax.scan over stacked weights.
+
+
+def stack_layers(params, n_layers: int):
+  """The per-layer subtrees layers_0..layers_{L-1} stacked on a new axis 0."""
+  layers = [params[f"layers_{i}"] for i in range(n_layers)]
+  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def scan_params(params, cfg: ModelConfig):
+  """specjax params re-laid-out for `scan_forward`: layers stacked [L, ...]."""
+  out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  out["layers"] = stack_layers(params, cfg.n_layers)
+  return out
+
+
+def init_scan_cache(cfg: ModelConfig, batch: int, capacity: int):
+  """(k, v, lengths): k and v [L, B, S, K, D], lengths [B]."""
+  shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.d_head)
+  return (jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype),
+          jnp.zeros((batch,), jnp.int32))
+
+
+def scan_forward(params, tokens, cache, cfg: ModelConfig):
+  """The same model as model.forward, its layer loop a `lax.scan` over
+  stacked weights and a stacked cache (the naive variant).
+
+  tokens [B, T], cache (k, v, lengths) -> (logits [B, T, V] f32, cache).
+  """
+  k_all, v_all, lengths = cache
+  positions = lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+  embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
+                   param_dtype=cfg.jnp_param_dtype, embedding_init=_init)
+  x = embed.apply({"params": params["embed"]}, tokens)  # [B, T, E]
+
+  def layer(x, xs):
+    lp, k, v = xs
+    x, k, v = Block(cfg).apply({"params": lp}, x, positions, k, v, lengths)
+    return x, (k, v)
+
+  x, (k_all, v_all) = jax.lax.scan(layer, x, (params["layers"], k_all, v_all))
+  x = RMSNorm(cfg).apply({"params": params["final_norm"]}, x)
+  if cfg.tie_embeddings:
+    logits = embed.apply({"params": params["embed"]}, x, method="attend")
+  else:
+    logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
+                      param_dtype=cfg.jnp_param_dtype).apply(
+                          {"params": params["lm_head"]}, x)
+  t = tokens.shape[1]
+  return logits.astype(jnp.float32), (k_all, v_all, lengths + t)
+
+
+scan_step = jax.jit(scan_forward, static_argnames=("cfg",),
+                    donate_argnames=("cache",))
+
+
+def _aot_compile(jitted, *args, **static) -> tuple[Any, float, float]:
+  """Lowers and compiles `jitted` for args (arrays or ShapeDtypeStructs)
+  without running it. Returns (executable, wall s, JAX compile-event s)."""
+  with timing.CompileWatch() as cw:
+    t0 = time.perf_counter()
+    exe = jitted.lower(*args, **static).compile()
+    wall = time.perf_counter() - t0
+  return exe, wall, cw.seconds
+
+
+def layer_loop_decode(cfg: ModelConfig, params, context: int, depth: int,
+                      reps: int, seed: int = 0) -> list[Record]:
+  """Unrolled vs scan on real weights: compile s, decode ms/step, logits diff.
+
+  Both variants decode one token (batch 1) against a cache of `context`
+  slots holding the same `depth` prompt tokens, rolled back to depth between
+  repetitions. Each variant is compiled ahead of time (timed on its own), so
+  the timed repetitions run the compiled executable only.
+  """
+  if not 0 <= depth < context:
+    raise ConfigError(f"need 0 <= depth < context, got depth={depth}, "
+                      f"context={context}")
+  rng = np.random.RandomState(seed)
+  prompt = _random_tokens(rng, cfg, 1, depth)
+  tok = _random_tokens(rng, cfg, 1, 1)
+  dep = np.full((1,), depth, np.int32)
+  u_cache = kvc.init_cache(cfg, 1, context)
+  sp = scan_params(params, cfg)
+  s_cache = init_scan_cache(cfg, 1, context)
+  if depth:
+    u_cache = timing.block(steps.forward_step(params, prompt, u_cache, cfg=cfg)[1])
+    s_cache = timing.block(scan_step(sp, prompt, s_cache, cfg=cfg)[1])
+  variants = {
+      "unrolled": (steps.forward_step, params, u_cache,
+                   lambda c: kvc.rollback(c, dep)),
+      "scan": (scan_step, sp, s_cache, lambda c: (c[0], c[1], jnp.asarray(dep))),
+  }
+  del u_cache, s_cache  # donated below; the holders own them
+  base = {**_model_info(cfg, params), "n_layers": cfg.n_layers,
+          "context": context, "depth": depth, "batch": 1, "T": 1}
+  records, logits = [], {}
+  for name, (fn, p, cache, roll) in variants.items():
+    exe, wall, events = _aot_compile(fn, p, tok, cache, cfg=cfg)
+    holder = [cache]
+
+    def run(exe=exe, p=p, roll=roll, holder=holder):
+      out, holder[0] = exe(p, tok, roll(holder[0]))
+      return out
+
+    t = timing.measure(run, reps=reps, warmup=2)
+    logits[name] = np.asarray(run())
+    records.append({**base, "variant": name, "compile_s": wall,
+                    "compile_events_s": events, "decode": t.to_dict(),
+                    "ms_per_step": 1e3 * t.median, "ms_std": 1e3 * t.std,
+                    "load_avg": load_avg()})
+  diff = float(np.max(np.abs(logits["unrolled"] - logits["scan"])))
+  for r in records:
+    r["max_abs_logit_diff"] = diff
+  return records
+
+
+def layer_loop_compile(cfg: ModelConfig, context: int) -> list[Record]:
+  """Lowering + compile seconds of the T=1 decode, unrolled and scan, for
+  `cfg` at full size: params and cache are ShapeDtypeStructs, so nothing is
+  allocated and nothing runs."""
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg))
+  cache = jax.eval_shape(lambda: kvc.init_cache(cfg, 1, context))
+  sp = jax.eval_shape(lambda p: scan_params(p, cfg), params)
+  s_cache = jax.eval_shape(lambda: init_scan_cache(cfg, 1, context))
+  tok = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+  info = {"model": cfg.name, "n_params": cfg.num_params(),
+          "size_bytes": cfg.num_params() * jnp.dtype(cfg.jnp_param_dtype).itemsize,
+          "backend": jax.default_backend(), "dtype": cfg.dtype,
+          "n_layers": cfg.n_layers, "context": context, "depth": None,
+          "batch": 1, "T": 1, "decode": None, "ms_per_step": None,
+          "ms_std": None, "max_abs_logit_diff": None}
+  records = []
+  for name, fn, p, c in (("unrolled", steps.forward_step, params, cache),
+                         ("scan", scan_step, sp, s_cache)):
+    _, wall, events = _aot_compile(fn, p, tok, c, cfg=cfg)
+    records.append({**info, "variant": name, "compile_s": wall,
+                    "compile_events_s": events, "load_avg": load_avg()})
+  return records
+
+
+def run_layer_loop_bench(preset: str, dtype: str = "float32",
+                         context: int = 256, depth: int = 128, reps: int = 20,
+                         compile_presets: Sequence[str] = ("llama-2-70b",),
+                         seed: int = 0, load: Callable = checkpoint.load_model,
+                         on_record: Callable[[Record], None] | None = None
+                         ) -> list[Record]:
+  """`layer_loop_decode` on `preset` (real weights, run), then
+  `layer_loop_compile` on each of `compile_presets` (compiled, never run).
+  Every record carries the environment."""
+  env = timing.environment()
+  cfg, params, _ = load(preset, dtype=config_lib.canonical_dtype(dtype),
+                        seed=seed)
+  records = []
+
+  def emit(rs):
+    for r in rs:
+      records.append({**r, "env": env})
+      if on_record:
+        on_record(records[-1])
+
+  emit(layer_loop_decode(cfg, params, context, depth, reps, seed))
+  del params
+  for name in compile_presets:
+    emit(layer_loop_compile(config_lib.get_preset(name, dtype), context))
+  return records
+
+
+LAYER_LOOP_COLUMNS = ("model", "params", "layers", "dtype", "context", "variant",
+                      "compile s", "decode ms/step (median)", "max abs Δlogits")
+
+
+def layer_loop_row(r: Record) -> list[str]:
+  ms = ("not run (compile only)" if r["ms_per_step"] is None
+        else f"{r['ms_per_step']:.2f} ± {r['ms_std']:.2f}")
+  diff = ("" if r["max_abs_logit_diff"] is None
+          else f"{r['max_abs_logit_diff']:.2e}")
+  return [r["model"], format_params(r["n_params"]), str(r["n_layers"]),
+          r["dtype"], str(r["context"]), r["variant"], f"{r['compile_s']:.2f}",
+          ms, diff]
+
+
+def layer_loop_table(records: Sequence[Record]) -> str:
+  return markdown_table(LAYER_LOOP_COLUMNS,
+                        [layer_loop_row(r) for r in records],
+                        (False, True, True, False, True, False, True, True, True))
