@@ -30,6 +30,7 @@ the capacity is recorded with every result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -596,3 +597,43 @@ def layer_loop_table(records: Sequence[Record]) -> str:
   return markdown_table(LAYER_LOOP_COLUMNS,
                         [layer_loop_row(r) for r in records],
                         (False, True, True, False, True, False, True, True, True))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"), donate_argnames=("cache",))
+def _repeat_forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, k: int):
+  """k forwards of tokens from the same cache state, on device (no dispatch)."""
+  depth = cache.lengths
+
+  def body(_, carry):
+    c, acc = carry
+    logits, c = model_lib.forward(params, tokens, c, cfg)
+    return kvc.rollback(c, depth), acc + logits[:, -1, 0]
+
+  cache, acc = jax.lax.fori_loop(0, k, body, (cache, jnp.zeros(tokens.shape[:1])))
+  return acc, cache
+
+
+def forward_costs(m: steps.Model, ns: Sequence[int], capacity: int, depth: int,
+                  reps: int, seed: int = 0, k: int = 8) -> dict[int, timing.Timing]:
+  """T(n) for each n: one forward over n new tokens (batch 1) against a cache
+  of `capacity` slots already holding `depth` tokens: the cost curve that
+  theory.measured_cost_speedup and the sweep take.
+
+  Each repetition runs k forwards inside one jitted loop and reports the time
+  per forward, so host dispatch (which the on-device speculative loop never
+  pays) stays out of the cost. The returned times are per forward.
+  """
+  kvc.check_capacity([depth], max(ns), capacity)
+  rng = np.random.RandomState(seed)
+  holder = [_fill(m, 1, capacity, depth, rng)]
+  out = {}
+  for n in sorted(set(ns)):
+    tokens = _random_tokens(rng, m.cfg, 1, n)
+
+    def run():
+      acc, holder[0] = _repeat_forward(m.params, tokens, holder[0], cfg=m.cfg, k=k)
+      return acc
+
+    t = timing.measure(run, reps=reps)
+    out[n] = dataclasses.replace(t, times=[x / k for x in t.times])
+  return out

@@ -26,11 +26,13 @@ NO_EOS = -1  # eos_id value that never matches a token
 
 
 def plan_capacity(cfg, prompt_len: int, n_predict: int, extra: int = 0,
-                  ctx_size: int | None = None) -> int:
+                  ctx_size: int | None = None, capacity: int | None = None) -> int:
   """Cache slots for a prompt + n_predict tokens (+ `extra` for verify width).
 
   Raises CacheOverflowError when the sequence does not fit the context
-  (`ctx_size`, default the model's max_seq_len).
+  (`ctx_size`, default the model's max_seq_len). An explicit `capacity` is
+  used as is once checked (runs compared side by side share one capacity,
+  since attention cost grows with it).
   """
   ctx = ctx_size or cfg.max_seq_len
   if n_predict <= 0:
@@ -39,6 +41,12 @@ def plan_capacity(cfg, prompt_len: int, n_predict: int, extra: int = 0,
     raise CacheOverflowError(
         f"prompt ({prompt_len} tokens) + n_predict ({n_predict}) = "
         f"{prompt_len + n_predict} exceeds the context of {ctx} tokens")
+  if capacity is not None:
+    if capacity < prompt_len + n_predict + extra:
+      raise CacheOverflowError(
+          f"cache capacity {capacity} < prompt ({prompt_len}) + n_predict ({n_predict})"
+          f" + verify width ({extra})")
+    return capacity
   return max(ctx + extra, steps.prefill_bucket(prompt_len))
 
 
@@ -94,14 +102,14 @@ def trim_eos(row, eos_id: int) -> list[int]:
 
 def generate(m: steps.Model, prompts, n_predict: int, sp: SamplingParams = SamplingParams(),
              seed: int = 0, eos_id: int | None = None, loop: str = "device",
-             ctx_size: int | None = None) -> GenerationResult:
+             ctx_size: int | None = None, capacity: int | None = None) -> GenerationResult:
   """Generates n_predict tokens after each prompt (a list of token-id lists)."""
   if loop not in ("device", "host"):
     raise ConfigError(f"loop must be 'device' or 'host', got {loop!r}")
   eos = NO_EOS if eos_id is None else int(eos_id)
   p_len = max(len(p) for p in prompts)
   cache = m.new_cache(len(prompts), plan_capacity(m.cfg, p_len, n_predict,
-                                                  ctx_size=ctx_size))
+                                                  ctx_size=ctx_size, capacity=capacity))
   key = jax.random.PRNGKey(seed)
   with CompileWatch() as cw:
     t0 = time.perf_counter()

@@ -195,9 +195,9 @@ def spec_loop(tparams, dparams, state: SpecState, out, key, rule_value, *, sc: S
   return out, count, rec, st
 
 
-_draft_jit = jax.jit(draft_phase, static_argnames=("sc",), donate_argnames=("dcache",))
-_verify_jit = jax.jit(verify_phase, static_argnames=("sc",), donate_argnames=("tcache",))
-_accept_jit = jax.jit(accept_phase, static_argnames=("sc",))
+draft_jit = jax.jit(draft_phase, static_argnames=("sc",), donate_argnames=("dcache",))
+verify_jit = jax.jit(verify_phase, static_argnames=("sc",), donate_argnames=("tcache",))
+accept_jit = jax.jit(accept_phase, static_argnames=("sc",))
 _bookkeep_jit = jax.jit(_bookkeep, static_argnames=("eos_id", "n_predict"))
 _split_jit = jax.jit(lambda key, i: jax.random.split(jax.random.fold_in(key, i)))
 
@@ -216,11 +216,11 @@ def _host_loop(tparams, dparams, st: SpecState, out, key, rule_value, sc, n_pred
     n_host = np.asarray(st.n)
     kvc.check_capacity(n_host - 1, sc.gamma + 1, st.tcache.capacity)
     t0 = time.perf_counter()
-    drafts, q, m, dcache = block(_draft_jit(dparams, st.dcache, st.tail, st.n, kd, sc=sc))
+    drafts, q, m, dcache = block(draft_jit(dparams, st.dcache, st.tail, st.n, kd, sc=sc))
     t1 = time.perf_counter()
-    p, tcache = block(_verify_jit(tparams, st.tcache, st.tail, drafts, sc=sc))
+    p, tcache = block(verify_jit(tparams, st.tcache, st.tail, drafts, sc=sc))
     t2 = time.perf_counter()
-    a = block(_accept_jit(ka, rule_value, p, q, drafts, m, st.tail, st.n, jnp.asarray(~done),
+    a = block(accept_jit(ka, rule_value, p, q, drafts, m, st.tail, st.n, jnp.asarray(~done),
                           sc=sc))
     phase["accept_s"] += time.perf_counter() - t2
     phase["draft_s"] += t1 - t0
@@ -240,7 +240,7 @@ def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
              gamma: int, sp: SamplingParams = SamplingParams(),
              rule: AcceptRule | str = "real", seed: int = 0,
              eos_id: int | None = None, loop: str = "device", p_min: float = 0.0,
-             ctx_size: int | None = None) -> SpecResult:
+             ctx_size: int | None = None, capacity: int | None = None) -> SpecResult:
   """Speculative generation of n_predict tokens after each prompt."""
   if loop not in ("device", "host"):
     raise ConfigError(f"loop must be 'device' or 'host', got {loop!r}")
@@ -251,7 +251,7 @@ def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
   eos = generation.NO_EOS if eos_id is None else int(eos_id)
   p_len = max(len(p) for p in prompts)
   cap = generation.plan_capacity(target.cfg, p_len, n_predict, extra=gamma + 1,
-                                 ctx_size=ctx_size)
+                                 ctx_size=ctx_size, capacity=capacity)
   key = jax.random.PRNGKey(seed)
   with CompileWatch() as cw:
     t0 = time.perf_counter()

@@ -1,0 +1,42 @@
+"""The gamma x acceptance sweep.
+
+Default (about 10 minutes on a 2-core CPU, random weights, no download):
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py --workdir=/tmp/specjax_sweep
+Quick (about 2 minutes):
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick --workdir=/tmp/specjax_quick
+Override any field:
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
+      --config.gammas=1,2,3 --config.accepts=bernoulli:0.7,always --workdir=/tmp/sw
+"""
+
+import ml_collections
+
+
+def get_config(arg: str = "default") -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.target = "cpu-target"        # target: preset, HF directory or orbax directory
+  c.draft = "cpu-draft"          # draft: same forms; must share the target's vocabulary
+  c.dtype = ""                   # compute/param dtype of both ("" = the models' own)
+  c.gammas = (1, 2, 3, 4, 6, 8)  # draft lengths
+  c.accepts = ("bernoulli:0.6", "bernoulli:0.8", "fraction:0.8", "always", "real")  # rules
+  c.temps = (0.0,)               # sampling temperatures (0 = greedy)
+  c.top_k = 0                    # top-k for both models (0 = off)
+  c.top_p = 1.0                  # top-p for both models (1 = off)
+  c.prompt = ""                  # prompt text (needs a tokenizer); "" = built-in
+  c.prompt_tokens = ""           # prompt as comma-separated ids; "" = built-in
+  c.n_predict = 96               # tokens generated per run
+  c.ctx_size = 256               # context; the cache holds ctx_size + max(gammas) + 1
+  c.reps = 3                     # timed repetitions per measurement (medians reported)
+  c.seed = 0                     # sampling and random-init seed (draft uses seed + 1)
+  c.measure_split = True         # one host-loop run per point for the draft/verify/rest split
+  c.baseline_every_point = False  # re-measure target-only before every point (slower)
+  if arg == "quick":
+    c.gammas = (1, 2, 4, 8)
+    c.accepts = ("bernoulli:0.8", "always")
+    c.n_predict = 48
+    c.ctx_size = 128
+    c.reps = 2
+    c.measure_split = False
+  elif arg != "default":
+    raise ValueError(f"unknown sweep variant {arg!r}: use default or quick")
+  return c

@@ -1,0 +1,138 @@
+"""Plots and summary.md for a finished (or partial) sweep."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from specjax import theory  # noqa: E402
+
+EFFICIENCY_FLOOR = 0.90
+
+
+def _log_err(measured: float, predicted: float) -> float:
+  return abs(math.log(measured / predicted)) if measured > 0 and predicted > 0 else math.inf
+
+
+def plot_speedup(path: str, records: list[dict[str, Any]]) -> None:
+  """Speedup vs gamma: measured markers, predictions as lines, a colour per setting."""
+  settings = sorted({(r["accept"], r["temp"]) for r in records})
+  fig, ax = plt.subplots(figsize=(8, 5.5))
+  colors = plt.cm.tab10(np.linspace(0, 1, 10))
+  for i, (acc, temp) in enumerate(settings):
+    rs = sorted((r for r in records if (r["accept"], r["temp"]) == (acc, temp)),
+                key=lambda r: r["gamma"])
+    g = [r["gamma"] for r in rs]
+    col = colors[i % 10]
+    label = acc if len({t for _, t in settings}) == 1 else f"{acc} T={temp:g}"
+    ax.plot(g, [r["speedup"] for r in rs], "o", color=col, ms=7, label=f"{label}: measured")
+    ax.plot(g, [r["predicted_measured_cost"] for r in rs], "-", color=col, lw=1.5)
+    ax.plot(g, [r["predicted_leviathan"] for r in rs], ":", color=col, lw=1.5)
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.plot([], [], "k-", label="measured-cost model")
+  ax.plot([], [], "k:", label="Leviathan Thm 3.8 (measured alpha, c)")
+  ax.set_xlabel("gamma (draft tokens per step)")
+  ax.set_ylabel("speedup over target-only (x)")
+  ax.set_yscale("log")
+  ax.set_title("Speculative speedup: measured vs predicted")
+  ax.legend(fontsize=7, loc="best")
+  ax.grid(alpha=0.3, which="both")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_verify_cost(path: str, costs: dict[str, Any]) -> None:
+  """T_target(n) / T_target(1) against n, with the flat and linear references."""
+  ratios = {int(k): v for k, v in costs["verify_ratio"].items()}
+  n = sorted(ratios)
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  ax.plot(n, [ratios[k] for k in n], "o-", label="measured T(n)/T(1)")
+  ax.plot(n, n, "--", color="gray", label="linear: n")
+  ax.axhline(1.0, color="gray", ls=":", label="ideal: flat")
+  ax.set_xlabel("n tokens in one target forward")
+  ax.set_ylabel("T(n) / T(1)")
+  ax.set_title("Verify cost (target forward over n tokens)")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _fmt(x, spec=".2f") -> str:
+  return "-" if x is None else format(x, spec)
+
+
+def summary_markdown(records: list[dict[str, Any]], costs: dict[str, Any], cfg) -> str:
+  rs = sorted(records, key=lambda r: (r["temp"], r["accept"], r["gamma"]))
+  lines = [f"# Sweep: {rs[0]['target']} (target) / {rs[0]['draft']} (draft), {rs[0]['dtype']}"
+           if rs else "# Sweep", ""]
+  t1 = costs["t_target_s"]["1"]
+  lines += [f"Measured costs at cache capacity {costs['capacity']}: T_target(1) = "
+            f"{1e3 * t1:.2f} ms, T_draft(1) = {1e3 * costs['t_draft_s']:.2f} ms, "
+            f"c = {costs['c']:.3f}. Verify cost T(n)/T(1): " + ", ".join(
+                f"{k}: {v:.2f}" for k, v in sorted(costs["verify_ratio"].items(),
+                                                   key=lambda kv: int(kv[0]))) + ".", ""]
+  head = ["gamma", "accept", "T", "base t/s", "spec t/s", "speedup", "accept %", "mean acc",
+          "alpha", "T(g+1)/T(1)", "Leviathan", "thread", "meas.-cost", "efficiency",
+          "draft/verify/accept/rest %"]
+  lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rs:
+    split = "/".join(f"{100 * r[k]:.0f}" for k in ("draft_share", "verify_share",
+                                                   "accept_share", "rest_share") if k in r)
+    lines.append("| " + " | ".join([
+        str(r["gamma"]), r["accept"], f"{r['temp']:g}", f"{r['baseline_tps']:.2f}",
+        f"{r['spec_tps']:.2f}", f"{r['speedup']:.3f}", f"{100 * r['accept_rate']:.1f}",
+        f"{r['mean_accepted']:.2f}", f"{r['alpha']:.3f}", f"{r['verify_ratio']:.2f}",
+        f"{r['predicted_leviathan']:.3f}", f"{r['predicted_thread']:.3f}",
+        f"{r['predicted_measured_cost']:.3f}", f"{r['efficiency']:.3f}", split or "-"]) + " |")
+  lines += ["", *verdict(rs)]
+  return "\n".join(lines) + "\n"
+
+
+def verdict(rs: list[dict[str, Any]]) -> list[str]:
+  """Which prediction explains the measurements, and the points that fall short."""
+  if not rs:
+    return ["No points yet."]
+  err_lev = statistics.median(_log_err(r["speedup"], r["predicted_leviathan"]) for r in rs)
+  err_cost = statistics.median(_log_err(r["speedup"], r["predicted_measured_cost"]) for r in rs)
+  eff = [r["efficiency"] for r in rs]
+  better = "measured-cost model" if err_cost < err_lev else "Leviathan's formula"
+  out = ["## Which prediction explains the measurement", "",
+         f"- Median |error| of Leviathan's Theorem 3.8 (measured alpha and c, verify assumed "
+         f"to cost one decode step): {100 * (math.exp(err_lev) - 1):.1f}%.",
+         f"- Median |error| of the measured-cost model (measured T(gamma+1), draft and accept "
+         f"costs): {100 * (math.exp(err_cost) - 1):.1f}%.",
+         f"- The {better} explains the measurements better.",
+         f"- Efficiency (measured / measured-cost prediction): median {statistics.median(eff):.3f},"
+         f" min {min(eff):.3f}, max {max(eff):.3f}.", ""]
+  low = [r for r in rs if r["efficiency"] < EFFICIENCY_FLOOR]
+  if low:
+    out += [f"### Points below efficiency {EFFICIENCY_FLOOR}", ""]
+    for r in low:
+      split = ", ".join(f"{k[:-6]} {100 * r[k]:.0f}%" for k in
+                        ("draft_share", "verify_share", "accept_share", "rest_share") if k in r)
+      out.append(f"- gamma {r['gamma']}, {r['accept']}, T={r['temp']:g}: efficiency "
+                 f"{r['efficiency']:.3f}; time split {split or 'not measured'}.")
+  else:
+    out.append(f"Every point reaches efficiency >= {EFFICIENCY_FLOOR}.")
+  return out
+
+
+def write_report(workdir: str, records: list[dict[str, Any]], costs: dict[str, Any], cfg) -> str:
+  if records:
+    plot_speedup(os.path.join(workdir, "speedup.png"), records)
+  plot_verify_cost(os.path.join(workdir, "verify_cost.png"), costs)
+  md = summary_markdown(records, costs, cfg)
+  with open(os.path.join(workdir, "summary.md"), "w") as f:
+    f.write(md)
+  return md
