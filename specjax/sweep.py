@@ -202,8 +202,12 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   os.makedirs(workdir, exist_ok=True)
   jsonl = os.path.join(workdir, "results.jsonl")
   done = load_finished(jsonl) if resume else []
-  if not resume and os.path.exists(jsonl):
-    os.remove(jsonl)
+  if done:
+    _check_same_sweep(os.path.join(workdir, "config.json"), cfg)
+  # Rewrite only whole records, so a line torn by an interruption is dropped
+  # instead of having the next record glued onto it.
+  with open(jsonl, "w") as f:
+    f.writelines(json.dumps(r, default=cli._json_default) + "\n" for r in done)
   env = timing.environment()
   cli.write_json(os.path.join(workdir, "config.json"), {"config": cfg.to_dict(), "env": env})
 
@@ -244,6 +248,25 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   from specjax import sweep_report  # matplotlib only when writing the report
   sweep_report.write_report(workdir, records, costs.to_dict(), cfg)
   return records
+
+
+# Fields that may change between a run and its --resume (they only add points).
+_POINT_FIELDS = ("gammas", "accepts", "temps")
+
+
+def _check_same_sweep(path: str, cfg) -> None:
+  """Resuming into a workdir whose points were measured differently is refused."""
+  try:
+    with open(path) as f:
+      old = json.load(f)["config"]
+  except (OSError, ValueError, KeyError):
+    return
+  new = json.loads(json.dumps(cfg.to_dict(), default=cli._json_default))
+  diff = sorted(k for k in set(old) | set(new)
+                if k not in _POINT_FIELDS and old.get(k) != new.get(k))
+  if diff:
+    raise ConfigError(f"cannot resume: the workdir's sweep used different settings for "
+                      f"{', '.join(diff)}; use another --workdir or the same config")
 
 
 def _progress(total: int, initial: int, enabled: bool):

@@ -1,0 +1,82 @@
+"""The sweep end to end on tiny models (seconds): outputs, resume, bad config."""
+
+import json
+import os
+
+import pytest
+
+from configs import sweep_gamma
+from specjax import checkpoint, config, model, sweep
+from specjax.errors import SpecjaxError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+  """One saved tiny model, used as both draft and target."""
+  cfg = config.get_preset("tiny")
+  path = tmp_path_factory.mktemp("tiny_ckpt")
+  checkpoint.save(path, cfg, model.init_params(cfg, seed=3))
+  return str(path)
+
+
+def _tiny_config(path, **kw):
+  c = sweep_gamma.get_config("quick")
+  c.target = c.draft = path   # draft = target: real acceptance is total
+  c.gammas = (1, 3)
+  c.accepts = ("bernoulli:0.5", "always", "real")
+  c.n_predict, c.ctx_size, c.reps = 12, 48, 1
+  c.measure_split = True
+  for k, v in kw.items():
+    setattr(c, k, v)
+  return c
+
+
+def test_sweep_writes_every_output(tmp_path, tiny_dir):
+  records = sweep.run_sweep(_tiny_config(tiny_dir), str(tmp_path), progress=False)
+  assert len(records) == 6
+  for name in ("results.jsonl", "results.csv", "config.json", "costs.json",
+               "speedup.png", "verify_cost.png", "summary.md"):
+    assert (tmp_path / name).stat().st_size > 0, name
+  lines = (tmp_path / "results.jsonl").read_text().splitlines()
+  assert len(lines) == 6
+  rec = json.loads(lines[0])
+  for key in ("speedup", "predicted_leviathan", "predicted_measured_cost", "efficiency",
+              "alpha", "c", "verify_ratio", "baseline_tps", "spec_tps", "env",
+              "draft_share", "verify_share", "rest_share"):
+    assert key in rec, key
+  real = [r for r in records if r["accept"] == "real"]
+  assert all(r["accept_rate"] == 1.0 for r in real)   # the draft is the target
+  always = [r for r in records if r["accept"] == "always"]
+  assert all(r["mean_accepted"] == r["gamma"] for r in always)
+  assert abs(sum(rec[k] for k in ("draft_share", "verify_share", "accept_share",
+                                  "rest_share")) - 1) < 1e-6
+  summary = (tmp_path / "summary.md").read_text()
+  assert "measured-cost model" in summary and "| 3 | always |" in summary
+  csv_lines = (tmp_path / "results.csv").read_text().splitlines()
+  assert len(csv_lines) == 7 and csv_lines[0].startswith("gamma,accept")
+
+
+def test_resume_skips_finished_points_and_survives_a_torn_line(tmp_path, tiny_dir):
+  cfg = _tiny_config(tiny_dir, accepts=("always",), measure_split=False)
+  sweep.run_sweep(cfg, str(tmp_path), progress=False)
+  path = tmp_path / "results.jsonl"
+  first = path.read_text().splitlines()
+  # Interrupted mid-write: keep one finished point plus a torn line.
+  path.write_text(first[0] + "\n" + first[1][:20])
+  records = sweep.run_sweep(cfg, str(tmp_path), resume=True, progress=False)
+  assert len(records) == 2
+  kept = [json.loads(l) for l in path.read_text().splitlines() if l.startswith("{") and l.endswith("}")]
+  assert kept[0] == json.loads(first[0])  # the finished point was not redone
+  assert {(r["gamma"], r["accept"]) for r in records} == {(1, "always"), (3, "always")}
+  with pytest.raises(SpecjaxError, match="n_predict"):
+    sweep.run_sweep(_tiny_config(tiny_dir, accepts=("always",), measure_split=False,
+                                 n_predict=10), str(tmp_path), resume=True, progress=False)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("gammas", (0, 2), "gammas"), ("accepts", ("sometimes",), "unknown acceptance"),
+    ("accepts", ("mean_length:5",), "mean_length"), ("reps", 0, "reps"),
+    ("target", "no-such-model", "no-such-model")])
+def test_bad_config_is_one_clear_error(tmp_path, tiny_dir, field, value, match):
+  with pytest.raises(SpecjaxError, match=match):
+    sweep.run_sweep(_tiny_config(tiny_dir, **{field: value}), str(tmp_path), progress=False)
