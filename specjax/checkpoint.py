@@ -1,0 +1,184 @@
+"""Specjax checkpoints (orbax) and `load_model`, the one way scripts get a model.
+
+An orbax checkpoint directory holds
+  specjax_config.json   the ModelConfig (ModelConfig.to_dict)
+  params/               the `params` tree, written by orbax (bit-exact)
+  tokenizer.json ...    optional, copied from the source checkpoint
+Orbax restores straight into the stored dtypes, so a round trip is exact;
+an HF directory is the portable format, this one is the fast one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from specjax import hf
+from specjax import model as model_lib
+from specjax.config import ModelConfig, get_preset, preset_names
+from specjax.errors import CheckpointError, TokenizerError
+from specjax.tokenizer import FILES as TOKENIZER_FILES
+from specjax.tokenizer import Tokenizer, load_tokenizer
+
+CONFIG_FILE = "specjax_config.json"
+PARAMS_DIR = "params"
+
+
+def is_orbax_dir(path: str | os.PathLike) -> bool:
+  """True if `path` looks like a specjax orbax checkpoint (has its config)."""
+  return (Path(path) / CONFIG_FILE).is_file()
+
+
+def save(path: str | os.PathLike, cfg: ModelConfig, params,
+         tokenizer_dir: str | os.PathLike | None = None) -> Path:
+  """Writes `params` with orbax plus specjax_config.json; overwrites.
+
+  Args:
+    tokenizer_dir: a directory whose tokenizer files (tokenizer.json,
+      tokenizer.model, tokenizer_config.json) are copied alongside.
+  Returns:
+    the checkpoint directory.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  path = Path(path).absolute()  # orbax wants absolute paths
+  _check_layout(cfg, params, "params to save")
+  path.mkdir(parents=True, exist_ok=True)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path / PARAMS_DIR, params, force=True)
+    ckptr.wait_until_finished()
+  (path / CONFIG_FILE).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+  for name in TOKENIZER_FILES if tokenizer_dir else ():
+    src = Path(tokenizer_dir) / name
+    if src.is_file():
+      shutil.copyfile(src, path / name)
+  return path
+
+
+def _read_config(path: Path) -> ModelConfig:
+  if not path.is_dir():
+    raise CheckpointError(f"checkpoint directory {path} does not exist")
+  file = path / CONFIG_FILE
+  if not file.is_file():
+    raise CheckpointError(f"missing {CONFIG_FILE} in {path}")
+  try:
+    return ModelConfig.from_dict(json.loads(file.read_text()))
+  except (ValueError, TypeError) as e:  # JSON, ConfigError, bad field types
+    raise CheckpointError(f"corrupt {file}: {e}") from e
+
+
+def _one_line(e: Exception, limit: int = 400) -> str:
+  """The gist of an orbax/tensorstore error, without its multi-kB spec dump."""
+  text = (str(e).strip().splitlines() or [repr(e)])[0]
+  for noise in (" [tensorstore_spec", " See full TensorStore details"):
+    text = text.split(noise)[0]
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def abstract_params(cfg: ModelConfig):
+  """Shapes and dtypes of `Llama(cfg)` params, on the default device, without
+  allocating them (the restore target that tells orbax what to expect)."""
+  shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+
+
+def _layout(tree) -> dict[str, tuple]:
+  """{'layers_0/attn/wq/kernel': (shape, dtype name)} of arrays or metadata."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  key = lambda path: "/".join(str(getattr(k, "key", k)) for k in path)
+  return {key(p): (tuple(x.shape), jnp.dtype(x.dtype).name) for p, x in flat}
+
+
+def _check_layout(cfg: ModelConfig, tree, where: str) -> None:
+  """Raises CheckpointError at the first param that `cfg` does not expect."""
+  want, got = _layout(abstract_params(cfg)), _layout(tree)
+  if not got:
+    raise CheckpointError(f"{where}: no params found (corrupt or empty checkpoint)")
+  for name in sorted(set(want) | set(got)):
+    if name not in got:
+      raise CheckpointError(f"{where}: missing param {name} for config {cfg.name!r}")
+    if name not in want:
+      raise CheckpointError(f"{where}: unexpected param {name} for config {cfg.name!r}")
+    if want[name] != got[name]:
+      raise CheckpointError(f"{where}: param {name} is {got[name]}, config "
+                            f"{cfg.name!r} expects {want[name]} (shape, dtype)")
+
+
+def load(path: str | os.PathLike, dtype: str | None = None):
+  """Restores (cfg, params) written by `save`.
+
+  Args:
+    dtype: if given, cast the params (and the config's dtypes) to it.
+  Raises:
+    CheckpointError: missing directory or files, or orbax cannot restore.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  path = Path(path).absolute()
+  cfg = _read_config(path)
+  params_dir = path / PARAMS_DIR
+  if not params_dir.is_dir():
+    raise CheckpointError(f"missing {PARAMS_DIR}/ in {path}")
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      stored = ckptr.metadata(params_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f"cannot read orbax metadata in {params_dir}: "
+                          f"{_one_line(e)}") from e
+  # Checked first: orbax would cast dtypes silently, and its shape errors
+  # are walls of tensorstore specs.
+  _check_layout(cfg, getattr(stored, "item_metadata", stored), str(params_dir))
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      params = ckptr.restore(params_dir, abstract_params(cfg))
+  except Exception as e:  # pylint: disable=broad-except
+    raise CheckpointError(f"cannot restore {params_dir} for config "
+                          f"{cfg.name!r}: {_one_line(e)}") from e
+  if dtype:
+    cfg = cfg.with_dtype(dtype)
+    params = jax.tree_util.tree_map(
+        lambda x: x.astype(cfg.jnp_param_dtype), params)
+  return cfg, params
+
+
+def _checked_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
+  """The directory's tokenizer, if any, checked against the model's vocab."""
+  tok = load_tokenizer(path, cfg.bos_token_id, cfg.eos_token_id)
+  if tok is not None and tok.vocab_size > cfg.vocab_size:
+    raise TokenizerError(f"{tok.source}: tokenizer has {tok.vocab_size} tokens "
+                         f"but the model only {cfg.vocab_size}")
+  return tok
+
+
+def load_model(spec: str, dtype: str | None = None, seed: int = 0):
+  """Resolves a `--model` value to (cfg, params, tokenizer or None).
+
+  Args:
+    spec: a preset name (random weights from `seed`: speed does not depend
+      on the values), an HF directory (has config.json) or a specjax orbax
+      directory (has specjax_config.json).
+    dtype: compute and param dtype; default: the preset's / checkpoint's.
+  Raises:
+    CheckpointError: `spec` is none of the three, or the checkpoint is bad.
+  """
+  if spec in preset_names():
+    cfg = get_preset(spec, dtype)
+    return cfg, model_lib.init_params(cfg, seed), None
+  path = Path(spec)
+  if is_orbax_dir(path):
+    cfg, params = load(path, dtype)
+  elif (path / hf.CONFIG_FILE).is_file():
+    cfg, params = hf.load_hf(path, dtype)
+  else:
+    what = ("a directory with neither config.json nor specjax_config.json"
+            if path.is_dir() else "not a preset name or an existing directory")
+    raise CheckpointError(
+        f"--model {spec!r} is {what}; expected a preset name, an HF directory "
+        f"(with config.json + model.safetensors) or a specjax orbax directory "
+        f"(with {CONFIG_FILE}); presets: {', '.join(preset_names())}")
+  return cfg, params, _checked_tokenizer(path, cfg)

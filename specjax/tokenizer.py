@@ -1,0 +1,130 @@
+"""Text <-> token ids: a thin wrapper over HF `tokenizers` or sentencepiece.
+
+Models see token ids only. A tokenizer is optional: a checkpoint directory
+without tokenizer.json / tokenizer.model yields None, and prompts are then
+given as ids. The BOS token is added here, never by the backend's
+post-processor, so `encode(..., add_bos=False)` means exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from specjax.errors import TokenizerError
+
+HF_FILE = "tokenizer.json"
+SP_FILE = "tokenizer.model"
+CONFIG_FILE = "tokenizer_config.json"
+# Files that make up a tokenizer, copied along when a checkpoint is converted.
+FILES = (HF_FILE, SP_FILE, CONFIG_FILE)
+# Fallbacks when neither the model nor tokenizer_config.json names them.
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
+
+
+class Tokenizer:
+  """encode/decode plus the special ids that generation needs."""
+
+  def __init__(self, backend: Any, kind: str, bos_id: int | None,
+               eos_id: int | None, source: str):
+    self._backend = backend
+    self.kind = kind          # 'hf' (tokenizers) or 'sentencepiece'
+    self.bos_id = bos_id
+    self.eos_id = eos_id
+    self.source = source      # the file it was read from
+
+  @property
+  def vocab_size(self) -> int:
+    if self.kind == "hf":
+      return self._backend.get_vocab_size(with_added_tokens=True)
+    return self._backend.get_piece_size()
+
+  def encode(self, text: str, add_bos: bool = True) -> list[int]:
+    if self.kind == "hf":
+      ids = self._backend.encode(text, add_special_tokens=False).ids
+    else:
+      ids = self._backend.encode(text)
+    bos = [self.bos_id] if add_bos and self.bos_id is not None else []
+    return bos + [int(i) for i in ids]
+
+  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+    ids = [int(i) for i in ids]
+    if self.kind == "hf":
+      return self._backend.decode(ids, skip_special_tokens=skip_special)
+    return self._backend.decode(ids)
+
+  def __repr__(self) -> str:
+    return (f"Tokenizer({self.kind}, vocab={self.vocab_size}, bos={self.bos_id}, "
+            f"eos={self.eos_id}, source={self.source!r})")
+
+
+def _config_token(directory: Path, key: str) -> str | None:
+  """The `bos_token`/`eos_token` string of tokenizer_config.json, if any."""
+  file = directory / CONFIG_FILE
+  if not file.is_file():
+    return None
+  try:
+    value = json.loads(file.read_text()).get(key)
+  except (ValueError, AttributeError) as e:
+    raise TokenizerError(f"corrupt {file}: {e}") from e
+  return value.get("content") if isinstance(value, dict) else value
+
+
+def _hf_special_id(backend, directory: Path, key: str, fallbacks) -> int | None:
+  """Id of the token tokenizer_config.json names for `key`, else a known name."""
+  name = _config_token(directory, key)
+  for candidate in ([name] if name else []) + list(fallbacks):
+    token_id = backend.token_to_id(candidate)
+    if token_id is not None:
+      return token_id
+  return None
+
+
+def _load_hf(file: Path, bos_id, eos_id) -> Tokenizer:
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  try:
+    backend = tokenizers.Tokenizer.from_file(str(file))
+  except Exception as e:  # pylint: disable=broad-except
+    raise TokenizerError(f"corrupt or unreadable tokenizer {file}: {e}") from e
+  if bos_id is None:
+    bos_id = _hf_special_id(backend, file.parent, "bos_token", _BOS_NAMES)
+  if eos_id is None:
+    eos_id = _hf_special_id(backend, file.parent, "eos_token", _EOS_NAMES)
+  return Tokenizer(backend, "hf", bos_id, eos_id, str(file))
+
+
+def _load_sp(file: Path, bos_id, eos_id) -> Tokenizer:
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  try:
+    backend = sentencepiece.SentencePieceProcessor(model_file=str(file))
+  except Exception as e:  # pylint: disable=broad-except
+    raise TokenizerError(f"corrupt or unreadable tokenizer {file}: {e}") from e
+  own = lambda i: None if i < 0 else int(i)  # sentencepiece says -1 for none
+  bos_id = own(backend.bos_id()) if bos_id is None else bos_id
+  eos_id = own(backend.eos_id()) if eos_id is None else eos_id
+  return Tokenizer(backend, "sentencepiece", bos_id, eos_id, str(file))
+
+
+def load_tokenizer(directory: str | os.PathLike, bos_id: int | None = None,
+                   eos_id: int | None = None) -> Tokenizer | None:
+  """The tokenizer of a checkpoint directory, or None if it has none.
+
+  Prefers tokenizer.json (HF `tokenizers`) over tokenizer.model
+  (sentencepiece).
+
+  Args:
+    directory: a checkpoint directory.
+    bos_id, eos_id: the model's special ids (from its config); when None they
+      come from tokenizer_config.json or well-known token names.
+  Raises:
+    TokenizerError: the tokenizer file is corrupt or unreadable.
+  """
+  directory = Path(directory)
+  if (directory / HF_FILE).is_file():
+    return _load_hf(directory / HF_FILE, bos_id, eos_id)
+  if (directory / SP_FILE).is_file():
+    return _load_sp(directory / SP_FILE, bos_id, eos_id)
+  return None
