@@ -24,7 +24,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.top_p = 1.0                  # top-p for both models (1 = off)
   c.prompt = ""                  # prompt text (needs a tokenizer); "" = built-in
   c.prompt_tokens = ""           # prompt as comma-separated ids; "" = built-in
-  c.n_predict = 96               # tokens generated per run
+  c.n_predict = 64               # tokens generated per run
   c.ctx_size = 256               # context; the cache holds ctx_size + max(gammas) + 1
   c.reps = 3                     # timed repetitions per measurement (medians reported)
   c.seed = 0                     # sampling and random-init seed (draft uses seed + 1)

@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling, theory
 from specjax.errors import ConfigError
@@ -83,23 +84,30 @@ def _at(x: jax.Array, idx: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, idx[:, None, None], axis=1)[:, 0]
 
 
-def traced_value(rule: AcceptRule, gamma: int) -> float:
-  """The rule's number as `judge` takes it: P for bernoulli, the accepted
-  count for fraction, unused otherwise. Passed as a traced value so that one
-  compilation serves every rate of a kind."""
+def position_probs(rule: AcceptRule, gamma: int) -> np.ndarray:
+  """A simulated rule as per-position acceptance probabilities [gamma].
+
+  Draft position i is accepted when u_i < probs[i], u_i ~ U[0, 1), until the
+  first miss: bernoulli:P is P everywhere, always is 1 everywhere, fraction:F
+  is 1 on the first ceil(F gamma) positions and 0 after. Passed to `judge` as
+  a traced array, so one compilation serves every simulated rule.
+  """
   rule = rule.resolve(gamma)
+  if rule.kind == "bernoulli":
+    return np.full((gamma,), rule.value, np.float32)
   if rule.kind == "fraction":
-    return float(theory.expected_accepted_fraction(gamma, rule.value))
-  return float(rule.value)
+    n_keep = int(theory.expected_accepted_fraction(gamma, rule.value))
+    return (np.arange(gamma) < n_keep).astype(np.float32)
+  return np.ones((gamma,), np.float32)  # always (and unused by real)
 
 
-def judge(key, kind: str, value, sp: SamplingParams, drafts, q, p, n_drafted):
+def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, n_drafted):
   """Decides how many drafted tokens to keep and the token after them.
 
   Args:
     key: PRNG key for this step's acceptance.
-    kind: a rule kind other than mean_length (resolved to bernoulli first).
-    value: traced_value() of the rule (scalar, may be traced).
+    simulated: False for the real rule, True for the simulated ones.
+    accept_probs: [G] position_probs() of a simulated rule (may be traced).
     sp: sampling settings applied to both models.
     drafts: [B, G] drafted tokens.
     q: [B, G, V] draft distributions (used by the real rule when sampling).
@@ -111,25 +119,19 @@ def judge(key, kind: str, value, sp: SamplingParams, drafts, q, p, n_drafted):
   b, g = drafts.shape
   k_u, k_tok = jax.random.split(key)
   pos = jnp.arange(g)[None, :]
-  p_draft = jnp.take_along_axis(p[:, :g], drafts[..., None], -1)[..., 0]  # [B, G]
-  if kind == "real" and sp.greedy:
+  u = jax.random.uniform(k_u, (b, g))
+  if simulated:
+    ok = u < accept_probs[None, :]
+  elif sp.greedy:
     ok = drafts == jnp.argmax(p[:, :g], -1)
-  elif kind == "real":
-    q_draft = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
-    u = jax.random.uniform(k_u, (b, g))
-    ok = u * q_draft < p_draft            # u < p/q without dividing
-  elif kind == "bernoulli":
-    ok = jax.random.uniform(k_u, (b, g)) < value
-  elif kind == "fraction":
-    ok = jnp.broadcast_to(pos < value, (b, g))
-  elif kind == "always":
-    ok = jnp.ones((b, g), bool)
   else:
-    raise ConfigError(f"unresolved acceptance rule {kind!r}")
+    p_draft = jnp.take_along_axis(p[:, :g], drafts[..., None], -1)[..., 0]  # [B, G]
+    q_draft = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+    ok = u * q_draft < p_draft            # u < p/q without dividing
   n_acc = _leading(ok & (pos < n_drafted[:, None]))
 
   p_next = _at(p, n_acc)                  # target distribution after the accepted run
-  if kind == "real" and not sp.greedy:
+  if not simulated and not sp.greedy:
     # At a rejection (a real draft there) sample the residual max(0, p - q).
     rejected = n_acc < n_drafted
     q_next = _at(q, jnp.minimum(n_acc, g - 1))

@@ -45,7 +45,7 @@ class SpecConfig:
   draft: ModelConfig
   gamma: int
   sp: SamplingParams = SamplingParams()
-  accept: str = "real"  # rule kind; its number travels as a traced value
+  simulated: bool = False  # a simulated rule; its per-position probabilities are traced
   p_min: float = 0.0    # draft early stop: stop when the draft's top prob < p_min
 
   def __post_init__(self):
@@ -58,12 +58,9 @@ class SpecConfig:
           f"draft and target vocabularies differ: target {self.target.name} has "
           f"{self.target.vocab_size} tokens, draft {self.draft.name} has "
           f"{self.draft.vocab_size}")
-    if self.accept not in ("real", "bernoulli", "fraction", "always"):
-      raise ConfigError(f"SpecConfig.accept must be a resolved rule kind, got {self.accept!r}")
-
   @property
   def needs_q(self) -> bool:
-    return self.accept == "real" and not self.sp.greedy
+    return not self.simulated and not self.sp.greedy
 
 
 @struct.dataclass
@@ -111,7 +108,7 @@ def verify_phase(tparams, tcache, tail, drafts, sc: SpecConfig):
   return sampling.probs(logits, sc.sp), tcache
 
 
-def accept_phase(key, rule_value, p, q, drafts, n_drafted, tail, n, live, sc: SpecConfig):
+def accept_phase(key, accept_probs, p, q, drafts, n_drafted, tail, n, live, sc: SpecConfig):
   """Judges the drafts and advances the sequence bookkeeping.
 
   Rows that are not `live` (finished) keep their state. Returns a dict with
@@ -119,7 +116,7 @@ def accept_phase(key, rule_value, p, q, drafts, n_drafted, tail, n, live, sc: Sp
   cache lengths t_len / d_len to roll back to.
   """
   g = sc.gamma
-  n_acc, nxt = acceptance.judge(key, sc.accept, rule_value, sc.sp, drafts, q, p, n_drafted)
+  n_acc, nxt = acceptance.judge(key, sc.simulated, accept_probs, sc.sp, drafts, q, p, n_drafted)
   pos = jnp.arange(g + 1)[None, :]
   padded = jnp.concatenate([drafts, drafts[:, :1]], 1)
   emitted = jnp.where(pos == n_acc[:, None], nxt[:, None], padded)
@@ -163,7 +160,7 @@ def _bookkeep(out, count, done, a, eos_id, n_predict):
 
 @functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id"),
                    donate_argnames=("state",))
-def spec_loop(tparams, dparams, state: SpecState, out, key, rule_value, *, sc: SpecConfig,
+def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc: SpecConfig,
               n_predict: int, eos_id: int):
   """The whole speculative generation on device (one lax.while_loop)."""
   b = out.shape[0]
@@ -178,7 +175,7 @@ def spec_loop(tparams, dparams, state: SpecState, out, key, rule_value, *, sc: S
     kd, ka = jax.random.split(jax.random.fold_in(key, i))
     drafts, q, m, dcache = draft_phase(dparams, st.dcache, st.tail, st.n, kd, sc)
     p, tcache = verify_phase(tparams, st.tcache, st.tail, drafts, sc)
-    a = accept_phase(ka, rule_value, p, q, drafts, m, st.tail, st.n, ~done, sc)
+    a = accept_phase(ka, accept_probs, p, q, drafts, m, st.tail, st.n, ~done, sc)
     st = SpecState(tcache=kvc.rollback(tcache, a["t_len"]),
                    dcache=kvc.rollback(dcache, a["d_len"]), tail=a["tail"], n=a["n"])
     rec = {"n_acc": rec["n_acc"].at[i].set(a["n_acc"]),
@@ -202,7 +199,7 @@ _bookkeep_jit = jax.jit(_bookkeep, static_argnames=("eos_id", "n_predict"))
 _split_jit = jax.jit(lambda key, i: jax.random.split(jax.random.fold_in(key, i)))
 
 
-def _host_loop(tparams, dparams, st: SpecState, out, key, rule_value, sc, n_predict, eos_id):
+def _host_loop(tparams, dparams, st: SpecState, out, key, accept_probs, sc, n_predict, eos_id):
   """The host-driven twin of spec_loop; returns the same plus phase times."""
   b = out.shape[0]
   count = jnp.ones((b,), jnp.int32)
@@ -220,7 +217,7 @@ def _host_loop(tparams, dparams, st: SpecState, out, key, rule_value, sc, n_pred
     t1 = time.perf_counter()
     p, tcache = block(verify_jit(tparams, st.tcache, st.tail, drafts, sc=sc))
     t2 = time.perf_counter()
-    a = block(accept_jit(ka, rule_value, p, q, drafts, m, st.tail, st.n, jnp.asarray(~done),
+    a = block(accept_jit(ka, accept_probs, p, q, drafts, m, st.tail, st.n, jnp.asarray(~done),
                           sc=sc))
     phase["accept_s"] += time.perf_counter() - t2
     phase["draft_s"] += t1 - t0
@@ -246,8 +243,8 @@ def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
     raise ConfigError(f"loop must be 'device' or 'host', got {loop!r}")
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
   rule = rule.resolve(gamma)
-  sc = SpecConfig(target.cfg, draft.cfg, gamma, sp, rule.kind, p_min)
-  rule_value = jnp.float32(acceptance.traced_value(rule, gamma))
+  sc = SpecConfig(target.cfg, draft.cfg, gamma, sp, rule.simulated, p_min)
+  accept_probs = jnp.asarray(acceptance.position_probs(rule, gamma))
   eos = generation.NO_EOS if eos_id is None else int(eos_id)
   p_len = max(len(p) for p in prompts)
   cap = generation.plan_capacity(target.cfg, p_len, n_predict, extra=gamma + 1,
@@ -269,12 +266,12 @@ def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
     t0 = time.perf_counter()
     if loop == "device":
       out, count, rec, _ = block(spec_loop(target.params, draft.params, st, out, step_key,
-                                           rule_value, sc=sc, n_predict=n_predict,
+                                           accept_probs, sc=sc, n_predict=n_predict,
                                            eos_id=eos))
       phase = {}
     else:
       out, count, rec, phase = _host_loop(target.params, draft.params, st, out,
-                                          step_key, rule_value, sc, n_predict, eos)
+                                          step_key, accept_probs, sc, n_predict, eos)
     eval_s = time.perf_counter() - t0
   out, count = np.asarray(out), np.asarray(count)
   rows = [out[b, :count[b]].tolist() for b in range(len(prompts))]

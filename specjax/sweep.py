@@ -112,7 +112,7 @@ def accept_cost(tcfg, dcfg, gamma: int, sp: SamplingParams, reps: int) -> float:
   drafts = jax.random.randint(k[2], (1, gamma), 0, v)
   tail, n = jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 8, jnp.int32)
   m, live = jnp.full((1,), gamma, jnp.int32), jnp.ones((1,), bool)
-  run = lambda: speculative.accept_jit(k[3], jnp.float32(0.0), p, q, drafts, m, tail, n,
+  run = lambda: speculative.accept_jit(k[3], jnp.ones((gamma,)), p, q, drafts, m, tail, n,
                                        live, sc=sc)
   return timing.measure(run, reps=max(reps, 5)).median
 
@@ -225,6 +225,7 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
 
   records = list(done)
   bar = _progress(len(points), len(points) - len(todo), progress)
+  n_new, t_start = 0, time.perf_counter()
   sp0 = SamplingParams(float(cfg.temps[0]), int(cfg.top_k), float(cfg.top_p))
   costs = measure_costs(target, draft, gammas, capacity, len(prompt), int(cfg.reps), sp0)
   cli.write_json(os.path.join(workdir, "costs.json"), costs.to_dict())
@@ -244,6 +245,12 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
     write_csv(os.path.join(workdir, "results.csv"), records)
     bar.update(1)
     bar.set_postfix_str(f"g={g} {a} T={temp:g}: {rec['speedup']:.2f}x")
+    n_new += 1
+    if not progress:  # logs: one line per point with the time left
+      left = (time.perf_counter() - t_start) / n_new * (len(todo) - n_new)
+      print(f"point {len(records)}/{len(points)}: gamma {g}, {a}, T={temp:g}: speedup "
+            f"{rec['speedup']:.3f}x, efficiency {rec['efficiency']:.3f}; ~{left / 60:.1f} min left",
+            flush=True)
   bar.close()
   from specjax import sweep_report  # matplotlib only when writing the report
   sweep_report.write_report(workdir, records, costs.to_dict(), cfg)
