@@ -12,6 +12,8 @@ experiments/layer_loop_bench.py and ARCHITECTURE.md.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -53,20 +55,20 @@ class Llama(nn.Module):
     return logits.astype(jnp.float32), new_cache
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _random_params(cfg: ModelConfig, key):
+  cache = kvc.init_cache(cfg, 1, 1)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return Llama(cfg).init(key, tokens, tokens, cache)["params"]
+
+
 def init_params(cfg: ModelConfig, seed: int = 0):
   """Random parameters for `cfg` (normal(0.02) weights, unit norms).
 
-  Jitted so that only the final arrays are materialised (matters at 7B+).
+  Jitted (once per config) so that only the final arrays are materialised,
+  which matters at 7B+.
   """
-  model = Llama(cfg)
-
-  @jax.jit
-  def _init_fn(key):
-    cache = kvc.init_cache(cfg, 1, 1)
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    return model.init(key, tokens, tokens, cache)["params"]
-
-  return _init_fn(jax.random.PRNGKey(seed))
+  return _random_params(cfg, jax.random.PRNGKey(seed))
 
 
 def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,

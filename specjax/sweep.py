@@ -31,7 +31,7 @@ import math
 import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -117,32 +117,34 @@ def accept_cost(tcfg, dcfg, gamma: int, sp: SamplingParams, reps: int) -> float:
   return timing.measure(run, reps=max(reps, 5)).median
 
 
-def _median_run(fn: Callable[[], Any], reps: int):
-  """Runs fn() reps times (after a compiling warm-up); returns (last result,
-  median eval seconds, compile seconds)."""
-  warm = fn()
-  results = [fn() for _ in range(reps)]
-  return results[-1], statistics.median(r.eval_s for r in results), warm.compile_s
-
-
 def run_point(target, draft, prompt, gamma: int, accept: str, sp: SamplingParams,
-              cfg, costs: Costs, baseline_tps: float) -> dict[str, Any]:
-  """Measures one (gamma, accept, temperature) point and its predictions."""
-  kw = dict(sp=sp, rule=accept, seed=int(cfg.seed), ctx_size=int(cfg.ctx_size),
-            capacity=costs.capacity)
-  gen = lambda loop: speculative.generate(target, draft, [prompt], int(cfg.n_predict), gamma,
-                                          loop=loop, **kw)
-  res, eval_s, compile_s = _median_run(lambda: gen("device"), int(cfg.reps))
-  st = res.stats
-  spec_tps = (st.n_predict - 1) / eval_s
+              cfg, costs: Costs) -> dict[str, Any]:
+  """Measures one (gamma, accept, temperature) point and its predictions.
+
+  Target-only and speculative runs alternate, one of each per repetition, so
+  both see the same machine state; speedup = ratio of the medians.
+  """
+  n, seed, ctx = int(cfg.n_predict), int(cfg.seed), int(cfg.ctx_size)
+  spec = lambda loop: speculative.generate(target, draft, [prompt], n, gamma, sp=sp, rule=accept,
+                                           seed=seed, ctx_size=ctx, capacity=costs.capacity,
+                                           loop=loop)
+  base = lambda: generation.generate(target, [prompt], n, sp, seed=seed, ctx_size=ctx,
+                                     capacity=costs.capacity)
+  compile_s = spec("device").compile_s + base().compile_s  # warm-up
+  spec_s, base_s = [], []
+  for _ in range(int(cfg.reps)):
+    b = base()
+    res = spec("device")
+    base_s.append(b.eval_s / b.n_eval)
+    spec_s.append(res.eval_s / (res.stats.n_predict - 1))
   split = {}
   if cfg.measure_split:
-    gen("host")  # compiles the phase functions
-    host = gen("host")
+    spec("host")  # compiles the phase functions
+    host = spec("host")
     total = sum(host.stats.phase_s.values())
     split = {f"{k[:-2]}_share": v / total for k, v in host.stats.phase_s.items()}
-  return point_record(gamma, accept, sp, st, spec_tps, baseline_tps, costs, split,
-                      compile_s)
+  return point_record(gamma, accept, sp, res.stats, 1 / statistics.median(spec_s),
+                      1 / statistics.median(base_s), costs, split, compile_s)
 
 
 def point_record(gamma, accept, sp, st, spec_tps, baseline_tps, costs: Costs, split,
@@ -229,15 +231,9 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   sp0 = SamplingParams(float(cfg.temps[0]), int(cfg.top_k), float(cfg.top_p))
   costs = measure_costs(target, draft, gammas, capacity, len(prompt), int(cfg.reps), sp0)
   cli.write_json(os.path.join(workdir, "costs.json"), costs.to_dict())
-  baselines: dict[float, float] = {}
   for g, a, temp in todo:
     sp = SamplingParams(temp, int(cfg.top_k), float(cfg.top_p))
-    if temp not in baselines or cfg.baseline_every_point:
-      base, base_s, _ = _median_run(lambda: generation.generate(
-          target, [prompt], int(cfg.n_predict), sp, seed=int(cfg.seed),
-          ctx_size=int(cfg.ctx_size), capacity=capacity), int(cfg.reps))
-      baselines[temp] = base.n_eval / base_s
-    rec = run_point(target, draft, prompt, g, a, sp, cfg, costs, baselines[temp])
+    rec = run_point(target, draft, prompt, g, a, sp, cfg, costs)
     rec.update(target=tcfg.name, draft=dcfg.name, dtype=tcfg.dtype, env=env)
     with open(jsonl, "a") as f:
       f.write(json.dumps(rec, default=cli._json_default) + "\n")
