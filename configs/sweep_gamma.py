@@ -17,7 +17,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.target = "cpu-target"        # target: preset, HF directory or orbax directory
   c.draft = "cpu-draft"          # draft: same forms; must share the target's vocabulary
   c.dtype = ""                   # compute/param dtype of both ("" = the models' own)
-  c.gammas = (1, 2, 3, 4, 6, 8)  # draft lengths
+  c.gammas = (1, 2, 3, 4, 8)     # draft lengths
   c.accepts = ("bernoulli:0.6", "bernoulli:0.8", "fraction:0.8", "always", "real")  # rules
   c.temps = (0.0,)               # sampling temperatures (0 = greedy)
   c.top_k = 0                    # top-k for both models (0 = off)
@@ -36,6 +36,13 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.ctx_size = 128
     c.reps = 2
     c.measure_split = False
+  elif arg == "gpu":  # experiments/gpu_check.py: the seed thread's pair, bf16
+    c.target, c.draft, c.dtype = "llama-7b", "llama-160m", "bfloat16"
+    c.gammas = (1, 2, 3, 4, 5, 6, 8)
+    c.accepts = ("bernoulli:0.6", "bernoulli:0.8", "always")
+    c.n_predict = 128
+    c.ctx_size = 512
+    c.measure_split = False
   elif arg != "default":
-    raise ValueError(f"unknown sweep variant {arg!r}: use default or quick")
+    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick or gpu")
   return c

@@ -607,9 +607,12 @@ def _repeat_forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, k: int
   def body(_, carry):
     c, acc = carry
     logits, c = model_lib.forward(params, tokens, c, cfg)
-    return kvc.rollback(c, depth), acc + logits[:, -1, 0]
+    # Consume every logit, as decoding does (an argmax per position): keeping
+    # only a slice would let XLA shrink the lm_head matmul to that slice.
+    return kvc.rollback(c, depth), acc + jnp.sum(jnp.argmax(logits, -1), -1)
 
-  cache, acc = jax.lax.fori_loop(0, k, body, (cache, jnp.zeros(tokens.shape[:1])))
+  cache, acc = jax.lax.fori_loop(0, k, body,
+                                 (cache, jnp.zeros(tokens.shape[:1], jnp.int32)))
   return acc, cache
 
 
@@ -637,3 +640,37 @@ def forward_costs(m: steps.Model, ns: Sequence[int], capacity: int, depth: int,
     t = timing.measure(run, reps=reps)
     out[n] = dataclasses.replace(t, times=[x / k for x in t.times])
   return out
+
+
+# ----------------------------------------------------------------------------
+# Memory-bandwidth roofline: decode reads every weight and the whole cache.
+
+# Peak DRAM/HBM bandwidth in GB/s by device kind (vendor data sheets).
+DEVICE_BANDWIDTH_GBS = {
+    "H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0,
+    "A100-SXM4-80GB": 2039.0, "A100 80GB": 1935.0, "A100": 1555.0, "L40S": 864.0,
+    "L4": 300.0, "V100": 900.0, "RTX 4090": 1008.0, "RTX 3090": 936.0, "T4": 320.0,
+}
+
+
+def device_bandwidth_gbs(device_kind: str) -> float | None:
+  """Peak bandwidth of a device kind string ('NVIDIA H200', ...), or None."""
+  for name, gbs in DEVICE_BANDWIDTH_GBS.items():  # longest names come first
+    if name.lower() in device_kind.lower():
+      return gbs
+  return None
+
+
+def decode_bytes(cfg: ModelConfig, param_bytes: int, capacity: int, batch: int = 1) -> int:
+  """Bytes one decode step must read: every weight once, plus the K and V
+  cache of every layer over the whole capacity (attention is masked, not
+  truncated)."""
+  item = np.dtype(cfg.jnp_dtype).itemsize
+  cache = 2 * cfg.n_layers * batch * capacity * cfg.n_kv_heads * cfg.d_head * item
+  return param_bytes + cache
+
+
+def roofline_fraction(cfg: ModelConfig, param_bytes: int, capacity: int, step_s: float,
+                      bandwidth_gbs: float) -> float:
+  """Achieved / peak bandwidth for a decode step of step_s seconds."""
+  return decode_bytes(cfg, param_bytes, capacity) / step_s / (bandwidth_gbs * 1e9)

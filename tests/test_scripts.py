@@ -1,0 +1,114 @@
+"""The scripts end to end: one clear line and exit 1 on bad input, JSON out."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from specjax import checkpoint, config, model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script, *args, timeout=300):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args],
+                        capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def assert_one_line_error(proc, pattern):
+  assert proc.returncode != 0, proc.stdout
+  assert "Traceback" not in proc.stderr, proc.stderr
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  errors = [l for l in lines if re.search(pattern, l)]
+  assert errors, proc.stderr
+  assert len(errors[0]) < 600
+
+
+@pytest.fixture(scope="module")
+def other_vocab_dir(tmp_path_factory):
+  cfg = config.get_preset("tiny").replace(name="tiny-v300", vocab_size=300)
+  path = tmp_path_factory.mktemp("v300")
+  checkpoint.save(path, cfg, model.init_params(cfg))
+  return str(path)
+
+
+def test_generate_writes_json(tmp_path):
+  out = tmp_path / "gen.json"
+  proc = run("generate.py", "--model=tiny", "--n_predict=6", "--prompt_tokens=1,2,3",
+             f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr
+  assert "prompt eval time" in proc.stdout and "compile time" in proc.stdout
+  rec = json.loads(out.read_text())
+  assert len(rec["tokens"]) == 6 and rec["prompt_tokens"] == [1, 2, 3]
+
+
+def test_speculative_writes_json(tmp_path):
+  out = tmp_path / "spec.json"
+  proc = run("speculative.py", "--model=tiny", "--model_draft=tiny-draft", "--n_predict=12",
+             "--draft=3", "--accept=bernoulli:0.5", "--prompt_tokens=4,5,6", f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr
+  for word in ("n_draft", "n_predict", "n_drafted", "n_accept", "accept", "speedup"):
+    assert word in proc.stdout
+  rec = json.loads(out.read_text())
+  for key in ("tokens", "n_draft", "n_predict", "n_drafted", "n_accept", "accept", "n_steps",
+              "tokens_per_step", "alpha", "accept_hist", "alpha_at_pos", "speedup"):
+    assert key in rec, key
+  assert rec["n_predict"] == 12 and len(rec["tokens"]) == 12
+
+
+@pytest.mark.parametrize("script,args,pattern", [
+    ("generate.py", ["--model=/no/such/dir"], r"error: .*no/such/dir"),
+    ("generate.py", ["--model=llama-9000"], r"error: .*preset"),
+    ("generate.py", ["--model=tiny", "--prompt_tokens=" + ",".join(["1"] * 140)],
+     r"error: .*exceeds the context"),
+    ("generate.py", ["--model=tiny", "--n_predict=500"], r"error: .*exceeds the context"),
+    ("generate.py", ["--model=tiny", "--n_predict=0"], r"n_predict"),
+    ("generate.py", ["--model=tiny", "--top_p=1.5"], r"top_p"),
+    ("generate.py", ["--model=tiny", "--prompt=hello"], r"error: .*no tokenizer"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--accept=sometimes"],
+     r"error: .*acceptance rule"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--draft=0"], r"draft"),
+])
+def test_bad_input_is_one_line(script, args, pattern):
+  assert_one_line_error(run(script, *args), pattern)
+
+
+def test_vocab_mismatch_is_one_line(other_vocab_dir):
+  proc = run("speculative.py", "--model=tiny", f"--model_draft={other_vocab_dir}",
+             "--n_predict=4")
+  assert_one_line_error(proc, r"error: .*vocabularies differ")
+
+
+def test_corrupt_checkpoint_is_one_line(tmp_path):
+  (tmp_path / "config.json").write_text("{not json")
+  assert_one_line_error(run("generate.py", f"--model={tmp_path}"), r"error: .*config.json")
+
+
+def test_readme_quickstart_and_ci_agree():
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  block = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+  commands = re.findall(r"```bash\n(.*?)\n```", block, re.S)
+  assert len(commands) == 2, commands
+  assert "experiments/" in commands[0]
+  assert "pytest" in commands[1]
+  ci = open(os.path.join(ROOT, ".ci", "run")).read()
+  assert commands[1].strip() in ci
+
+
+def test_gpu_check_smoke(tmp_path):
+  """The GPU script's whole path on tiny models (the real run needs a GPU)."""
+  proc = run("gpu_check.py", "--smoke", "--reps=1", f"--workdir={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = (tmp_path / "gpu_summary.md").read_text()
+  assert "T(2)/T(1)" in summary and "| tiny |" in summary and "efficiency" in summary
+  assert (tmp_path / "sweep" / "results.jsonl").exists()
+
+
+def test_gpu_check_without_gpu_is_one_line(tmp_path):
+  import jax
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present")
+  assert_one_line_error(run("gpu_check.py", f"--workdir={tmp_path}"), r"error: JAX does not see a GPU")
