@@ -129,8 +129,9 @@ def accept_phase(key, accept_probs, p, q, drafts, n_drafted, tail, n, live, sc: 
       tail=jnp.where(live[:, None], jnp.stack([prev, nxt], 1), tail),
       n=keep(new_n, n),
       t_len=keep(new_n - 1, n - 1),
-      # the draft cache holds n-1+G entries after the scan; d_G never entered it
-      d_len=keep(jnp.minimum(new_n - 1, n - 2 + g), n - 1))
+      # After the scan the draft cache holds n-1+G entries (s_{n-1}, d_1..d_{G-1});
+      # d_G never entered it, so only a fully accepted step leaves it behind.
+      d_len=keep(jnp.minimum(new_n - 1, n - 1 + g), n - 1))
 
 
 @dataclasses.dataclass

@@ -262,3 +262,24 @@ def test_one_compilation_serves_every_simulated_rule(pair):
     for rule in ["bernoulli:0.6", "always", "fraction:0.5", "mean_length:1.5"]:
       speculative.generate(target, draft, [PROMPTS[0]], 12, 3, rule=rule)
   assert cw.names["spec_loop"] == 0, cw.names
+
+
+@pytest.mark.parametrize("n_acc", [0, 1, 2, 3])
+def test_draft_cache_is_behind_only_after_full_acceptance(n_acc):
+  """accept_phase's bookkeeping: both caches end at the emitted sequence minus
+  its last token, except the draft after all G drafts were accepted (it never
+  saw d_G), which the next draft phase then feeds."""
+  cfg = config.get_preset("tiny")
+  g, n, v = 3, 10, cfg.vocab_size
+  sc = speculative.SpecConfig(cfg, cfg, g, simulated=True)
+  drafts = jnp.asarray([[11, 12, 13]])
+  probs = (np.arange(g) < n_acc).astype(np.float32)   # accept exactly n_acc
+  p = jax.nn.one_hot(jnp.full((1, g + 1), 7), v)
+  a = speculative.accept_phase(jax.random.PRNGKey(0), jnp.asarray(probs), p, p[:, :g], drafts,
+                               jnp.asarray([g]), jnp.asarray([[5, 6]]), jnp.asarray([n]),
+                               jnp.asarray([True]), sc)
+  new_n = n + n_acc + 1
+  assert int(a["n"][0]) == new_n and int(a["t_len"][0]) == new_n - 1
+  assert int(a["d_len"][0]) == (new_n - 2 if n_acc == g else new_n - 1)
+  assert a["emitted"][0, :n_acc + 1].tolist() == [11, 12, 13][:n_acc] + [7]
+  assert a["tail"][0].tolist() == [([6] + [11, 12, 13])[n_acc], 7]
