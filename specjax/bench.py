@@ -616,30 +616,42 @@ def _repeat_forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, k: int
   return acc, cache
 
 
-def forward_costs(m: steps.Model, ns: Sequence[int], capacity: int, depth: int,
-                  reps: int, seed: int = 0, k: int = 8) -> dict[int, timing.Timing]:
-  """T(n) for each n: one forward over n new tokens (batch 1) against a cache
-  of `capacity` slots already holding `depth` tokens: the cost curve that
+class CostProbe:
+  """Measures T(n): one forward over n new tokens (batch 1) against a cache of
+  `capacity` slots already holding `depth` tokens. The cost curve that
   theory.measured_cost_speedup and the sweep take.
 
   Each repetition runs k forwards inside one jitted loop and reports the time
   per forward, so host dispatch (which the on-device speculative loop never
-  pays) stays out of the cost. The returned times are per forward.
+  pays) stays out of the cost. The probe keeps its cache, so it can be called
+  again and again between other measurements (the sweep interleaves it with
+  the runs whose speedup it predicts).
   """
-  kvc.check_capacity([depth], max(ns), capacity)
-  rng = np.random.RandomState(seed)
-  holder = [_fill(m, 1, capacity, depth, rng)]
-  out = {}
-  for n in sorted(set(ns)):
-    tokens = _random_tokens(rng, m.cfg, 1, n)
 
-    def run():
-      acc, holder[0] = _repeat_forward(m.params, tokens, holder[0], cfg=m.cfg, k=k)
-      return acc
+  def __init__(self, m: steps.Model, capacity: int, depth: int, seed: int = 0, k: int = 8):
+    self.m, self.k, self.capacity = m, k, capacity
+    self.rng = np.random.RandomState(seed)
+    self.holder = [_fill(m, 1, capacity, depth, self.rng)]
+    self.depth = depth
+    self.tokens: dict[int, jax.Array] = {}
 
-    t = timing.measure(run, reps=reps)
-    out[n] = dataclasses.replace(t, times=[x / k for x in t.times])
-  return out
+  def times(self, ns: Sequence[int], reps: int = 1) -> dict[int, timing.Timing]:
+    """Per-forward timings for each n (compiles a new n on first use)."""
+    kvc.check_capacity([self.depth], max(ns), self.capacity)
+    out = {}
+    for n in sorted(set(ns)):
+      first = n not in self.tokens
+      if first:
+        self.tokens[n] = _random_tokens(self.rng, self.m.cfg, 1, n)
+
+      def run(tokens=self.tokens[n]):
+        acc, self.holder[0] = _repeat_forward(self.m.params, tokens, self.holder[0],
+                                              cfg=self.m.cfg, k=self.k)
+        return acc
+
+      t = timing.measure(run, reps=reps, warmup=1 if first else 0)
+      out[n] = dataclasses.replace(t, times=[x / self.k for x in t.times])
+    return out
 
 
 # ----------------------------------------------------------------------------

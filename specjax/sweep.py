@@ -4,8 +4,9 @@ For every (gamma, acceptance) point, in one run on one machine:
   measured   target-only tokens/s and speculative tokens/s (device loop,
              medians over repetitions of identical work), their ratio, and
              the acceptance statistics (specjax.stats);
-  costs      T_target(n) and T_draft(1), each one forward_step against a
-             cache of the run's capacity (bench.forward_costs), and the
+  costs      T_target(1), T_target(gamma+1) and T_draft(1), each one forward
+             against a cache of the run's capacity (bench.CostProbe),
+             measured in every repetition between the runs; and the
              accept/commit cost per step;
   predicted  Leviathan's Theorem 3.8 at the measured alpha and c, the
              thread's approximation, and the measured-cost model:
@@ -91,14 +92,14 @@ def validate(cfg) -> None:
     SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p))
 
 
-def measure_costs(target: steps.Model, draft: steps.Model, gammas, capacity: int,
-                  depth: int, reps: int, sp: SamplingParams) -> Costs:
+def measure_costs(probe_t: bench.CostProbe, probe_d: bench.CostProbe, gammas, reps: int,
+                  sp: SamplingParams) -> Costs:
+  """The whole cost curve T_target(1..max gamma + 1), T_draft(1), accept costs."""
   ns = sorted({1} | {g + 1 for g in gammas} | set(gammas))
-  t_target = {n: t.median for n, t in
-              bench.forward_costs(target, ns, capacity, depth, reps).items()}
-  t_draft = bench.forward_costs(draft, [1], capacity, depth, reps)[1].median
-  t_accept = {g: accept_cost(target.cfg, draft.cfg, g, sp, reps) for g in gammas}
-  return Costs(t_target, t_draft, t_accept, capacity, depth)
+  t_target = {n: t.median for n, t in probe_t.times(ns, reps).items()}
+  t_draft = probe_d.times([1], reps)[1].median
+  t_accept = {g: accept_cost(probe_t.m.cfg, probe_d.m.cfg, g, sp, reps) for g in gammas}
+  return Costs(t_target, t_draft, t_accept, probe_t.capacity, probe_t.depth)
 
 
 def accept_cost(tcfg, dcfg, gamma: int, sp: SamplingParams, reps: int) -> float:
@@ -118,11 +119,13 @@ def accept_cost(tcfg, dcfg, gamma: int, sp: SamplingParams, reps: int) -> float:
 
 
 def run_point(target, draft, prompt, gamma: int, accept: str, sp: SamplingParams,
-              cfg, costs: Costs) -> dict[str, Any]:
+              cfg, costs: Costs, probes) -> dict[str, Any]:
   """Measures one (gamma, accept, temperature) point and its predictions.
 
-  Target-only and speculative runs alternate, one of each per repetition, so
-  both see the same machine state; speedup = ratio of the medians.
+  Each repetition runs target-only, then speculative, then the cost probes
+  (T_target(1), T_target(gamma), T_target(gamma+1), T_draft(1)), so the
+  measured speedup and the costs that predict it see the same machine
+  state; every figure is the median over repetitions.
   """
   n, seed, ctx = int(cfg.n_predict), int(cfg.seed), int(cfg.ctx_size)
   spec = lambda loop: speculative.generate(target, draft, [prompt], n, gamma, sp=sp, rule=accept,
@@ -131,20 +134,28 @@ def run_point(target, draft, prompt, gamma: int, accept: str, sp: SamplingParams
   base = lambda: generation.generate(target, [prompt], n, sp, seed=seed, ctx_size=ctx,
                                      capacity=costs.capacity)
   compile_s = spec("device").compile_s + base().compile_s  # warm-up
-  spec_s, base_s = [], []
+  spec_s, base_s, t_t, t_d = [], [], [], []
   for _ in range(int(cfg.reps)):
     b = base()
     res = spec("device")
     base_s.append(b.eval_s / b.n_eval)
     spec_s.append(res.eval_s / (res.stats.n_predict - 1))
+    t_t.append({k: v.median for k, v in probes[0].times([1, gamma, gamma + 1]).items()})
+    t_d.append(probes[1].times([1])[1].median)
+  med = statistics.median
+  here = Costs({k: med(t[k] for t in t_t) for k in t_t[0]}, med(t_d), costs.t_accept,
+               costs.capacity, costs.depth)
   split = {}
   if cfg.measure_split:
     spec("host")  # compiles the phase functions
     host = spec("host")
     total = sum(host.stats.phase_s.values())
     split = {f"{k[:-2]}_share": v / total for k, v in host.stats.phase_s.items()}
-  return point_record(gamma, accept, sp, res.stats, 1 / statistics.median(spec_s),
-                      1 / statistics.median(base_s), costs, split, compile_s)
+  rec = point_record(gamma, accept, sp, res.stats, 1 / med(spec_s), 1 / med(base_s), here,
+                     split, compile_s)
+  rec.update(t_target_1_s=here.t_target[1], t_verify_s=here.t_target[gamma + 1],
+             t_draft_1_s=here.t_draft)
+  return rec
 
 
 def point_record(gamma, accept, sp, st, spec_tps, baseline_tps, costs: Costs, split,
@@ -229,11 +240,13 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   bar = _progress(len(points), len(points) - len(todo), progress)
   n_new, t_start = 0, time.perf_counter()
   sp0 = SamplingParams(float(cfg.temps[0]), int(cfg.top_k), float(cfg.top_p))
-  costs = measure_costs(target, draft, gammas, capacity, len(prompt), int(cfg.reps), sp0)
+  probes = (bench.CostProbe(target, capacity, len(prompt)),
+            bench.CostProbe(draft, capacity, len(prompt)))
+  costs = measure_costs(*probes, gammas, int(cfg.reps), sp0)
   cli.write_json(os.path.join(workdir, "costs.json"), costs.to_dict())
   for g, a, temp in todo:
     sp = SamplingParams(temp, int(cfg.top_k), float(cfg.top_p))
-    rec = run_point(target, draft, prompt, g, a, sp, cfg, costs)
+    rec = run_point(target, draft, prompt, g, a, sp, cfg, costs, probes)
     rec.update(target=tcfg.name, draft=dcfg.name, dtype=tcfg.dtype, env=env)
     with open(jsonl, "a") as f:
       f.write(json.dumps(rec, default=cli._json_default) + "\n")

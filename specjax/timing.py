@@ -108,10 +108,10 @@ def measure(run: Callable[[], Any], reps: int = 5, warmup: int = 1) -> Timing:
 
   Compilation happens during warm-up and is reported in `compile_s`; a
   compilation during the timed repetitions is a bug in the caller (shapes
-  changing) and raises.
+  changing) and raises. `warmup=0` is for functions already compiled.
   """
   with CompileWatch() as cw:
-    for _ in range(max(warmup, 1)):
+    for _ in range(warmup):
       block(run())
   with CompileWatch() as late:
     times = [timed(run)[1] for _ in range(reps)]
