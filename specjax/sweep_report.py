@@ -8,6 +8,7 @@ import statistics
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -42,6 +43,8 @@ def plot_speedup(path: str, records: list[dict[str, Any]]) -> None:
   ax.set_xlabel("gamma (draft tokens per step)")
   ax.set_ylabel("speedup over target-only (x)")
   ax.set_yscale("log")
+  ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2g"))
+  ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2g"))
   ax.set_title("Speculative speedup: measured vs predicted")
   ax.legend(fontsize=7, loc="best")
   ax.grid(alpha=0.3, which="both")
