@@ -12,18 +12,10 @@ directory written by specjax) works the same way:
 from absl import flags
 
 from specjax import checkpoint, cli, generation, steps
-from specjax.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Preset name, HF directory or orbax directory.")
-_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
-_PROMPT_TOKENS = flags.DEFINE_string("prompt_tokens", None, "Prompt as comma-separated token ids.")
 _N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate.", lower_bound=1)
-_TEMP = flags.DEFINE_float("temp", 0.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter; 0 = off.", lower_bound=0)
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) filter; 1 = off.", lower_bound=1e-6, upper_bound=1.0)
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (and random-init seed for presets).")
-_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16"],
-                           "Compute and parameter dtype; default: the model's own.")
+_GEN = cli.GenerationFlags()
 _CTX = flags.DEFINE_integer("ctx_size", None, "Context (KV cache) size; default: the model's max_seq_len.", lower_bound=1)
 _LOOP = flags.DEFINE_enum("loop", "device", ["device", "host"], "Device while_loop or host loop of jitted steps.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run once untimed first so the timed run excludes compilation.")
@@ -33,12 +25,12 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, text and timing
 
 def main(argv):
   del argv
-  cfg, params, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value, seed=_SEED.value)
-  prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, cfg.vocab_size)
-  sp = SamplingParams(_TEMP.value, _TOP_K.value, _TOP_P.value)
+  cfg, params, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
+  prompt = _GEN.prompt(tok, cfg.vocab_size)
+  sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else cfg.eos_token_id)
   m = steps.Model(cfg, params)
-  run = lambda: generation.generate(m, [prompt], _N_PREDICT.value, sp, seed=_SEED.value,
+  run = lambda: generation.generate(m, [prompt], _N_PREDICT.value, sp, seed=_GEN.seed,
                                     eos_id=eos, loop=_LOOP.value, ctx_size=_CTX.value)
   compile_s = run().compile_s if _WARMUP.value else 0.0
   res = run()
@@ -59,7 +51,7 @@ def main(argv):
         "eval_ms_per_token": 1e3 * res.eval_s / max(res.n_eval, 1),
         "eval_tokens_per_s": res.n_eval / res.eval_s if res.eval_s else None,
         "compile_ms": 1e3 * compile_s, "loop": _LOOP.value,
-        "sampling": {"temp": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p, "seed": _SEED.value}})
+        "sampling": {"temp": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p, "seed": _GEN.seed}})
 
 
 if __name__ == "__main__":

@@ -14,27 +14,21 @@ Each run also times target-only generation on the same prompt (--baseline) and
 prints the measured speedup.
 """
 
+import dataclasses
+
 from absl import flags
 
 from specjax import acceptance, checkpoint, cli, generation, speculative, steps
 from specjax.errors import ConfigError
-from specjax.sampling import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory or orbax directory.")
 _MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset name, HF directory or orbax directory.")
-_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
-_PROMPT_TOKENS = flags.DEFINE_string("prompt_tokens", None, "Prompt as comma-separated token ids.")
 _N_PREDICT = flags.DEFINE_integer("n_predict", 128, "Tokens to generate.", lower_bound=1)
 _DRAFT = flags.DEFINE_integer("draft", 5, "gamma: tokens drafted per step.", lower_bound=1, upper_bound=64)
 _ACCEPT = flags.DEFINE_string("accept", "real", "real | always | bernoulli:P | fraction:F | mean_length:L")
 _P_MIN = flags.DEFINE_float("p_min", 0.0, "Stop drafting when the draft's top probability is below this.",
                             lower_bound=0.0, upper_bound=1.0)
-_TEMP = flags.DEFINE_float("temp", 0.0, "Sampling temperature; 0 = greedy.", lower_bound=0.0)
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter; 0 = off.", lower_bound=0)
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p filter; 1 = off.", lower_bound=1e-6, upper_bound=1.0)
-_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (random-init seed of presets: seed, seed+1).")
-_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16"],
-                           "Compute and parameter dtype of both models; default: their own.")
+_GEN = cli.GenerationFlags("Sampling seed (random-init seed of presets: seed, seed+1).")
 _CTX = flags.DEFINE_integer("ctx_size", None, "Context size; default: the target's max_seq_len.", lower_bound=1)
 _LOOP = flags.DEFINE_enum("loop", "device", ["device", "host"],
                           "device: one lax.while_loop; host: jitted phases timed one by one.")
@@ -46,16 +40,16 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, statistics and 
 def main(argv):
   del argv
   rule = acceptance.parse_rule(_ACCEPT.value).resolve(_DRAFT.value)
-  tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value, seed=_SEED.value)
-  dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1)
+  tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
+  dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_GEN.dtype, seed=_GEN.seed + 1)
   if tcfg.vocab_size != dcfg.vocab_size:
     raise ConfigError(f"draft and target vocabularies differ: {tcfg.vocab_size} (target "
                       f"{_MODEL.value}) vs {dcfg.vocab_size} (draft {_MODEL_DRAFT.value})")
-  prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, tcfg.vocab_size)
-  sp = SamplingParams(_TEMP.value, _TOP_K.value, _TOP_P.value)
+  prompt = _GEN.prompt(tok, tcfg.vocab_size)
+  sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)
   target, draft = steps.Model(tcfg, tparams), steps.Model(dcfg, dparams)
-  kw = dict(seed=_SEED.value, eos_id=eos, loop=_LOOP.value, ctx_size=_CTX.value)
+  kw = dict(seed=_GEN.seed, eos_id=eos, loop=_LOOP.value, ctx_size=_CTX.value)
   spec = lambda: speculative.generate(target, draft, [prompt], _N_PREDICT.value, _DRAFT.value,
                                       sp=sp, rule=rule, p_min=_P_MIN.value, **kw)
   compile_s = spec().compile_s  # warm-up: compiles, untimed
@@ -87,8 +81,7 @@ def _report(tcfg, dcfg, tok, prompt, rule, res, base, compile_s):
          "prompt_tokens": prompt, "tokens": res.tokens[0], **st.to_dict(),
          "prompt_ms": 1e3 * res.prompt_s, "eval_ms": 1e3 * res.eval_s,
          "compile_ms": 1e3 * compile_s,
-         "sampling": {"temp": _TEMP.value, "top_k": _TOP_K.value, "top_p": _TOP_P.value,
-                      "seed": _SEED.value}}
+         "sampling": {**dataclasses.asdict(_GEN.sampling()), "seed": _GEN.seed}}
   if base is not None:
     base_tps = base.n_eval / base.eval_s
     print(cli.rate_line("target-only eval", base.eval_s, base.n_eval, "runs"))

@@ -7,9 +7,10 @@ import os
 import sys
 from typing import Any, Callable
 
-from absl import app, logging
+from absl import app, flags, logging
 
 from specjax.errors import SpecjaxError
+from specjax.sampling import SamplingParams
 
 # Used when a model has no tokenizer and no prompt is given: 32 fixed ids.
 DEFAULT_PROMPT_TOKENS = [1] + list(range(100, 131))
@@ -29,6 +30,41 @@ def run(main: Callable[[list[str]], Any]) -> None:
       print("interrupted", file=sys.stderr)
       sys.exit(130)
   app.run(wrapped)
+
+
+class GenerationFlags:
+  """The flags every generation script shares: prompt, sampling, seed, dtype.
+
+  Defined once here (call at import time of the script, like any absl flag).
+  """
+
+  def __init__(self, seed_help: str = "Sampling seed (and random-init seed for presets)."):
+    self._prompt = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
+    self._prompt_tokens = flags.DEFINE_string("prompt_tokens", None,
+                                              "Prompt as comma-separated token ids.")
+    self._temp = flags.DEFINE_float("temp", 0.0, "Sampling temperature; 0 = greedy.",
+                                    lower_bound=0.0)
+    self._top_k = flags.DEFINE_integer("top_k", 0, "Top-k filter; 0 = off.", lower_bound=0)
+    self._top_p = flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) filter; 1 = off.",
+                                     lower_bound=1e-6, upper_bound=1.0)
+    self._seed = flags.DEFINE_integer("seed", 0, seed_help)
+    self._dtype = flags.DEFINE_enum(
+        "dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16"],
+        "Compute and parameter dtype; default: the model's own.")
+
+  @property
+  def seed(self) -> int:
+    return self._seed.value
+
+  @property
+  def dtype(self) -> str | None:
+    return self._dtype.value
+
+  def sampling(self) -> SamplingParams:
+    return SamplingParams(self._temp.value, self._top_k.value, self._top_p.value)
+
+  def prompt(self, tokenizer, vocab_size: int) -> list[int]:
+    return parse_prompt(self._prompt.value, self._prompt_tokens.value, tokenizer, vocab_size)
 
 
 def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
