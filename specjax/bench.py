@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import checkpoint
+from specjax import checkpoint, cli
 from specjax import config as config_lib
 from specjax import kv_cache as kvc
 from specjax import model as model_lib
@@ -110,13 +110,7 @@ def append_jsonl(path: str, records: Iterable[Record]) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   with open(path, "a") as f:
     for r in records:
-      f.write(json.dumps(r, default=_json_default) + "\n")
-
-
-def _json_default(x):
-  if hasattr(x, "tolist"):
-    return x.tolist()
-  raise TypeError(f"not JSON serialisable: {type(x)}")
+      f.write(json.dumps(r, default=cli.json_default) + "\n")
 
 
 def _model_info(cfg: ModelConfig, params) -> Record:

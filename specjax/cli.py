@@ -106,11 +106,12 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
   folder = os.path.dirname(os.path.abspath(path))
   os.makedirs(folder, exist_ok=True)
   with open(path, "w") as f:
-    json.dump(obj, f, indent=1, default=_json_default)
+    json.dump(obj, f, indent=1, default=json_default)
     f.write("\n")
 
 
-def _json_default(x):
+def json_default(x):
+  """json.dump's default= for numpy / jax values."""
   if hasattr(x, "tolist"):
     return x.tolist()
   if hasattr(x, "item"):

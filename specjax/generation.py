@@ -80,7 +80,7 @@ def decode_loop(params, first_logits, cache, key, *, cfg, sp: SamplingParams,
   return out, cache
 
 
-_sample_jit = jax.jit(sampling.sample_logits, static_argnames=("sp",))
+sample_jit = jax.jit(sampling.sample_logits, static_argnames=("sp",))
 
 
 @dataclasses.dataclass
@@ -133,7 +133,7 @@ def generate(m: steps.Model, prompts, n_predict: int, sp: SamplingParams = Sampl
 def _host_loop(m, logits, cache, key, sp, n_predict, eos):
   """The host-driven twin of decode_loop, timing every decode step."""
   lengths = np.asarray(cache.lengths)
-  tok = _sample_jit(jax.random.fold_in(key, 0), logits, sp=sp)
+  tok = sample_jit(jax.random.fold_in(key, 0), logits, sp=sp)
   done = np.asarray(tok) == eos
   out, step_s = [np.asarray(tok)], []
   for i in range(1, n_predict):
@@ -141,7 +141,7 @@ def _host_loop(m, logits, cache, key, sp, n_predict, eos):
       break
     t0 = time.perf_counter()
     logits, cache = m.forward(tok[:, None], cache, lengths=lengths)
-    tok = block(_sample_jit(jax.random.fold_in(key, i), logits[:, 0], sp=sp))
+    tok = block(sample_jit(jax.random.fold_in(key, i), logits[:, 0], sp=sp))
     step_s.append(time.perf_counter() - t0)
     lengths = lengths + 1
     host_tok = np.where(done, eos, np.asarray(tok))

@@ -255,7 +255,7 @@ def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
     t0 = time.perf_counter()
     logits, tcache = target.prefill(prompts, target.new_cache(len(prompts), cap))
     _, dcache = draft.prefill(prompts, draft.new_cache(len(prompts), cap))
-    first = generation._sample_jit(jax.random.fold_in(key, 0), logits, sp=sp)
+    first = generation.sample_jit(jax.random.fold_in(key, 0), logits, sp=sp)
     block((first, dcache))
     prompt_s = time.perf_counter() - t0
     prev = jnp.asarray([p[-1] for p in prompts], jnp.int32)

@@ -220,7 +220,7 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   # Rewrite only whole records, so a line torn by an interruption is dropped
   # instead of having the next record glued onto it.
   with open(jsonl, "w") as f:
-    f.writelines(json.dumps(r, default=cli._json_default) + "\n" for r in done)
+    f.writelines(json.dumps(r, default=cli.json_default) + "\n" for r in done)
   env = timing.environment()
   cli.write_json(os.path.join(workdir, "config.json"), {"config": cfg.to_dict(), "env": env})
 
@@ -248,8 +248,7 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
     sp = SamplingParams(temp, int(cfg.top_k), float(cfg.top_p))
     rec = run_point(target, draft, prompt, g, a, sp, cfg, costs, probes)
     rec.update(target=tcfg.name, draft=dcfg.name, dtype=tcfg.dtype, env=env)
-    with open(jsonl, "a") as f:
-      f.write(json.dumps(rec, default=cli._json_default) + "\n")
+    bench.append_jsonl(jsonl, [rec])
     records.append(rec)
     write_csv(os.path.join(workdir, "results.csv"), records)
     bar.update(1)
@@ -277,7 +276,7 @@ def _check_same_sweep(path: str, cfg) -> None:
       old = json.load(f)["config"]
   except (OSError, ValueError, KeyError):
     return
-  new = json.loads(json.dumps(cfg.to_dict(), default=cli._json_default))
+  new = json.loads(json.dumps(cfg.to_dict(), default=cli.json_default))
   diff = sorted(k for k in set(old) | set(new)
                 if k not in _POINT_FIELDS and old.get(k) != new.get(k))
   if diff:
