@@ -1,0 +1,33 @@
+"""Batch scaling, XLA vs PyTorch vs llama.cpp: T(N), T(N)/T(1) and tokens/s.
+
+  python experiments/batch_scaling.py --config=configs/batch_scaling.py:quick --workdir=/tmp/specjax_scaling_quick
+
+Same model, same weights (converted from the specjax params), same dtype and
+thread count, same machine, one run; a parity check of the logits first.
+Writes results.jsonl, results.csv, config.json, parity.json, scaling.png,
+decode.png and summary.md into --workdir, and prints the summary.
+"""
+
+import os
+
+from absl import flags
+from ml_collections import config_flags
+
+from specjax import cli, compare
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "batch_scaling.py"),
+    "Comparison config file (configs/batch_scaling.py[:quick|tiny|gpu]).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_scaling", "Output folder.")
+
+
+def main(argv):
+  del argv
+  compare.run_batch_scaling(_CONFIG.value, _WORKDIR.value)
+  with open(os.path.join(_WORKDIR.value, "summary.md")) as f:
+    print(f.read())
+  print(f"outputs in {_WORKDIR.value}")
+
+
+if __name__ == "__main__":
+  cli.run(main)
