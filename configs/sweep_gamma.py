@@ -6,7 +6,7 @@ Quick (about 2 minutes):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick --workdir=/tmp/specjax_quick
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
-      --config.gammas=1,2,3 --config.accepts=bernoulli:0.7,always --workdir=/tmp/sw
+      --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
 """
 
 import ml_collections
