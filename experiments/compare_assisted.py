@@ -1,0 +1,113 @@
+"""specjax speculative decoding against HF assisted generation, same weights.
+
+  python experiments/compare_assisted.py --target=cpu-target --draft=cpu-draft \
+      --gamma=4 --n_predict=64 --reps=3
+  python experiments/compare_assisted.py --target=llama-160m --draft=llama-160m
+
+Two pairs per run: the given (target, draft), and draft = target (the target's
+own weights as draft: every draft accepted, which compares the two engines'
+overheads). For each pair and engine: target-only baseline and speculative
+(greedy; HF with a constant num_assistant_tokens = gamma, specjax with
+--accept=real), all four token lists compared exactly. tokens/s = generated
+tokens (the first, from the prompt evaluation, included) / wall time of the
+whole generate call, prefill included; specjax's decode-only tokens/s is shown
+too. Needs torch and transformers.
+"""
+
+import os
+
+from absl import flags
+
+from specjax import assisted, bench, checkpoint, cli, steps, timing
+from specjax.errors import ConfigError
+
+_TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset name, HF directory or orbax directory.")
+_DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset name, HF directory or orbax directory.")
+_GAMMA = flags.DEFINE_integer("gamma", 4, "Draft tokens per step (HF num_assistant_tokens, constant).",
+                              lower_bound=1, upper_bound=64)
+_N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate (the first included).", lower_bound=1)
+_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
+_PROMPT_TOKENS = flags.DEFINE_string("prompt_tokens", None, "Prompt as comma-separated token ids.")
+_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each generate call (after one warm-up).",
+                             lower_bound=1)
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16"],
+                           "Dtype of both models, both engines; default: their own.")
+_THREADS = flags.DEFINE_integer("threads", 2, "torch intra-op threads (JAX uses every core).",
+                                lower_bound=1)
+_HF_ATTN = flags.DEFINE_enum("hf_attn", "sdpa", ["sdpa", "eager"], "HF attention implementation.")
+_SEED = flags.DEFINE_integer("seed", 0, "Random-init seed of presets: target seed, draft seed+1.")
+_JSON_OUT = flags.DEFINE_string("json_out", None,
+                                "Write every number, token list and the environment as JSON.")
+
+
+def _torch():
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ConfigError(f"this comparison needs torch and transformers ({e}); "
+                      f"pip install torch==2.13.0 transformers") from None
+  transformers.logging.set_verbosity_error()  # HF's per-call deprecation notices
+  return torch
+
+
+def main(argv):
+  del argv
+  torch = _torch()
+  torch.set_num_threads(_THREADS.value)
+  tcfg, tparams, tok = checkpoint.load_model(_TARGET.value, dtype=_DTYPE.value, seed=_SEED.value)
+  dcfg, dparams, _ = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1)
+  if tcfg.vocab_size != dcfg.vocab_size:
+    raise ConfigError(f"draft and target vocabularies differ: {tcfg.vocab_size} (target "
+                      f"{_TARGET.value}) vs {dcfg.vocab_size} (draft {_DRAFT.value})")
+  prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, tcfg.vocab_size)
+  target, draft = steps.Model(tcfg, tparams), steps.Model(dcfg, dparams)
+  pt_target, pt_draft = assisted.torch_models(target, draft, _HF_ATTN.value)
+  pt_self = assisted.torch_models(target, target, _HF_ATTN.value)[1]
+  pairs = [(f"{_TARGET.value} / {_DRAFT.value}", draft, pt_draft),
+           (f"{_TARGET.value} / itself (draft = target)", target, pt_self)]
+  env = {**timing.environment(), "torch": torch.__version__,
+         "transformers": __import__("transformers").__version__,
+         "torch_threads": torch.get_num_threads()}
+  results, loads = [], []
+  for label, d, pt_d in pairs:
+    results.append(assisted.compare(target, d, prompt, _N_PREDICT.value, _GAMMA.value,
+                                    _REPS.value, label, (pt_target, pt_d)))
+    loads.append(os.getloadavg()[0])
+  _report(results, env, loads, prompt)
+
+
+def _report(results, env, loads, prompt):
+  print(bench.markdown_table(assisted.TABLE_COLUMNS, assisted.table_rows(results),
+                             right=[False, False] + [True] * 4 + [False, True, True]))
+  print()
+  print(f"tokens/s = {_N_PREDICT.value} generated tokens (the first, from the prompt, included) / "
+        f"median wall time of the whole generate call ({_REPS.value} reps, prefill included); "
+        f"decode-only = specjax's (n_predict - 1) / eval_s, prefill excluded. "
+        f"speedup = speculative t/s / same-engine baseline t/s. accept = n_accept / n_drafted.")
+  print(f"prompt {len(prompt)} tokens, gamma {_GAMMA.value}, {results[0].capacity} specjax cache "
+        f"slots; torch {env['torch']} ({env['torch_threads']} threads, attn "
+        f"{results[0].hf_attn}), transformers {env['transformers']}, jax {env['jax']} "
+        f"({env['backend']}, {env['cpu_count']} cores); 1-min load after each pair: "
+        + ", ".join(f"{l:.2f}" for l in loads))
+  for r in results:
+    sj = r.engines["specjax"].decode
+    print(f"[{r.pair}] specjax compile (excluded): baseline {sj['baseline_compile_s']:.2f} s, "
+          f"speculative {sj['spec_compile_s']:.2f} s")
+    for key, d in r.divergences.items():
+      print(f"[{r.pair}] {key}: {'identical' if d is None else d}")
+  g = assisted.goal(results[-1])
+  print(f"performance goal (draft = target, gamma {g['gamma']}): specjax speedup "
+        f"{g['specjax_speedup']:.3f}x {'>=' if g['holds'] else '<'} HF speedup "
+        f"{g['hf_speedup']:.3f}x: {'holds' if g['holds'] else 'FAILS'}")
+  if _JSON_OUT.value:
+    cli.write_json(_JSON_OUT.value, {
+        "flags": {"target": _TARGET.value, "draft": _DRAFT.value, "gamma": _GAMMA.value,
+                  "n_predict": _N_PREDICT.value, "reps": _REPS.value, "dtype": _DTYPE.value,
+                  "threads": _THREADS.value, "hf_attn": _HF_ATTN.value, "seed": _SEED.value},
+        "environment": env, "load_avg_1m_after_each_pair": loads,
+        "pairs": [r.to_dict() for r in results], "goal": g})
+
+
+if __name__ == "__main__":
+  cli.run(main)
