@@ -165,7 +165,7 @@ class BenchTest:
     return 1 if self.kind == "pp" else self.n
 
 
-def _pp_run(m: steps.Model, holder: list, tokens: jax.Array, depth: np.ndarray):
+def pp_runner(m: steps.Model, holder: list, tokens: jax.Array, depth: np.ndarray):
   """pp: roll back to depth, one forward_step over tokens [B, N]."""
   def run():
     cache = kvc.rollback(holder[0], depth)
@@ -217,7 +217,7 @@ def bench_model(m: steps.Model, n_prompt: Sequence[int], n_gen: int,
   records, t1 = [], None
   for test in tests:
     if test.kind == "pp":
-      run = _pp_run(m, holder, _random_tokens(rng, m.cfg, 1, test.n), depth)
+      run = pp_runner(m, holder, _random_tokens(rng, m.cfg, 1, test.n), depth)
     else:
       run = _tg_run(m, holder, _random_tokens(rng, m.cfg, 1, 1), depth, test.n)
     t = timing.measure(run, reps=reps)

@@ -70,7 +70,6 @@ import numpy as np
 
 from specjax import bench, checkpoint, hf, theory, timing
 from specjax import config as config_lib
-from specjax import kv_cache as kvc
 from specjax import steps
 from specjax.config import ModelConfig
 from specjax.errors import ConfigError, SpecjaxError
@@ -219,13 +218,7 @@ class XlaBackend(Backend):
     self.depth = np.full((b,), c, np.int32)
 
   def runner(self, tokens):
-    tokens = jnp.asarray(tokens, jnp.int32)
-
-    def run():  # the cache is donated: thread it through the holder
-      cache = kvc.rollback(self.holder[0], self.depth)
-      logits, self.holder[0] = self.m.forward(tokens, cache, lengths=self.depth)
-      return logits
-    return run
+    return bench.pp_runner(self.m, self.holder, jnp.asarray(tokens, jnp.int32), self.depth)
 
   def logits(self, tokens):
     return np.asarray(self.runner(tokens)(), np.float32)
