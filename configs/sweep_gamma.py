@@ -4,6 +4,8 @@ Default (about 10 minutes on a 2-core CPU, random weights, no download):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py --workdir=/tmp/specjax_sweep
 Quick (about 2 minutes):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick --workdir=/tmp/specjax_quick
+Real acceptance with the shipped trained pair (held-out stdlib prompts, T=0 and 1):
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:real --workdir=/tmp/specjax_real
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
       --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
@@ -24,6 +26,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.top_p = 1.0                  # top-p for both models (1 = off)
   c.prompt = ""                  # prompt text (needs a tokenizer); "" = built-in
   c.prompt_tokens = ""           # prompt as comma-separated ids; "" = built-in
+  c.heldout_prompts = 0          # > 0: that many shipped held-out prompts instead (run in turn)
   c.n_predict = 64               # tokens generated per run
   c.ctx_size = 256               # context; the cache holds ctx_size + max(gammas) + 1
   c.reps = 3                     # repetitions; target-only and speculative alternate (medians)
@@ -43,6 +46,13 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.n_predict = 128
     c.ctx_size = 512
     c.measure_split = False
+  elif arg == "real":  # the shipped trained pair: real acceptance (about 10 minutes)
+    c.target, c.draft, c.dtype = "stdlib-target", "stdlib-draft", "float32"
+    c.gammas = (1, 2, 3, 4, 6, 8)
+    c.accepts = ("real",)
+    c.temps = (0.0, 1.0)
+    c.heldout_prompts = 8
+    c.ctx_size = 256
   elif arg != "default":
-    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick or gpu")
+    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real or gpu")
   return c

@@ -27,6 +27,9 @@ from specjax.tokenizer import Tokenizer, load_tokenizer
 
 CONFIG_FILE = "specjax_config.json"
 PARAMS_DIR = "params"
+# The pair trained on the standard library (specjax/pair.py), by name.
+ASSETS = Path(__file__).parent / "assets"
+SHIPPED = {"stdlib-target": ASSETS / "stdlib-target", "stdlib-draft": ASSETS / "stdlib-draft"}
 
 
 def is_orbax_dir(path: str | os.PathLike) -> bool:
@@ -160,8 +163,9 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0):
 
   Args:
     spec: a preset name (random weights from `seed`: speed does not depend
-      on the values), an HF directory (has config.json) or a specjax orbax
-      directory (has specjax_config.json).
+      on the values), a shipped model (stdlib-target, stdlib-draft: the
+      trained pair in specjax/assets), an HF directory (has config.json) or
+      a specjax orbax directory (has specjax_config.json).
     dtype: compute and param dtype; default: the preset's / checkpoint's.
   Raises:
     CheckpointError: `spec` is none of the three, or the checkpoint is bad.
@@ -169,7 +173,10 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0):
   if spec in preset_names():
     cfg = get_preset(spec, dtype)
     return cfg, model_lib.init_params(cfg, seed), None
-  path = Path(spec)
+  path = SHIPPED.get(spec, Path(spec))
+  if spec in SHIPPED and not (path / hf.CONFIG_FILE).is_file():
+    raise CheckpointError(f"shipped model {spec!r} is missing from {path}; regenerate "
+                          f"it with experiments/train.py (see README)")
   if is_orbax_dir(path):
     cfg, params = load(path, dtype)
   elif (path / hf.CONFIG_FILE).is_file():
@@ -180,5 +187,6 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0):
     raise CheckpointError(
         f"--model {spec!r} is {what}; expected a preset name, an HF directory "
         f"(with config.json + model.safetensors) or a specjax orbax directory "
-        f"(with {CONFIG_FILE}); presets: {', '.join(preset_names())}")
+        f"(with {CONFIG_FILE}); shipped: {', '.join(SHIPPED)}; "
+        f"presets: {', '.join(preset_names())}")
   return cfg, params, _checked_tokenizer(path, cfg)

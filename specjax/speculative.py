@@ -141,6 +141,7 @@ class SpecResult:
   prompt_s: float           # prefill of both models
   eval_s: float             # speculative loop
   compile_s: float = 0.0
+  records: Records | None = None  # per-step records behind `stats`
 
 
 def _bookkeep(out, count, done, a, eos_id, n_predict):
@@ -280,4 +281,4 @@ def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
   stats = SpecStats.compute(records, gamma=gamma, n_predict=int(count.sum()),
                             eval_s=eval_s, phase_s=phase)
   return SpecResult(tokens=rows, stats=stats, prompt_s=prompt_s, eval_s=eval_s,
-                    compile_s=cw.seconds)
+                    compile_s=cw.seconds, records=records)

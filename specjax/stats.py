@@ -23,6 +23,7 @@ Definitions (see ARCHITECTURE.md; llama.cpp's names where it has them):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,12 @@ class Records:
   n_acc: np.ndarray      # [steps, B] accepted drafts
   n_drafted: np.ndarray  # [steps, B] drafts really proposed
   live: np.ndarray       # [steps, B] 1 where the row was still generating
+
+  @classmethod
+  def concat(cls, parts: list["Records"]) -> "Records":
+    """The records of several runs (e.g. one per prompt) as one."""
+    return cls(*(np.concatenate([getattr(p, f) for p in parts])
+                 for f in ("n_acc", "n_drafted", "live")))
 
   @classmethod
   def from_arrays(cls, rec: dict[str, Any]) -> "Records":
@@ -108,3 +115,76 @@ class SpecStats:
           f"{k[:-2]} {1e3 * v:.1f} ms ({100 * v / total:.1f}%)"
           for k, v in self.phase_s.items()))
     return lines
+
+
+def chi2_sf(x: float, dof: int) -> float:
+  """P(chi-square with `dof` degrees of freedom >= x) (regularised upper gamma).
+
+  Series for x < a + 1, continued fraction otherwise (Numerical Recipes 6.2);
+  kept here so the sweep report needs no scipy.
+  """
+  if dof <= 0:
+    return float("nan")
+  a, x = dof / 2.0, x / 2.0
+  if x <= 0:
+    return 1.0
+  lg = math.lgamma(a)
+  if x < a + 1:
+    term = total = 1.0 / a
+    n = a
+    for _ in range(1000):
+      n += 1
+      term *= x / n
+      total += term
+      if abs(term) < abs(total) * 1e-15:
+        break
+    return max(0.0, 1.0 - total * math.exp(-x + a * math.log(x) - lg))
+  b = x + 1.0 - a
+  c, d = 1.0 / 1e-300, 1.0 / b
+  h = d
+  for i in range(1, 1000):
+    an = -i * (i - a)
+    b += 2.0
+    d = an * d + b
+    d = 1e-300 if abs(d) < 1e-300 else d
+    c = b + an / c
+    c = 1e-300 if abs(c) < 1e-300 else c
+    d = 1.0 / d
+    h *= d * c
+    if abs(d * c - 1.0) < 1e-15:
+      break
+  return min(1.0, math.exp(-x + a * math.log(x) - lg) * h)
+
+
+def geometric_check(st: SpecStats) -> dict[str, Any]:
+  """The accepted-length histogram against the capped geometric law at st.alpha.
+
+  The theory assumes every draft token is accepted independently with the
+  same probability; then P(k accepted) = alpha^k (1 - alpha), P(gamma) =
+  alpha^gamma (theory.geometric_accept_pmf). Returns the observed and
+  expected shares, their total-variation distance, and Pearson's chi-square
+  (bins with expected count < 5 pooled into their neighbour) with its p-value
+  (dof = bins - 2: the shares sum to one and alpha is fitted).
+  Meaningful only without a draft early stop (p_min = 0).
+  """
+  hist = np.asarray(st.accept_hist, float)
+  n = hist.sum()
+  if n == 0:
+    return {"observed": [], "expected": [], "tv": None, "chi2": None, "dof": 0, "p": None}
+  exp = theory.geometric_accept_pmf(st.alpha, st.n_draft) * n
+  obs_bins, exp_bins, o, e = [], [], 0.0, 0.0
+  for ok, ek in zip(hist, exp):
+    o, e = o + ok, e + ek
+    if e >= 5:
+      obs_bins.append(o)
+      exp_bins.append(e)
+      o = e = 0.0
+  if e > 0 and exp_bins:
+    obs_bins[-1] += o
+    exp_bins[-1] += e
+  ob, eb = np.array(obs_bins), np.array(exp_bins)
+  chi2 = float(((ob - eb) ** 2 / eb).sum()) if len(eb) else None
+  dof = len(eb) - 2
+  return {"observed": (hist / n).tolist(), "expected": (exp / n).tolist(),
+          "tv": float(0.5 * np.abs(hist / n - exp / n).sum()), "chi2": chi2, "dof": dof,
+          "p": chi2_sf(chi2, dof) if chi2 is not None and dof > 0 else None}

@@ -42,6 +42,8 @@ from specjax import acceptance, bench, checkpoint, cli, generation, speculative,
 from specjax import theory, timing
 from specjax.errors import ConfigError
 from specjax.sampling import SamplingParams
+from specjax import stats as stats_lib
+from specjax.stats import Records, SpecStats
 
 CSV_COLUMNS = [
     "gamma", "accept", "temp", "baseline_tps", "spec_tps", "speedup", "accept_rate",
@@ -83,6 +85,8 @@ def validate(cfg) -> None:
   for a in cfg.accepts:
     for g in cfg.gammas:
       acceptance.parse_rule(a).resolve(int(g))
+  if int(cfg.get("heldout_prompts", 0)) < 0:
+    raise ConfigError(f"config.heldout_prompts must be >= 0, got {cfg.heldout_prompts}")
   for name in ("n_predict", "reps"):
     if int(getattr(cfg, name)) < 1:
       raise ConfigError(f"config.{name} must be >= 1, got {getattr(cfg, name)}")
@@ -118,43 +122,56 @@ def accept_cost(tcfg, dcfg, gamma: int, sp: SamplingParams, reps: int) -> float:
   return timing.measure(run, reps=max(reps, 5)).median
 
 
-def run_point(target, draft, prompt, gamma: int, accept: str, sp: SamplingParams,
+def run_point(target, draft, prompts, gamma: int, accept: str, sp: SamplingParams,
               cfg, costs: Costs, probes) -> dict[str, Any]:
   """Measures one (gamma, accept, temperature) point and its predictions.
 
-  Each repetition runs target-only, then speculative, then the cost probes
-  (T_target(1), T_target(gamma), T_target(gamma+1), T_draft(1)), so the
-  measured speedup and the costs that predict it see the same machine
-  state; every figure is the median over repetitions.
+  Each repetition runs target-only, then speculative (each over every
+  prompt, one after another, batch 1), then the cost probes (T_target(1),
+  T_target(gamma), T_target(gamma+1), T_draft(1)), so the measured speedup
+  and the costs that predict it see the same machine state; every figure is
+  the median over repetitions. Tokens/s pool all prompts; so do the
+  acceptance statistics.
   """
   n, seed, ctx = int(cfg.n_predict), int(cfg.seed), int(cfg.ctx_size)
-  spec = lambda loop: speculative.generate(target, draft, [prompt], n, gamma, sp=sp, rule=accept,
-                                           seed=seed, ctx_size=ctx, capacity=costs.capacity,
-                                           loop=loop)
-  base = lambda: generation.generate(target, [prompt], n, sp, seed=seed, ctx_size=ctx,
-                                     capacity=costs.capacity)
-  compile_s = spec("device").compile_s + base().compile_s  # warm-up
+
+  def spec(loop):
+    return [speculative.generate(target, draft, [p], n, gamma, sp=sp, rule=accept, seed=seed,
+                                 ctx_size=ctx, capacity=costs.capacity, loop=loop)
+            for p in prompts]
+
+  def base():
+    return [generation.generate(target, [p], n, sp, seed=seed, ctx_size=ctx,
+                                capacity=costs.capacity) for p in prompts]
+
+  compile_s = sum(r.compile_s for r in spec("device") + base())  # warm-up
   spec_s, base_s, t_t, t_d = [], [], [], []
   for _ in range(int(cfg.reps)):
     b = base()
     res = spec("device")
-    base_s.append(b.eval_s / b.n_eval)
-    spec_s.append(res.eval_s / (res.stats.n_predict - 1))
+    base_s.append(sum(r.eval_s for r in b) / sum(r.n_eval for r in b))
+    spec_s.append(sum(r.eval_s for r in res) / sum(r.stats.n_predict - 1 for r in res))
     t_t.append({k: v.median for k, v in probes[0].times([1, gamma, gamma + 1]).items()})
     t_d.append(probes[1].times([1])[1].median)
   med = statistics.median
   here = Costs({k: med(t[k] for t in t_t) for k in t_t[0]}, med(t_d), costs.t_accept,
                costs.capacity, costs.depth)
+  st = SpecStats.compute(Records.concat([r.records for r in res]), gamma=gamma,
+                         n_predict=sum(r.stats.n_predict for r in res))
   split = {}
   if cfg.measure_split:
     spec("host")  # compiles the phase functions
-    host = spec("host")
-    total = sum(host.stats.phase_s.values())
-    split = {f"{k[:-2]}_share": v / total for k, v in host.stats.phase_s.items()}
-  rec = point_record(gamma, accept, sp, res.stats, 1 / med(spec_s), 1 / med(base_s), here,
+    phase: dict[str, float] = {}
+    for r in spec("host"):
+      for k, v in r.stats.phase_s.items():
+        phase[k] = phase.get(k, 0.0) + v
+    total = sum(phase.values())
+    split = {f"{k[:-2]}_share": v / total for k, v in phase.items()}
+  rec = point_record(gamma, accept, sp, st, 1 / med(spec_s), 1 / med(base_s), here,
                      split, compile_s)
   rec.update(t_target_1_s=here.t_target[1], t_verify_s=here.t_target[gamma + 1],
-             t_draft_1_s=here.t_draft)
+             t_draft_1_s=here.t_draft, n_prompts=len(prompts),
+             geometric=stats_lib.geometric_check(st))
   return rec
 
 
@@ -228,9 +245,10 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   dcfg, dparams, _ = checkpoint.load_model(cfg.draft, dtype=cfg.dtype, seed=int(cfg.seed) + 1)
   target, draft = steps.Model(tcfg, tparams), steps.Model(dcfg, dparams)
   speculative.SpecConfig(tcfg, dcfg, 1)  # vocabulary check, before any timing
-  prompt = cli.parse_prompt(cfg.prompt or None, cfg.prompt_tokens or None, tok, tcfg.vocab_size)
+  prompts = sweep_prompts(cfg, tok, tcfg.vocab_size)
+  depth = max(len(p) for p in prompts)
   gammas = sorted(int(g) for g in cfg.gammas)
-  capacity = generation.plan_capacity(tcfg, len(prompt), int(cfg.n_predict),
+  capacity = generation.plan_capacity(tcfg, depth, int(cfg.n_predict),
                                       extra=max(gammas) + 1, ctx_size=int(cfg.ctx_size))
   points = [(g, a, float(t)) for t in cfg.temps for g in gammas for a in cfg.accepts]
   finished = {point_key(r) for r in done}
@@ -240,13 +258,13 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   bar = _progress(len(points), len(points) - len(todo), progress)
   n_new, t_start = 0, time.perf_counter()
   sp0 = SamplingParams(float(cfg.temps[0]), int(cfg.top_k), float(cfg.top_p))
-  probes = (bench.CostProbe(target, capacity, len(prompt)),
-            bench.CostProbe(draft, capacity, len(prompt)))
+  probes = (bench.CostProbe(target, capacity, depth),
+            bench.CostProbe(draft, capacity, depth))
   costs = measure_costs(*probes, gammas, int(cfg.reps), sp0)
   cli.write_json(os.path.join(workdir, "costs.json"), costs.to_dict())
   for g, a, temp in todo:
     sp = SamplingParams(temp, int(cfg.top_k), float(cfg.top_p))
-    rec = run_point(target, draft, prompt, g, a, sp, cfg, costs, probes)
+    rec = run_point(target, draft, prompts, g, a, sp, cfg, costs, probes)
     rec.update(target=tcfg.name, draft=dcfg.name, dtype=tcfg.dtype, env=env)
     bench.append_jsonl(jsonl, [rec])
     records.append(rec)
@@ -263,6 +281,20 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   from specjax import sweep_report  # matplotlib only when writing the report
   sweep_report.write_report(workdir, records, costs.to_dict(), cfg)
   return records
+
+
+def sweep_prompts(cfg, tok, vocab_size: int) -> list[list[int]]:
+  """The prompts of a sweep: `heldout_prompts` shipped held-out prompts, or one."""
+  n = int(cfg.get("heldout_prompts", 0))
+  if n:
+    if tok is None:
+      raise ConfigError("config.heldout_prompts needs a target with a tokenizer")
+    from specjax import pair  # pylint: disable=import-outside-toplevel
+    texts = pair.shipped_prompts(n)
+    if len(texts) < n:
+      raise ConfigError(f"config.heldout_prompts={n}, but only {len(texts)} are shipped")
+    return [tok.encode(t) for t in texts]
+  return [cli.parse_prompt(cfg.prompt or None, cfg.prompt_tokens or None, tok, vocab_size)]
 
 
 # Fields that may change between a run and its --resume (they only add points).

@@ -71,6 +71,72 @@ def plot_verify_cost(path: str, costs: dict[str, Any]) -> None:
   plt.close(fig)
 
 
+def _iid_records(records):
+  """Points whose acceptance is random (real or Bernoulli), with a geometric check."""
+  return [r for r in records if "geometric" in r and r["geometric"]["observed"]
+          and (r["accept"] == "real" or r["accept"].startswith("bernoulli"))]
+
+
+def plot_acceptance(path: str, records: list[dict[str, Any]]) -> None:
+  """Alpha per draft position, and accepted lengths against the geometric law."""
+  rs = _iid_records(records)
+  settings = sorted({(r["accept"], r["temp"]) for r in rs})
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+  colors = plt.cm.tab10(np.linspace(0, 1, 10))
+  width = 0.8 / max(len(settings), 1)
+  for i, (acc, temp) in enumerate(settings):
+    pts = [r for r in rs if (r["accept"], r["temp"]) == (acc, temp)]
+    r = max(pts, key=lambda x: x["gamma"])  # the longest draft shows the most positions
+    col, label = colors[i % 10], f"{acc} T={temp:g}"
+    pos = [(j + 1, a) for j, a in enumerate(r["stats"]["alpha_at_pos"]) if a is not None]
+    ax1.plot([p for p, _ in pos], [a for _, a in pos], "o-", color=col,
+             label=f"{label} (gamma {r['gamma']})")
+    ax1.axhline(r["alpha"], color=col, ls=":", lw=1)
+    g = r["geometric"]
+    k = np.arange(len(g["observed"]))
+    ax2.bar(k + (i - (len(settings) - 1) / 2) * width, g["observed"], width, color=col,
+            alpha=0.7, label=f"{label}: measured")
+    ax2.plot(k, g["expected"], "_", color=col, ms=18, mew=2.5)
+  ax1.set_xlabel("draft position i")
+  ax1.set_ylabel("P(accept i | reached i)")
+  ax1.set_title("Alpha per draft position (dotted: i.i.d. alpha)")
+  ax1.set_ylim(0, 1.02)
+  ax1.grid(alpha=0.3)
+  ax1.legend(fontsize=7)
+  ax2.plot([], [], "k_", ms=14, mew=2.5, label="capped geometric at the mean alpha")
+  ax2.set_xlabel("draft tokens accepted in a step (k)")
+  ax2.set_ylabel("share of steps")
+  ax2.set_title("Accepted lengths vs the i.i.d. law")
+  ax2.legend(fontsize=7)
+  ax2.grid(alpha=0.3, axis="y")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def acceptance_markdown(records: list[dict[str, Any]]) -> list[str]:
+  """Per-position alpha and the geometric check, for real and Bernoulli points."""
+  rs = sorted(_iid_records(records), key=lambda r: (r["temp"], r["accept"], r["gamma"]))
+  if not rs:
+    return []
+  out = ["## Acceptance against the i.i.d. assumption", "",
+         "alpha at position i = P(draft i accepted | drafts 1..i-1 accepted). The theory "
+         "assumes one alpha for every position, hence a capped geometric law of accepted "
+         "lengths; TV = total-variation distance between the measured and that law, p = "
+         "chi-square goodness of fit (small p: not geometric).", "",
+         "| gamma | accept | T | prompts | steps | alpha (i.i.d.) | alpha per position | "
+         "TV | chi2 (dof) | p |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rs:
+    g = r["geometric"]
+    pos = ", ".join("-" if a is None else f"{a:.2f}" for a in r["stats"]["alpha_at_pos"])
+    chi = "-" if g["chi2"] is None else f"{g['chi2']:.1f} ({g['dof']})"
+    p = "-" if g["p"] is None else f"{g['p']:.2g}"
+    out.append(f"| {r['gamma']} | {r['accept']} | {r['temp']:g} | {r.get('n_prompts', 1)} | "
+               f"{r['n_steps']} | {r['alpha']:.3f} | {pos} | {_fmt(g['tv'], '.3f')} | "
+               f"{chi} | {p} |")
+  return out + [""]
+
+
 def _fmt(x, spec=".2f") -> str:
   return "-" if x is None else format(x, spec)
 
@@ -98,7 +164,7 @@ def summary_markdown(records: list[dict[str, Any]], costs: dict[str, Any], cfg) 
         f"{r['mean_accepted']:.2f}", f"{r['alpha']:.3f}", f"{r['verify_ratio']:.2f}",
         f"{r['predicted_leviathan']:.3f}", f"{r['predicted_thread']:.3f}",
         f"{r['predicted_measured_cost']:.3f}", f"{r['efficiency']:.3f}", split or "-"]) + " |")
-  lines += ["", *verdict(rs)]
+  lines += ["", *acceptance_markdown(rs), *verdict(rs)]
   return "\n".join(lines) + "\n"
 
 
@@ -134,6 +200,8 @@ def verdict(rs: list[dict[str, Any]]) -> list[str]:
 def write_report(workdir: str, records: list[dict[str, Any]], costs: dict[str, Any], cfg) -> str:
   if records:
     plot_speedup(os.path.join(workdir, "speedup.png"), records)
+    if _iid_records(records):
+      plot_acceptance(os.path.join(workdir, "acceptance.png"), records)
   plot_verify_cost(os.path.join(workdir, "verify_cost.png"), costs)
   md = summary_markdown(records, costs, cfg)
   with open(os.path.join(workdir, "summary.md"), "w") as f:

@@ -54,6 +54,12 @@ def test_sweep_writes_every_output(tmp_path, tiny_dir):
   assert "measured-cost model" in summary and "| 3 | always |" in summary
   csv_lines = (tmp_path / "results.csv").read_text().splitlines()
   assert len(csv_lines) == 7 and csv_lines[0].startswith("gamma,accept")
+  # per-position alpha and the geometric check, for the random (Bernoulli, real) points
+  assert "Acceptance against the i.i.d. assumption" in summary
+  assert (tmp_path / "acceptance.png").stat().st_size > 0
+  bern = [r for r in records if r["accept"] == "bernoulli:0.5"]
+  assert all(len(r["stats"]["alpha_at_pos"]) == r["gamma"] for r in bern)
+  assert all(abs(sum(r["geometric"]["expected"]) - 1) < 1e-9 for r in bern)
 
 
 def test_resume_skips_finished_points_and_survives_a_torn_line(tmp_path, tiny_dir):
@@ -80,3 +86,19 @@ def test_resume_skips_finished_points_and_survives_a_torn_line(tmp_path, tiny_di
 def test_bad_config_is_one_clear_error(tmp_path, tiny_dir, field, value, match):
   with pytest.raises(SpecjaxError, match=match):
     sweep.run_sweep(_tiny_config(tiny_dir, **{field: value}), str(tmp_path), progress=False)
+
+
+def test_heldout_prompts_need_a_tokenizer(tmp_path, tiny_dir):
+  with pytest.raises(SpecjaxError, match="tokenizer"):
+    sweep.run_sweep(_tiny_config(tiny_dir, heldout_prompts=2), str(tmp_path), progress=False)
+
+
+def test_real_config_on_the_shipped_pair(tmp_path):
+  c = sweep_gamma.get_config("real")
+  c.gammas, c.temps, c.heldout_prompts = (3,), (0.0,), 2
+  c.n_predict, c.reps, c.measure_split = 16, 1, False
+  (rec,) = sweep.run_sweep(c, str(tmp_path), progress=False)
+  assert rec["n_prompts"] == 2 and rec["target"] == "stdlib-target"
+  assert rec["stats"]["n_predict"] == 2 * 16
+  assert rec["mean_accepted"] > 0.5   # a trained pair agrees on held-out code
+  assert "| 3 | real | 0 | 2 |" in (tmp_path / "summary.md").read_text()

@@ -297,3 +297,17 @@ def test_bad_inputs_raise_specjax_error(call):
 def test_specjax_error_is_a_value_error():
   assert issubclass(SpecjaxError, ValueError)
   assert math.isfinite(theory.leviathan_speedup(0.0, 0, 0.0))
+
+
+def test_geometric_check_accepts_the_law_and_rejects_all_or_nothing():
+  from specjax.stats import SpecStats, geometric_check
+  def stats(hist, alpha):
+    g = len(hist) - 1
+    return SpecStats(n_draft=g, n_predict=0, n_drafted=0, n_accept=0, n_steps=sum(hist),
+                     accept=0.0, tokens_per_step=0.0, mean_accepted=0.0, alpha=alpha,
+                     accept_hist=hist, alpha_at_pos=[None] * g)
+  law = theory.geometric_accept_pmf(0.6, 4)
+  good = geometric_check(stats([int(round(10000 * x)) for x in law], 0.6))
+  assert good["tv"] < 1e-3 and good["p"] > 0.5
+  bad = geometric_check(stats([4000, 0, 0, 0, 6000], 0.6))
+  assert bad["tv"] > 0.3 and bad["p"] < 1e-10

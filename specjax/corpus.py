@@ -1,0 +1,177 @@
+"""The training corpus: the Python standard library's own source files.
+
+Every machine that runs specjax has it, so a real target/draft pair can be
+trained without a download (experiments/train.py). The split into train and
+held-out sets is by file and deterministic: a file is held out when the
+SHA-1 of its path relative to the stdlib root falls in the first
+`heldout_per_mille` of the hash space, so the same path lands in the same
+split on every machine and every Python version.
+
+Files under test directories, site-packages, idlelib and lib2to3 are left
+out (tests are repetitive fixtures; idlelib and lib2to3 are applications).
+
+Tokenizer: a byte-level BPE trained on the training split with HF
+`tokenizers`, saved as tokenizer.json (plus tokenizer_config.json naming
+<s> and </s>), so the loader that reads HF directories reads it. Byte-level
+pre-tokenization without a prefix space round-trips any text exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from specjax.errors import ConfigError
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+SPECIALS = (BOS, EOS, PAD)   # ids 0, 1, 2
+_EXCLUDED_DIRS = {"test", "tests", "site-packages", "dist-packages", "idlelib",
+                  "lib2to3", "__pycache__", "turtledemo"}
+
+
+def stdlib_root() -> Path:
+  return Path(sysconfig.get_paths()["stdlib"])
+
+
+def is_heldout(rel_path: str, heldout_per_mille: int) -> bool:
+  """Deterministic by-file split: the path's hash decides."""
+  h = int.from_bytes(hashlib.sha1(rel_path.encode()).digest()[:4], "big")
+  return h % 1000 < heldout_per_mille
+
+
+def list_files(root: Path | None = None, heldout_per_mille: int = 50
+               ) -> tuple[list[Path], list[Path]]:
+  """(train files, held-out files) of the stdlib, sorted by relative path."""
+  root = stdlib_root() if root is None else Path(root)
+  if not root.is_dir():
+    raise ConfigError(f"standard library directory {root} not found")
+  train, held = [], []
+  for p in sorted(root.rglob("*.py")):
+    rel = p.relative_to(root)
+    if _EXCLUDED_DIRS & set(rel.parts[:-1]):
+      continue
+    (held if is_heldout(rel.as_posix(), heldout_per_mille) else train).append(p)
+  if not train or not held:
+    raise ConfigError(f"{root}: no usable .py files for a train/held-out split "
+                      f"(train {len(train)}, held-out {len(held)})")
+  return train, held
+
+
+def read_texts(files: Iterable[Path]) -> list[str]:
+  out = []
+  for p in files:
+    try:
+      out.append(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, OSError):
+      continue  # a handful of stdlib files are latin-1 test data
+  return out
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: str | os.PathLike) -> Path:
+  """Trains a byte-level BPE and writes tokenizer.json + tokenizer_config.json."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+  if vocab_size < 256 + len(SPECIALS):
+    raise ConfigError(f"vocab_size must be >= {256 + len(SPECIALS)} for a byte-level BPE, "
+                      f"got {vocab_size}")
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(texts, trainer=trainer)
+  out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  tok.save(str(out / "tokenizer.json"))
+  (out / "tokenizer_config.json").write_text(json.dumps(
+      {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
+       "model_max_length": 1 << 20, "tokenizer_class": "PreTrainedTokenizerFast"},
+      indent=2) + "\n")
+  return out / "tokenizer.json"
+
+
+def encode_documents(tokenizer, texts: Sequence[str]) -> np.ndarray:
+  """One int32 stream: <s> doc </s> <s> doc </s> ..."""
+  bos, eos = tokenizer.bos_id, tokenizer.eos_id
+  parts = []
+  for text in texts:
+    parts.append(np.asarray(tokenizer.encode(text, add_bos=True) + [eos], np.int32))
+  assert bos is not None and eos is not None
+  return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+
+
+def batch_at(stream: np.ndarray, step: int, batch: int, length: int, seed: int) -> np.ndarray:
+  """Batch `step`: [batch, length] random windows, a pure function of (seed, step).
+
+  Resuming at step s therefore sees exactly the batches an uninterrupted
+  run would have seen.
+  """
+  if len(stream) <= length:
+    raise ConfigError(f"corpus of {len(stream)} tokens is shorter than one "
+                      f"sequence of {length}")
+  rng = np.random.default_rng([seed, step])
+  starts = rng.integers(0, len(stream) - length, size=batch)
+  return np.stack([stream[s:s + length] for s in starts])
+
+
+def eval_windows(stream: np.ndarray, n: int, length: int) -> np.ndarray:
+  """n evenly spaced, non-random windows of the held-out stream."""
+  if len(stream) <= length:
+    raise ConfigError(f"held-out stream of {len(stream)} tokens is shorter than "
+                      f"one sequence of {length}")
+  starts = np.linspace(0, len(stream) - length - 1, n).astype(int)
+  return np.stack([stream[s:s + length] for s in starts])
+
+
+def heldout_prompts(files: Sequence[Path], tokenizer, n: int, n_tokens: int,
+                    root: Path | None = None) -> list[dict]:
+  """n prompts of about n_tokens tokens: code prefixes cut at a line end.
+
+  Each prompt is the start of a def/class body region of a held-out file,
+  so continuations are real code the models never trained on.
+  """
+  root = stdlib_root() if root is None else Path(root)
+  out = []
+  for p in files:
+    try:
+      text = p.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+      continue
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, l in enumerate(lines) if l.lstrip().startswith(("def ", "class "))]
+    if not starts:
+      continue
+    mid = len(starts) // 2  # prefer definitions from the middle of the file
+    for i in sorted(starts, key=lambda j: abs(starts.index(j) - mid)):
+      prompt = ""
+      for line in lines[i:]:
+        if len(tokenizer.encode(prompt + line, add_bos=False)) > n_tokens:
+          break
+        prompt += line
+      if len(tokenizer.encode(prompt, add_bos=False)) >= n_tokens // 2:
+        out.append({"file": p.relative_to(root).as_posix(), "line": i + 1, "text": prompt})
+        break
+    if len(out) == n:
+      break
+  return out
+
+
+def describe(train_files: Sequence[Path], held_files: Sequence[Path], n_train_tokens: int,
+             n_held_tokens: int, vocab_size: int, heldout_per_mille: int) -> dict:
+  """What the README states about the corpus."""
+  size = lambda fs: int(sum(p.stat().st_size for p in fs))
+  return {"source": "Python standard library (*.py)", "root": str(stdlib_root()),
+          "python": sys.version.split()[0],
+          "excluded_dirs": sorted(_EXCLUDED_DIRS),
+          "heldout_per_mille": heldout_per_mille,
+          "train_files": len(train_files), "heldout_files": len(held_files),
+          "train_bytes": size(train_files), "heldout_bytes": size(held_files),
+          "train_tokens": int(n_train_tokens), "heldout_tokens": int(n_held_tokens),
+          "vocab_size": vocab_size}

@@ -1,0 +1,189 @@
+"""The shipped target/draft pair: how it is made, and where it lives.
+
+    python experiments/train.py --config=configs/train.py --workdir=W --export_dir=specjax/assets
+
+Stages (each skipped when its output in the workdir is complete, each
+training stage resumed from its last checkpoint when interrupted):
+  corpus   tokenizer (byte-level BPE) + token streams + corpus.json
+  target   next-token training of the target
+  draft    next-token training of the draft (the "before" draft)
+  distill  the draft distilled toward the target (KL to its soft labels)
+  alpha    real acceptance of both drafts, measured by the engine
+           (--accept=real, greedy and T=1, batched held-out prompts), on the
+           weights as exported (rounded to export_dtype, run in float32)
+  export   HF directories (config.json, model.safetensors, tokenizer.json,
+           tokenizer_config.json) + training.json + heldout_prompts.json
+
+The pair is loaded by name: `--target=stdlib-target --draft=stdlib-draft`
+(checkpoint.load_model resolves the names to specjax/assets/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import corpus, hf, speculative, steps, train
+from specjax.checkpoint import SHIPPED
+from specjax.config import ModelConfig
+from specjax.errors import ConfigError
+from specjax.sampling import SamplingParams
+from specjax.tokenizer import load_tokenizer
+
+PROMPTS_FILE = "heldout_prompts.json"
+SUMMARY_FILE = "training.json"
+
+
+def shipped_prompts(n: int | None = None) -> list[str]:
+  """Held-out prompt texts shipped with the pair (the sweep's `real` prompts)."""
+  file = SHIPPED["stdlib-target"] / PROMPTS_FILE
+  if not file.is_file():
+    raise ConfigError(f"{file} is missing: the shipped pair is not installed; "
+                      "regenerate it with experiments/train.py (see README)")
+  texts = [p["text"] for p in json.loads(file.read_text())]
+  return texts[:n] if n else texts
+
+
+def model_config(name: str, m, vocab_size: int, bos: int, eos: int) -> ModelConfig:
+  return ModelConfig(name=name, vocab_size=vocab_size, dim=int(m.dim),
+                     n_layers=int(m.n_layers), n_heads=int(m.n_heads),
+                     n_kv_heads=int(m.n_kv_heads), ffn_dim=int(m.ffn_dim),
+                     max_seq_len=int(m.max_seq_len), tie_embeddings=True,
+                     bos_token_id=bos, eos_token_id=eos)
+
+
+def _stage_corpus(c, wd: Path, log) -> dict[str, Any]:
+  meta_file = wd / "corpus.json"
+  if meta_file.is_file() and (wd / "train.npy").is_file():
+    return json.loads(meta_file.read_text())
+  t0 = time.perf_counter()
+  train_files, held_files = corpus.list_files(heldout_per_mille=int(c.heldout_per_mille))
+  if int(c.max_files):
+    train_files = train_files[:int(c.max_files)]
+    held_files = held_files[:max(2, int(c.max_files) // 10)]
+  texts = corpus.read_texts(train_files)
+  log(f"corpus: {len(train_files)} train files, {len(held_files)} held-out files; "
+      f"training a {c.vocab_size}-token BPE")
+  corpus.train_tokenizer(texts, int(c.vocab_size), wd)
+  tok = load_tokenizer(wd)
+  train_stream = corpus.encode_documents(tok, texts)
+  held_stream = corpus.encode_documents(tok, corpus.read_texts(held_files))
+  prompts = corpus.heldout_prompts(held_files, tok, int(c.alpha_prompts_saved),
+                                   int(c.alpha_prompt_tokens))
+  if len(prompts) < int(c.alpha_prompts):
+    raise ConfigError(f"only {len(prompts)} held-out prompts found, "
+                      f"alpha_prompts={c.alpha_prompts}")
+  np.save(wd / "train.npy", train_stream)
+  np.save(wd / "heldout.npy", held_stream)
+  (wd / PROMPTS_FILE).write_text(json.dumps(prompts, indent=1) + "\n")
+  meta = corpus.describe(train_files, held_files, len(train_stream), len(held_stream),
+                         tok.vocab_size, int(c.heldout_per_mille))
+  meta["seconds"] = time.perf_counter() - t0
+  meta_file.write_text(json.dumps(meta, indent=2) + "\n")
+  log(f"corpus: {meta['train_tokens']:,} train tokens, {meta['heldout_tokens']:,} "
+      f"held-out tokens ({meta['seconds']:.0f} s)")
+  return meta
+
+
+def _round(cfg: ModelConfig, params, dtype: str):
+  """Params as exported (rounded to dtype), back in cfg's float32."""
+  return jax.tree_util.tree_map(
+      lambda x: jnp.asarray(x.astype(dtype), cfg.jnp_param_dtype), params)
+
+
+def measure_alpha(target: steps.Model, draft: steps.Model, prompts: list[list[int]],
+                  gamma: int, n_predict: int, temps, seed: int = 0) -> dict[str, Any]:
+  """Real acceptance of `draft` against `target`, by the engine, per temperature."""
+  out = {}
+  for t in temps:
+    res = speculative.generate(target, draft, prompts, n_predict, gamma,
+                               sp=SamplingParams(float(t)), rule="real", seed=seed)
+    s = res.stats
+    out[f"{float(t):g}"] = {"alpha": s.alpha, "accept": s.accept,
+                            "mean_accepted": s.mean_accepted,
+                            "tokens_per_step": s.tokens_per_step,
+                            "alpha_at_pos": s.alpha_at_pos, "accept_hist": s.accept_hist,
+                            "n_steps": s.n_steps}
+  return out
+
+
+def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = None,
+        progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """Runs (or resumes) every stage; returns the training summary."""
+  wd = Path(workdir)
+  wd.mkdir(parents=True, exist_ok=True)
+  meta = _stage_corpus(c, wd, log)
+  tok = load_tokenizer(wd)
+  train_stream, held_stream = np.load(wd / "train.npy"), np.load(wd / "heldout.npy")
+  mk = lambda name, m: model_config(name, m, tok.vocab_size, tok.bos_id, tok.eos_id)
+  tcfg, dcfg = mk("stdlib-target", c.target), mk("stdlib-draft", c.draft)
+
+  def stage(name, cfg, tc, **kw):
+    t0 = time.perf_counter()
+    params = train.finished_params(wd / name, cfg, tc)
+    if params is None:
+      log(f"{name}: {cfg.num_params() / 1e6:.2f} M params, {tc.steps} steps of "
+          f"{tc.batch}x{tc.seq_len} tokens")
+      params = train.train(cfg, tc, wd / name, train_stream, held_stream,
+                           progress=progress, log=log, **kw)
+    return params, time.perf_counter() - t0
+
+  tparams, t_s = stage("target", tcfg, c.target_train)
+  d0params, d_s = stage("draft", dcfg, c.draft_train)
+  d1params, k_s = stage("distill", dcfg, c.distill_train, teacher=(tcfg, tparams),
+                        init=d0params)
+
+  dt = str(c.export_dtype)
+  target = steps.Model(tcfg, _round(tcfg, tparams, dt))
+  before = steps.Model(dcfg, _round(dcfg, d0params, dt))
+  after = steps.Model(dcfg, _round(dcfg, d1params, dt))
+  prompts_text = [p["text"] for p in json.loads((wd / PROMPTS_FILE).read_text())]
+  prompts = [tok.encode(t) for t in prompts_text[:int(c.alpha_prompts)]]
+  alpha_file = wd / "alpha.json"
+  if alpha_file.is_file():
+    alpha = json.loads(alpha_file.read_text())
+  else:
+    log("alpha: measuring real acceptance before and after distillation")
+    kw = dict(gamma=int(c.alpha_gamma), n_predict=int(c.alpha_n_predict),
+              temps=tuple(c.alpha_temps))
+    alpha = {"before": measure_alpha(target, before, prompts, **kw),
+             "after": measure_alpha(target, after, prompts, **kw),
+             "gamma": int(c.alpha_gamma), "n_predict": int(c.alpha_n_predict),
+             "prompts": len(prompts)}
+    alpha_file.write_text(json.dumps(alpha, indent=2) + "\n")
+
+  windows = corpus.eval_windows(held_stream, 64, int(c.target_train.seq_len) + 1)
+  ev = lambda m, teacher=None: train.evaluate(m.params, m.cfg, windows, 8, teacher)
+  summary = {
+      "corpus": meta, "target": tcfg.to_dict(), "draft": dcfg.to_dict(),
+      "target_params": tcfg.num_params(), "draft_params": dcfg.num_params(),
+      "train": {k: c[k + "_train"].to_dict() for k in ("target", "draft", "distill")},
+      "seconds": {"target": t_s, "draft": d_s, "distill": k_s},
+      "heldout": {"target": ev(target), "draft_before": ev(before, (tcfg, target.params)),
+                  "draft_after": ev(after, (tcfg, target.params))},
+      "alpha": alpha, "export_dtype": dt,
+  }
+  (wd / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+  if export_dir is not None:
+    export(wd, Path(export_dir), tcfg, target.params, dcfg, after.params, dt, summary)
+  return summary
+
+
+def export(wd: Path, out: Path, tcfg: ModelConfig, tparams, dcfg: ModelConfig, dparams,
+           dtype: str, summary: dict[str, Any]) -> None:
+  """Writes both HF directories (weights in `dtype`), tokenizer and provenance."""
+  for name, cfg, params in (("stdlib-target", tcfg, tparams), ("stdlib-draft", dcfg, dparams)):
+    d = out / name
+    cast = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+    hf.save_hf(d, cfg.with_dtype(dtype), cast, tokenizer_json=wd / "tokenizer.json")
+    shutil.copyfile(wd / "tokenizer_config.json", d / "tokenizer_config.json")
+    (d / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+  shutil.copyfile(wd / PROMPTS_FILE, out / "stdlib-target" / PROMPTS_FILE)
