@@ -128,7 +128,7 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
 
   def stage(name, cfg, tc, **kw):
     t0 = time.perf_counter()
-    params = train.finished_params(wd / name, cfg, tc)
+    params = train.finished_params(wd / name, cfg, tc, kw.get("teacher"))
     if params is None:
       log(f"{name}: {cfg.num_params() / 1e6:.2f} M params, {tc.steps} steps of "
           f"{tc.batch}x{tc.seq_len} tokens")
@@ -172,6 +172,7 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
       "alpha": alpha, "export_dtype": dt,
   }
   (wd / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+  plot_training(wd, wd / "training.png")
   if export_dir is not None:
     export(wd, Path(export_dir), tcfg, target.params, dcfg, after.params, dt, summary)
   return summary
@@ -187,3 +188,39 @@ def export(wd: Path, out: Path, tcfg: ModelConfig, tparams, dcfg: ModelConfig, d
     shutil.copyfile(wd / "tokenizer_config.json", d / "tokenizer_config.json")
     (d / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
   shutil.copyfile(wd / PROMPTS_FILE, out / "stdlib-target" / PROMPTS_FILE)
+
+
+def plot_training(wd: Path, path: Path) -> None:
+  """Training and held-out loss of each stage against tokens seen."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for name, col in (("target", "C0"), ("draft", "C1"), ("distill", "C2")):
+    recs = train.read_metrics(wd / name)
+    tr = [r for r in recs if "loss" in r]
+    ev = [r for r in recs if "eval_loss" in r]
+    per_step = tr[0]["tokens"] / tr[0]["step"] if tr else 1
+    ce = "ce" if name == "distill" else "loss"  # distillation: its cross-entropy part
+    ax1.plot([r["tokens"] / 1e6 for r in tr], [r[ce] for r in tr], color=col, lw=1,
+             label=f"{name}: train cross-entropy")
+    ax1.plot([r["step"] * per_step / 1e6 for r in ev], [r["eval_loss"] for r in ev], "o--",
+             color=col, ms=4, label=f"{name}: held-out")
+    if name == "distill":
+      ax2.plot([r["tokens"] / 1e6 for r in tr], [r["kl"] for r in tr], color=col, lw=1,
+               label="distill: train KL(target || draft)")
+      ax2.plot([r["step"] * per_step / 1e6 for r in ev], [r["eval_kl"] for r in ev], "o--",
+               color=col, ms=4, label="distill: held-out KL")
+  ax1.set_xlabel("tokens seen (M)")
+  ax1.set_ylabel("loss (nats/token)")
+  ax1.set_title("Next-token loss")
+  ax1.grid(alpha=0.3)
+  ax1.legend(fontsize=7)
+  ax2.set_xlabel("tokens seen in distillation (M)")
+  ax2.set_ylabel("KL (nats/token)")
+  ax2.set_title("Distillation toward the target")
+  ax2.grid(alpha=0.3)
+  ax2.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

@@ -138,4 +138,4 @@ def environment() -> dict[str, Any]:
           "backend": jax.default_backend(), "device_kind": dev.device_kind,
           "n_devices": jax.device_count(), "host": platform.node(),
           "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-          "git_commit": git_commit()}
+          "xla_flags": os.environ.get("XLA_FLAGS", ""), "git_commit": git_commit()}

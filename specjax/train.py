@@ -166,6 +166,7 @@ def evaluate(params, cfg: ModelConfig, windows: np.ndarray, batch: int,
 
 
 def _train_config(cfg: ModelConfig, tc, teacher) -> dict[str, Any]:
+  """What makes two runs the same run (teacher: (cfg, params) or None)."""
   return {"model": cfg.to_dict(), "train": {k: tc[k] for k in TRAIN_FIELDS},
           "teacher": None if teacher is None else teacher[0].to_dict()}
 
@@ -220,11 +221,15 @@ def _restore(mngr, step: int, like):
                           f"{mngr.directory}: {str(e).splitlines()[0][:300]}") from e
 
 
-def finished_params(workdir: str | os.PathLike, cfg: ModelConfig, tc):
-  """The final params of a finished run in `workdir`, or None."""
+def finished_params(workdir: str | os.PathLike, cfg: ModelConfig, tc, teacher=None):
+  """The final params of a finished run in `workdir`, or None.
+
+  Raises ConfigError when the workdir's run had a different config.
+  """
   workdir = Path(workdir)
   if not (workdir / CKPT_DIR).is_dir():
     return None
+  _check_same_run(workdir, _train_config(cfg, tc, teacher))
   mngr = _manager(workdir, int(tc.keep))
   if mngr.latest_step() != int(tc.steps):
     return None

@@ -112,3 +112,32 @@ def test_gpu_check_without_gpu_is_one_line(tmp_path):
   if jax.default_backend() == "gpu":
     pytest.skip("a GPU is present")
   assert_one_line_error(run("gpu_check.py", f"--workdir={tmp_path}"), r"error: JAX does not see a GPU")
+
+
+def test_train_pipeline_end_to_end_and_resume(tmp_path):
+  wd, out = tmp_path / "w", tmp_path / "pair"
+  proc = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+             f"--export_dir={out}")
+  assert proc.returncode == 0, proc.stderr
+  assert "alpha at T=0" in proc.stdout and "held-out loss" in proc.stdout
+  for name in ("tokenizer.json", "corpus.json", "alpha.json", "training.json", "training.png",
+               "target/metrics.jsonl", "distill/metrics.jsonl"):
+    assert (wd / name).stat().st_size > 0, name
+  for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    assert (out / "stdlib-target" / name).is_file() and (out / "stdlib-draft" / name).is_file()
+  # the exported pair runs in the engine scripts with no conversion step
+  proc = run("speculative.py", f"--model={out / 'stdlib-target'}",
+             f"--model_draft={out / 'stdlib-draft'}", "--n_predict=8", "--draft=2",
+             "--prompt=def f(x):")
+  assert proc.returncode == 0, proc.stderr
+  # a second run finds every stage finished and trains nothing
+  again = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}")
+  assert again.returncode == 0, again.stderr
+  assert "steps of" not in again.stdout and "resumed" not in again.stdout
+  # a changed config is refused with one line
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+            "--config.target_train.lr=0.001")
+  assert_one_line_error(bad, "different config")
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={tmp_path / 'x'}",
+            "--config.target_train.lr=2.0")
+  assert_one_line_error(bad, "train.lr")
