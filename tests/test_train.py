@@ -162,3 +162,19 @@ def test_shipped_pair_is_better_than_chance(shipped):
   ids = jnp.asarray([tok.encode(text)])
   loss = float(train.lm_loss(t.params, t.cfg, ids))
   assert loss < 0.5 * np.log(t.cfg.vocab_size), loss
+
+
+def test_shipped_pair_loads_into_transformers_unchanged(shipped):
+  torch = pytest.importorskip("torch", reason="torch not installed (the test extra has it)")
+  transformers = pytest.importorskip("transformers")
+  t, _, tok = shipped
+  path = checkpoint.SHIPPED["stdlib-target"]
+  hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+  hf_tok = transformers.AutoTokenizer.from_pretrained(path)
+  text = pair.shipped_prompts(1)[0]
+  assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text, add_bos=False)
+  ids = tok.encode(text)[:48]
+  with torch.no_grad():
+    ref = hf_model(torch.tensor([ids])).logits.numpy()
+  ours = np.asarray(train.logits_of(t.params, t.cfg, jnp.asarray([ids])))
+  np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
