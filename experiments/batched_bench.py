@@ -29,7 +29,7 @@ def main(argv):
   del argv
   batches = bench.parse_ints(_BATCH.value, "--batch")
   pps, tgs = bench.parse_ints(_PP.value, "--pp"), bench.parse_ints(_TG.value, "--tg")
-  cfg, params, _ = checkpoint.load_model(_MODEL.value, dtype=config.canonical_dtype(_DTYPE.value),
+  cfg, params, _ = checkpoint.load_model(_MODEL.value, dtype=config.canonical_precision(_DTYPE.value),
                                          seed=_SEED.value)
 
   def on_record(r):
@@ -40,7 +40,7 @@ def main(argv):
   records = bench.run_batched_bench(steps.Model(cfg, params), batches, pps, tgs, _REPS.value,
                                     _SEED.value, on_record=on_record)
   print(f"model: {cfg.name}, {bench.format_params(records[0]['n_params'])} params, "
-        f"{bench.format_size(records[0]['size_bytes'])}, {cfg.dtype}, backend {records[0]['backend']}, "
+        f"{bench.format_size(records[0]['size_bytes'])}, {cfg.precision}, backend {records[0]['backend']}, "
         f"KV capacity {records[0]['capacity']}, T_PP/T_TG medians of {_REPS.value} reps")
   print()
   print(bench.batched_table(records))

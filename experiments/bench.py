@@ -18,7 +18,7 @@ from absl import flags
 from specjax import bench, cli
 
 _MODEL = flags.DEFINE_list("model", ["cpu-target"], "Models: preset names, HF or orbax directories.")
-_DTYPE = flags.DEFINE_list("dtype", ["float32"], "Compute and parameter dtypes (float32, bfloat16, float16).")
+_DTYPE = flags.DEFINE_list("dtype", ["float32"], "Compute and parameter dtypes (float32, bfloat16, float16, bf16-mixed).")
 _N_PROMPT = flags.DEFINE_list("n_prompt", ["1", "2", "4", "8", "16", "64"], "pp test sizes: tokens per forward_step call.")
 _N_GEN = flags.DEFINE_integer("n_gen", 32, "tg test length: decode steps per repetition; 0 = no tg test.", lower_bound=0)
 _N_DEPTH = flags.DEFINE_integer("n_depth", 128, "Tokens already in the KV cache before each test.", lower_bound=0)

@@ -41,6 +41,9 @@ _JSON = flags.DEFINE_string("json_out", None, "Write the table as JSON here.")
 def _loop(xs, ws, *, kind, k):
   """k rounds of every projection of one layer; a scalar carry keeps them live.
 
+  The carry takes the sum of every output element: taking one element would
+  let XLA slice the product down to a single row or column and time nothing.
+
   xs: {input width: [M, width] activations}; each weight takes the one that
   matches its input dimension.
   """
@@ -56,7 +59,7 @@ def _loop(xs, ws, *, kind, k):
   in_dim = lambda w: w.shape[1] if kind == "f32 x@W^T" else w.shape[0]
 
   def body(_, s):
-    return s + sum(dot(xs[in_dim(w)] + s, w)[0, 0] for w in ws) * 1e-30
+    return s + sum(jnp.sum(dot(xs[in_dim(w)] + s, w)) for w in ws) * 1e-30
   return jax.lax.fori_loop(0, k, body, jnp.zeros((), jnp.float32))
 
 

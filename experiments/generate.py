@@ -38,7 +38,7 @@ def main(argv):
   out = res.tokens[0]
   print(cli.detokenize(tok, prompt) + cli.detokenize(tok, out), flush=True)
   print()
-  print(f"model: {cfg.name}, {cfg.num_params() / 1e6:.1f} M params, {cfg.dtype}, loop={_LOOP.value}")
+  print(f"model: {cfg.name}, {cfg.num_params() / 1e6:.1f} M params, {cfg.precision}, loop={_LOOP.value}")
   print(f"{'compile time':>18} = {1e3 * compile_s:10.2f} ms (excluded from the timings below)")
   print(cli.rate_line("prompt eval time", res.prompt_s, res.n_prompt, "tokens"))
   print(cli.rate_line("eval time", res.eval_s, res.n_eval, "runs"))

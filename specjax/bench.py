@@ -116,7 +116,7 @@ def append_jsonl(path: str, records: Iterable[Record]) -> None:
 def _model_info(cfg: ModelConfig, params) -> Record:
   return {"model": cfg.name, "size_bytes": model_lib.param_bytes(params),
           "n_params": model_lib.param_count(params),
-          "backend": jax.default_backend(), "dtype": cfg.dtype}
+          "backend": jax.default_backend(), "dtype": cfg.precision}
 
 
 def load_avg() -> list[float] | None:
@@ -263,7 +263,7 @@ def run_bench(models: Sequence[str], dtypes: Sequence[str],
   records = []
   for spec in models:
     for dtype in dtypes:
-      cfg, params, _ = load(spec, dtype=config_lib.canonical_dtype(dtype),
+      cfg, params, _ = load(spec, dtype=config_lib.canonical_precision(dtype),
                             seed=seed)
       need = n_depth + max(max(n_prompt), n_gen)
       if need > cfg.max_seq_len:
@@ -533,7 +533,7 @@ def layer_loop_compile(cfg: ModelConfig, context: int) -> list[Record]:
   tok = jax.ShapeDtypeStruct((1, 1), jnp.int32)
   info = {"model": cfg.name, "n_params": cfg.num_params(),
           "size_bytes": cfg.num_params() * jnp.dtype(cfg.jnp_param_dtype).itemsize,
-          "backend": jax.default_backend(), "dtype": cfg.dtype,
+          "backend": jax.default_backend(), "dtype": cfg.precision,
           "n_layers": cfg.n_layers, "context": context, "depth": None,
           "batch": 1, "T": 1, "decode": None, "ms_per_step": None,
           "ms_std": None, "max_abs_logit_diff": None}
@@ -556,7 +556,7 @@ def run_layer_loop_bench(preset: str, dtype: str = "float32",
   `layer_loop_compile` on each of `compile_presets` (compiled, never run).
   Every record carries the environment."""
   env = timing.environment()
-  cfg, params, _ = load(preset, dtype=config_lib.canonical_dtype(dtype),
+  cfg, params, _ = load(preset, dtype=config_lib.canonical_precision(dtype),
                         seed=seed)
   records = []
 

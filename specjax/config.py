@@ -22,6 +22,17 @@ DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16",
                  "f16": "float16", "fp16": "float16", "half": "float16"}
 
 
+# The mixed-precision mode: bf16 weights, bf16 matmul operands accumulated in
+# f32, everything else (norms, softmax, residual stream, cache) in f32.
+MIXED = "bf16-mixed"
+MIXED_ALIASES = ("mixed", "bf16-mixed", "bf16_mixed")
+
+
+def canonical_precision(name: str) -> str:
+  """A dtype name (canonical_dtype) or the mixed mode 'bf16-mixed'."""
+  return MIXED if str(name).lower() in MIXED_ALIASES else canonical_dtype(name)
+
+
 def canonical_dtype(name: str) -> str:
   """Maps 'bf16', 'fp32', ... to the canonical names in DTYPES."""
   name = DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
@@ -58,6 +69,7 @@ class ModelConfig:
   head_dim: int | None = None   # D; defaults to dim // n_heads
   dtype: str = "float32"        # compute dtype
   param_dtype: str = "float32"  # storage dtype of the weights
+  dot_dtype: str | None = None  # matmul operand dtype, accumulated in `dtype`; None = dtype
   bos_token_id: int | None = None
   eos_token_id: int | None = None
 
@@ -75,6 +87,8 @@ class ModelConfig:
                         f"n_heads={self.n_heads}; set head_dim")
     object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
     object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype))
+    if self.dot_dtype is not None:
+      object.__setattr__(self, "dot_dtype", canonical_dtype(self.dot_dtype))
 
   @property
   def d_head(self) -> int:
@@ -91,10 +105,22 @@ class ModelConfig:
   def replace(self, **kw: Any) -> "ModelConfig":
     return dataclasses.replace(self, **kw)
 
+  @property
+  def precision(self) -> str:
+    """'float32', 'bfloat16', ... or 'bf16-mixed' (see MIXED)."""
+    if self.dot_dtype == "bfloat16" and self.param_dtype == "bfloat16" and \
+        self.dtype == "float32":
+      return MIXED
+    return self.dtype
+
   def with_dtype(self, dtype: str) -> "ModelConfig":
-    """Same model with compute and parameter dtype both set to `dtype`."""
+    """Same model with compute and parameter dtype both set to `dtype`, or
+    the mixed mode ('bf16-mixed': bf16 weights and matmul operands, f32
+    accumulation and everything else in f32)."""
+    if canonical_precision(dtype) == MIXED:
+      return self.replace(dtype="float32", param_dtype="bfloat16", dot_dtype="bfloat16")
     dtype = canonical_dtype(dtype)
-    return self.replace(dtype=dtype, param_dtype=dtype)
+    return self.replace(dtype=dtype, param_dtype=dtype, dot_dtype=None)
 
   def num_params(self) -> int:
     e, f, d = self.dim, self.ffn_dim, self.d_head

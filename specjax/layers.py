@@ -19,9 +19,36 @@ from specjax.config import ModelConfig
 _init = nn.initializers.normal(stddev=0.02)
 
 
+def dot_general(cfg: ModelConfig):
+  """The matmul of every projection: lax.dot_general, or with cfg.dot_dtype
+  operands accumulated in cfg.dtype.
+
+  In that mixed mode a single-row product (a batch-1 decode step) is padded
+  to two rows on CPU: XLA:CPU's one-row bf16 product takes a slow path, about
+  2.4x the time of two rows (experiments/dot_bench.py), while two rows read
+  the weights once, as one row does.
+  """
+  if cfg.dot_dtype is None or cfg.dot_dtype == cfg.dtype:
+    return jax.lax.dot_general
+  op_dtype, acc_dtype = jnp.dtype(cfg.dot_dtype), cfg.jnp_dtype
+
+  def mixed(lhs, rhs, dims, precision=None, preferred_element_type=None):
+    del preferred_element_type
+    lhs, rhs = lhs.astype(op_dtype), rhs.astype(op_dtype)
+    pad = lhs.ndim >= 2 and int(np.prod(lhs.shape[:-1])) == 1 and \
+        jax.default_backend() == "cpu"
+    if pad:
+      lhs = jnp.concatenate([lhs, lhs], axis=-2)
+    out = jax.lax.dot_general(lhs, rhs, dims, precision=precision,
+                              preferred_element_type=acc_dtype)
+    return out[..., :1, :] if pad else out
+  return mixed
+
+
 def dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
   return nn.Dense(features, use_bias=False, dtype=cfg.jnp_dtype,
-                  param_dtype=cfg.jnp_param_dtype, kernel_init=_init, name=name)
+                  param_dtype=cfg.jnp_param_dtype, kernel_init=_init, name=name,
+                  dot_general=dot_general(cfg))
 
 
 class RMSNorm(nn.Module):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.layers import Block, RMSNorm, _init
+from specjax.layers import Block, RMSNorm, _init, dot_general
 
 
 class Llama(nn.Module):
@@ -45,11 +45,13 @@ class Llama(nn.Module):
       x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, E]
     x = RMSNorm(cfg, name="final_norm")(x)
     if cfg.tie_embeddings:
-      logits = embed.attend(x)
+      table = embed.embedding.astype(cfg.jnp_dtype)  # [V, E]
+      logits = dot_general(cfg)(x.astype(cfg.jnp_dtype), table,
+                                (((x.ndim - 1,), (1,)), ((), ())))
     else:
       logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
                         param_dtype=cfg.jnp_param_dtype, kernel_init=_init,
-                        name="lm_head")(x)
+                        name="lm_head", dot_general=dot_general(cfg))(x)
     t = tokens.shape[1]
     new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
     return logits.astype(jnp.float32), new_cache

@@ -196,22 +196,27 @@ def plot_training(wd: Path, path: Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  draft_tokens = 0.0
   for name, col in (("target", "C0"), ("draft", "C1"), ("distill", "C2")):
     recs = train.read_metrics(wd / name)
     tr = [r for r in recs if "loss" in r]
     ev = [r for r in recs if "eval_loss" in r]
     per_step = tr[0]["tokens"] / tr[0]["step"] if tr else 1
+    # distillation continues the draft: its curve starts where the draft's ends
+    off = draft_tokens if name == "distill" else 0.0
+    if name == "draft" and tr:
+      draft_tokens = tr[-1]["tokens"]
     ce = "ce" if name == "distill" else "loss"  # distillation: its cross-entropy part
-    ax1.plot([r["tokens"] / 1e6 for r in tr], [r[ce] for r in tr], color=col, lw=1,
+    ax1.plot([(off + r["tokens"]) / 1e6 for r in tr], [r[ce] for r in tr], color=col, lw=1,
              label=f"{name}: train cross-entropy")
-    ax1.plot([r["step"] * per_step / 1e6 for r in ev], [r["eval_loss"] for r in ev], "o--",
-             color=col, ms=4, label=f"{name}: held-out")
+    ax1.plot([(off + r["step"] * per_step) / 1e6 for r in ev], [r["eval_loss"] for r in ev],
+             "o--", color=col, ms=4, label=f"{name}: held-out")
     if name == "distill":
       ax2.plot([r["tokens"] / 1e6 for r in tr], [r["kl"] for r in tr], color=col, lw=1,
                label="distill: train KL(target || draft)")
       ax2.plot([r["step"] * per_step / 1e6 for r in ev], [r["eval_kl"] for r in ev], "o--",
                color=col, ms=4, label="distill: held-out KL")
-  ax1.set_xlabel("tokens seen (M)")
+  ax1.set_xlabel("tokens seen (M; distillation continues the draft)")
   ax1.set_ylabel("loss (nats/token)")
   ax1.set_title("Next-token loss")
   ax1.grid(alpha=0.3)

@@ -265,7 +265,7 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   for g, a, temp in todo:
     sp = SamplingParams(temp, int(cfg.top_k), float(cfg.top_p))
     rec = run_point(target, draft, prompts, g, a, sp, cfg, costs, probes)
-    rec.update(target=tcfg.name, draft=dcfg.name, dtype=tcfg.dtype, env=env)
+    rec.update(target=tcfg.name, draft=dcfg.name, dtype=tcfg.precision, env=env)
     bench.append_jsonl(jsonl, [rec])
     records.append(rec)
     write_csv(os.path.join(workdir, "results.csv"), records)

@@ -165,3 +165,60 @@ def test_presets_param_counts():
             "llama-3.2-1b": 1.24e9, "codellama-34b": 33.7e9}
   for name, n in expect.items():
     assert abs(config.get_preset(name).num_params() / n - 1) < 0.01, name
+
+
+# ------------------------------------------------------------- bf16-mixed mode
+
+
+@pytest.fixture(scope="module", params=["tiny", "tied"])
+def mixed_pair(request):
+  """(f32 model, the same weights in bf16-mixed)."""
+  cfg = config.get_preset("tiny")
+  if request.param == "tied":
+    cfg = cfg.replace(tie_embeddings=True, name="tiny-tied")
+  params = model.init_params(cfg, seed=11)
+  params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
+  mcfg = cfg.with_dtype("bf16-mixed")
+  return steps.Model(cfg, params), steps.Model(
+      mcfg, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params))
+
+
+def test_mixed_mode_config():
+  cfg = config.get_preset("tiny", "mixed")
+  assert (cfg.dtype, cfg.param_dtype, cfg.dot_dtype, cfg.precision) == (
+      "float32", "bfloat16", "bfloat16", "bf16-mixed")
+  assert cfg.with_dtype("float32").dot_dtype is None
+  assert config.ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_mixed_mode_is_close_to_f32_and_rounds_matmul_operands(mixed_pair):
+  f32, mixed = mixed_pair
+  toks = _tokens(2, 12, f32.cfg.vocab_size)
+  a, b = np.asarray(_full(f32, toks)), np.asarray(_full(mixed, toks))
+  assert {x.dtype for x in jax.tree_util.tree_leaves(mixed.params)} == {jnp.dtype(jnp.bfloat16)}
+  err = np.abs(a - b).max() / np.abs(a).max()
+  assert 0 < err < 2e-2, err  # operands rounded to bf16: close, not equal
+
+
+def test_mixed_mode_cached_decode_equals_full_forward(mixed_pair):
+  _, m = mixed_pair
+  toks = _tokens(1, 10, m.cfg.vocab_size, seed=3)  # batch 1: the padded one-row path
+  full = np.asarray(_full(m, toks))
+  cache = m.new_cache(1, 16)
+  outs = []
+  for i in range(10):
+    logits, cache = m.forward(toks[:, i:i + 1], cache)
+    outs.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(outs, 1), full, atol=1e-4)
+
+
+def test_mixed_mode_greedy_speculative_equals_target_only(mixed_pair):
+  from specjax import speculative
+  _, m = mixed_pair
+  dcfg = config.get_preset("tiny-draft", "bf16-mixed")
+  d = steps.Model(dcfg, model.init_params(dcfg, seed=5))
+  prompt = [3, 14, 15, 92, 6]
+  base = generation.generate(m, [prompt], 24, SamplingParams(0.0), ctx_size=64)
+  for gamma in (1, 4):
+    spec = speculative.generate(m, d, [prompt], 24, gamma, rule="real", ctx_size=64)
+    assert spec.tokens == base.tokens
