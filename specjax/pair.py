@@ -99,6 +99,16 @@ def _round(cfg: ModelConfig, params, dtype: str):
       lambda x: jnp.asarray(x.astype(dtype), cfg.jnp_param_dtype), params)
 
 
+def train_seconds(workdir: Path) -> float:
+  """Training time of a stage from its metrics (steps only: compile and eval excluded)."""
+  total, prev = 0.0, 0
+  for r in train.read_metrics(workdir):
+    if r.get("tok_s"):
+      total += (r["tokens"] - prev) / r["tok_s"]
+      prev = r["tokens"]
+  return total
+
+
 def measure_alpha(target: steps.Model, draft: steps.Model, prompts: list[list[int]],
                   gamma: int, n_predict: int, temps, seed: int = 0) -> dict[str, Any]:
   """Real acceptance of `draft` against `target`, by the engine, per temperature."""
@@ -127,14 +137,13 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   tcfg, dcfg = mk("stdlib-target", c.target), mk("stdlib-draft", c.draft)
 
   def stage(name, cfg, tc, **kw):
-    t0 = time.perf_counter()
     params = train.finished_params(wd / name, cfg, tc, kw.get("teacher"))
     if params is None:
       log(f"{name}: {cfg.num_params() / 1e6:.2f} M params, {tc.steps} steps of "
           f"{tc.batch}x{tc.seq_len} tokens")
       params = train.train(cfg, tc, wd / name, train_stream, held_stream,
                            progress=progress, log=log, **kw)
-    return params, time.perf_counter() - t0
+    return params, train_seconds(wd / name)
 
   tparams, t_s = stage("target", tcfg, c.target_train)
   d0params, d_s = stage("draft", dcfg, c.draft_train)
@@ -166,7 +175,7 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
       "corpus": meta, "target": tcfg.to_dict(), "draft": dcfg.to_dict(),
       "target_params": tcfg.num_params(), "draft_params": dcfg.num_params(),
       "train": {k: c[k + "_train"].to_dict() for k in ("target", "draft", "distill")},
-      "seconds": {"target": t_s, "draft": d_s, "distill": k_s},
+      "train_seconds": {"target": t_s, "draft": d_s, "distill": k_s},
       "heldout": {"target": ev(target), "draft_before": ev(before, (tcfg, target.params)),
                   "draft_after": ev(after, (tcfg, target.params))},
       "alpha": alpha, "export_dtype": dt,

@@ -175,7 +175,12 @@ def _check_same_run(workdir: Path, want: dict[str, Any]) -> None:
   file = workdir / CONFIG_FILE
   if file.is_file():
     have = json.loads(file.read_text())
-    if have != json.loads(json.dumps(want)):
+    # Model configs compare through ModelConfig, so a field added since the
+    # run (with its default) does not make it a different run.
+    for key in ("model", "teacher"):
+      if have.get(key) is not None:
+        have[key] = ModelConfig.from_dict(have[key]).to_dict()
+    if json.loads(json.dumps(have)) != json.loads(json.dumps(want)):
       raise ConfigError(f"{workdir} holds a training run with a different config "
                         f"({file}); use a new workdir or delete it")
   else:

@@ -65,6 +65,12 @@ def test_resume_matches_uninterrupted(tmp_path):
 def test_resume_refuses_a_changed_config(tmp_path):
   stream, quiet = _stream(), dict(progress=False, log=lambda s: None)
   train.train(TINY, _tc(steps=2, batch=2, seq_len=16), tmp_path, stream, stream, **quiet)
+  # a run saved before a ModelConfig field existed (it has its default) is the same run
+  file = tmp_path / train.CONFIG_FILE
+  saved = json.loads(file.read_text())
+  del saved["model"]["dot_dtype"]
+  file.write_text(json.dumps(saved))
+  assert train.finished_params(tmp_path, TINY, _tc(steps=2, batch=2, seq_len=16)) is not None
   with pytest.raises(ConfigError, match="different config"):
     train.train(TINY, _tc(steps=2, batch=2, seq_len=16, lr=5e-3), tmp_path, stream, stream,
                 **quiet)
