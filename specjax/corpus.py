@@ -99,11 +99,10 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: str | os.Pat
 
 def encode_documents(tokenizer, texts: Sequence[str]) -> np.ndarray:
   """One int32 stream: <s> doc </s> <s> doc </s> ..."""
-  bos, eos = tokenizer.bos_id, tokenizer.eos_id
-  parts = []
-  for text in texts:
-    parts.append(np.asarray(tokenizer.encode(text, add_bos=True) + [eos], np.int32))
-  assert bos is not None and eos is not None
+  if tokenizer.bos_id is None or tokenizer.eos_id is None:
+    raise ConfigError(f"tokenizer {tokenizer.source} has no <s> or </s>")
+  parts = [np.asarray(tokenizer.encode(text, add_bos=True) + [tokenizer.eos_id], np.int32)
+           for text in texts]
   return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
 
@@ -149,7 +148,8 @@ def heldout_prompts(files: Sequence[Path], tokenizer, n: int, n_tokens: int,
     if not starts:
       continue
     mid = len(starts) // 2  # prefer definitions from the middle of the file
-    for i in sorted(starts, key=lambda j: abs(starts.index(j) - mid)):
+    by_distance = sorted(range(len(starts)), key=lambda n: abs(n - mid))
+    for i in (starts[n] for n in by_distance):
       prompt = ""
       for line in lines[i:]:
         if len(tokenizer.encode(prompt + line, add_bos=False)) > n_tokens:

@@ -43,7 +43,6 @@ from specjax import theory, timing
 from specjax.errors import ConfigError
 from specjax.sampling import SamplingParams
 from specjax import stats as stats_lib
-from specjax.stats import Records, SpecStats
 
 CSV_COLUMNS = [
     "gamma", "accept", "temp", "baseline_tps", "spec_tps", "speedup", "accept_rate",
@@ -156,8 +155,9 @@ def run_point(target, draft, prompts, gamma: int, accept: str, sp: SamplingParam
   med = statistics.median
   here = Costs({k: med(t[k] for t in t_t) for k in t_t[0]}, med(t_d), costs.t_accept,
                costs.capacity, costs.depth)
-  st = SpecStats.compute(Records.concat([r.records for r in res]), gamma=gamma,
-                         n_predict=sum(r.stats.n_predict for r in res))
+  pooled = stats_lib.Records.concat([r.records for r in res])
+  st = stats_lib.SpecStats.compute(pooled, gamma=gamma,
+                                   n_predict=sum(r.stats.n_predict for r in res))
   split = {}
   if cfg.measure_split:
     spec("host")  # compiles the phase functions

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax import corpus
+from specjax import checkpoint, corpus
 from specjax import kv_cache as kvc
 from specjax import model as model_lib
 from specjax.config import ModelConfig
@@ -215,10 +215,15 @@ def _save(mngr, step: int, state) -> None:
   mngr.save(step, args=ocp.args.StandardSave(state), force=True)
 
 
-def _restore(mngr, step: int, like):
+def _abstract_state(cfg: ModelConfig, opt):
+  """Shapes and dtypes of the training state: what orbax restores into."""
+  params = checkpoint.abstract_params(cfg)
+  return {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
+          "opt_state": jax.eval_shape(opt.init, params)}
+
+
+def _restore(mngr, step: int, abstract):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  abstract = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), like)
   try:
     return mngr.restore(step, args=ocp.args.StandardRestore(abstract))
   except Exception as e:  # pylint: disable=broad-except
@@ -239,9 +244,7 @@ def finished_params(workdir: str | os.PathLike, cfg: ModelConfig, tc, teacher=No
   if mngr.latest_step() != int(tc.steps):
     return None
   opt, _ = make_optimizer(tc)
-  params = model_lib.init_params(cfg, int(tc.seed))
-  like = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt.init(params)}
-  return _restore(mngr, int(tc.steps), like)["params"]
+  return _restore(mngr, int(tc.steps), _abstract_state(cfg, opt))["params"]
 
 
 def train(cfg: ModelConfig, tc, workdir: str | os.PathLike, train_stream: np.ndarray,
@@ -272,7 +275,7 @@ def train(cfg: ModelConfig, tc, workdir: str | os.PathLike, train_stream: np.nda
   metrics_path = workdir / METRICS_FILE
   start = mngr.latest_step() or 0
   if start:
-    state = _restore(mngr, start, state)
+    state = _restore(mngr, start, _abstract_state(cfg, opt))
     _trim_metrics(metrics_path, start)
     log(f"resumed {workdir} at step {start}")
   total = int(tc.steps)

@@ -13,3 +13,11 @@ def init_params():
   compiles afresh (~1 s on CPU); jax arrays are immutable, so sharing is safe."""
   cached = functools.lru_cache(maxsize=None)(model_lib.init_params)
   return lambda cfg, seed=0: cached(cfg, seed)
+
+
+@pytest.fixture(scope="module")
+def transformers():
+  """The transformers module; skips (with the install command) without torch."""
+  pytest.importorskip("torch", reason="needs torch (pip install -e '.[test]')")
+  return pytest.importorskip("transformers",
+                             reason="needs transformers (pip install -e '.[test]')")

@@ -28,14 +28,6 @@ OUTPUTS = ("results.jsonl", "results.csv", "config.json", "parity.json",
 
 
 @pytest.fixture(scope="module")
-def transformers():
-  pytest.importorskip("torch", reason="torch comparison tests need torch "
-                      "(pip install -e '.[test]')")
-  return pytest.importorskip("transformers", reason="torch comparison tests "
-                             "need transformers (pip install -e '.[test]')")
-
-
-@pytest.fixture(scope="module")
 def llama_cpp():
   pytest.importorskip("gguf", reason="llama.cpp tests need the optional "
                       "extra: pip install -e '.[llamacpp]'")

@@ -39,14 +39,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def transformers():
-  pytest.importorskip("torch", reason="HF parity tests need torch "
-                      "(pip install -e '.[test]')")
-  return pytest.importorskip("transformers", reason="HF parity tests need "
-                             "transformers (pip install -e '.[test]')")
-
-
 def make_hf_model(transformers, seed=0, **overrides):
   """A tiny random LlamaForCausalLM with non-trivial weights: norm scales
   around 1 but not 1, weights with std 0.1 so logits spread by O(1)."""
