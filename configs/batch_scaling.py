@@ -1,10 +1,10 @@
 """Batch scaling: T(N) of one forward over N new tokens, XLA vs PyTorch vs llama.cpp.
 
-Default (random weights at llama-160m and cpu-target shapes, contexts 128 and
+Default (random weights at llama-160m and cpu-target shapes, depths 128 and
 1024, every backend; tens of minutes on a 2-core CPU, torch.compile's
 compiles included):
   python experiments/batch_scaling.py --config=configs/batch_scaling.py --workdir=/tmp/specjax_scaling
-Quick (llama-160m, context 128, a subset of N, no torch.compile; about a
+Quick (llama-160m, depth 128, a subset of N, no torch.compile; about a
 minute on 2 cores):
   python experiments/batch_scaling.py --config=configs/batch_scaling.py:quick --workdir=/tmp/specjax_scaling_quick
 GPU (llama-7b bf16 added; llama.cpp left out: its wheel here is CPU-only):
@@ -12,7 +12,7 @@ GPU (llama-7b bf16 added; llama.cpp left out: its wheel here is CPU-only):
 Override any field (a list of names may also be one comma-separated string;
 quote it where absl's parser refuses a bare list, e.g. names with '-'):
   python experiments/batch_scaling.py --config=configs/batch_scaling.py:quick \
-      --config.contexts=128,512 --config.backends=xla,torch \
+      --config.depths=128,512 --config.backends=xla,torch \
       --config.models="'llama-160m,cpu-target'" --workdir=/tmp/sc
 Single-threaded on every backend (fair on a busy machine):
   XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python experiments/batch_scaling.py \
@@ -31,7 +31,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.models = ("llama-160m", "cpu-target")  # shapes: presets (random weights), HF or orbax dirs
   c.dtypes = ("float32",)          # compute = param dtype, the same on every backend
   c.n_tokens = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 32, 64)  # N per forward at B = 1; includes 1
-  c.contexts = (128, 1024)         # C tokens already in the KV cache before every call
+  c.depths = (128, 1024)           # tokens already in the KV cache before every call (n_depth)
   c.batches = (1, 2, 4, 8)         # B rows per call; B > 1 is the batched-bench view
   c.batch_n_tokens = (1, 5, 16)    # N measured at B > 1
   c.backends = ALL_BACKENDS        # subset of ALL_BACKENDS; xla (the parity reference) required
@@ -49,7 +49,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.seed = 0                       # random weights and tokens
   if arg == "quick":
     c.models = ("llama-160m",)
-    c.contexts = (128,)
+    c.depths = (128,)
     c.n_tokens = (1, 2, 4, 5, 8, 16)
     c.batches = (1, 4)
     c.batch_n_tokens = (1, 5)
@@ -59,7 +59,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   elif arg == "tiny":  # tests: the whole path in seconds
     c.models = ("tiny",)
     c.draft = "tiny-draft"
-    c.contexts = (16,)
+    c.depths = (16,)
     c.n_tokens = (1, 2)
     c.batches = (1, 2)
     c.batch_n_tokens = (2,)
@@ -72,7 +72,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.models = ("llama-160m", "cpu-target", "llama-7b")
     c.dtypes = ("bfloat16",)
     c.backends = ("xla", "xla-loop", "torch", "torch-compile")
-    c.contexts = (128, 1024)
+    c.depths = (128, 1024)
   elif arg != "default":
     raise ValueError(f"unknown batch_scaling variant {arg!r}: use default, quick, tiny or gpu")
   return c

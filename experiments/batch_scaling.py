@@ -13,7 +13,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from specjax import cli, compare
+from specjax import batch_scaling, cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "batch_scaling.py"),
@@ -23,7 +23,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_scaling", "Output folder
 
 def main(argv):
   del argv
-  compare.run_batch_scaling(_CONFIG.value, _WORKDIR.value)
+  batch_scaling.run_batch_scaling(_CONFIG.value, _WORKDIR.value)
   with open(os.path.join(_WORKDIR.value, "summary.md")) as f:
     print(f.read())
   print(f"outputs in {_WORKDIR.value}")

@@ -8,8 +8,6 @@ repetitions with compile time excluded. Columns as llama.cpp defines them:
 N_KV = B*(PP+TG), S_PP = B*PP/T_PP, S_TG = B*TG/T_TG, T = T_PP+T_TG, S = N_KV/T.
 """
 
-import sys
-
 from absl import flags
 
 from specjax import bench, checkpoint, cli, config, steps
@@ -21,8 +19,7 @@ _PP = flags.DEFINE_list("pp", ["128"], "Prompt lengths PP per sequence.")
 _TG = flags.DEFINE_list("tg", ["32"], "Generated tokens TG per sequence.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each phase (after one untimed warm-up).", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights (presets) and tokens.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Write all results as one JSON object.")
-_JSONL_OUT = flags.DEFINE_string("jsonl_out", None, "Append one JSON line per (PP, TG, B), as each finishes.")
+_OUT = cli.RecordFlags("(PP, TG, B)")
 
 
 def main(argv):
@@ -32,20 +29,15 @@ def main(argv):
   cfg, params, _ = checkpoint.load_model(_MODEL.value, dtype=config.canonical_precision(_DTYPE.value),
                                          seed=_SEED.value)
 
-  def on_record(r):
-    print(bench.batched_table([r]).splitlines()[-1], file=sys.stderr, flush=True)  # progress
-    if _JSONL_OUT.value:
-      bench.append_jsonl(_JSONL_OUT.value, [r])
-
-  records = bench.run_batched_bench(steps.Model(cfg, params), batches, pps, tgs, _REPS.value,
+  on_record = _OUT.on_record(lambda r: bench.batched_table([r]).splitlines()[-1])
+  records = bench.run_batched_bench(steps.Runner(cfg, params), batches, pps, tgs, _REPS.value,
                                     _SEED.value, on_record=on_record)
   print(f"model: {cfg.name}, {bench.format_params(records[0]['n_params'])} params, "
         f"{bench.format_size(records[0]['size_bytes'])}, {cfg.precision}, backend {records[0]['backend']}, "
         f"KV capacity {records[0]['capacity']}, T_PP/T_TG medians of {_REPS.value} reps")
   print()
   print(bench.batched_table(records))
-  if _JSON_OUT.value:
-    cli.write_json(_JSON_OUT.value, {"flags": flags.FLAGS.flag_values_dict(), "results": records})
+  _OUT.finish(records)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,6 @@ kept out of every timing) and the verify-cost curve T(N)/T(1). Presets run
 on random weights: speed does not depend on their values.
 """
 
-import sys
-
 from absl import flags
 
 from specjax import bench, cli
@@ -24,20 +22,15 @@ _N_GEN = flags.DEFINE_integer("n_gen", 32, "tg test length: decode steps per rep
 _N_DEPTH = flags.DEFINE_integer("n_depth", 128, "Tokens already in the KV cache before each test.", lower_bound=0)
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions per test (after one untimed warm-up).", lower_bound=1)
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of random weights (presets) and tokens.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Write all results as one JSON object.")
-_JSONL_OUT = flags.DEFINE_string("jsonl_out", None, "Append one JSON line per test, as each finishes.")
+_OUT = cli.RecordFlags("test")
 
 
 def main(argv):
   del argv
   n_prompt = bench.parse_ints(_N_PROMPT.value, "--n_prompt")
 
-  def on_record(r):
-    print(bench.markdown_table(bench.BENCH_COLUMNS, [bench.bench_row(r)]).splitlines()[-1],
-          file=sys.stderr, flush=True)  # progress; the aligned table follows on stdout
-    if _JSONL_OUT.value:
-      bench.append_jsonl(_JSONL_OUT.value, [r])
-
+  # progress rows on stderr; the aligned table follows on stdout
+  on_record = _OUT.on_record(lambda r: bench.bench_table([r]).splitlines()[-1])
   records = bench.run_bench(_MODEL.value, _DTYPE.value, n_prompt, _N_GEN.value,
                             _N_DEPTH.value, _REPS.value, _SEED.value, on_record=on_record)
   print(bench.bench_table(records))
@@ -46,8 +39,7 @@ def main(argv):
   print()
   print("Verify-cost curve (pp medians):")
   print(bench.verify_curve_table(records))
-  if _JSON_OUT.value:
-    cli.write_json(_JSON_OUT.value, {"flags": flags.FLAGS.flag_values_dict(), "results": records})
+  _OUT.finish(records)
 
 
 if __name__ == "__main__":

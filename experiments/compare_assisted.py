@@ -18,7 +18,8 @@ import os
 
 from absl import flags
 
-from specjax import assisted, bench, checkpoint, cli, steps, timing
+from specjax import assisted, bench, checkpoint, cli, speculative, steps
+from specjax import workdir as wd
 from specjax.errors import ConfigError
 
 _TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset name, HF directory or orbax directory.")
@@ -57,16 +58,14 @@ def main(argv):
   torch.set_num_threads(_THREADS.value)
   tcfg, tparams, tok = checkpoint.load_model(_TARGET.value, dtype=_DTYPE.value, seed=_SEED.value)
   dcfg, dparams, _ = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1)
-  if tcfg.vocab_size != dcfg.vocab_size:
-    raise ConfigError(f"draft and target vocabularies differ: {tcfg.vocab_size} (target "
-                      f"{_TARGET.value}) vs {dcfg.vocab_size} (draft {_DRAFT.value})")
+  speculative.check_vocabularies(tcfg, dcfg)
   prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, tcfg.vocab_size)
-  target, draft = steps.Model(tcfg, tparams), steps.Model(dcfg, dparams)
+  target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
   pt_target, pt_draft = assisted.torch_models(target, draft, _HF_ATTN.value)
   pt_self = assisted.torch_models(target, target, _HF_ATTN.value)[1]
   pairs = [(f"{_TARGET.value} / {_DRAFT.value}", draft, pt_draft),
            (f"{_TARGET.value} / itself (draft = target)", target, pt_self)]
-  env = {**timing.environment(), "torch": torch.__version__,
+  env = {**wd.environment(), "torch": torch.__version__,
          "transformers": __import__("transformers").__version__,
          "torch_threads": torch.get_num_threads()}
   results, loads = [], []
@@ -84,12 +83,13 @@ def _report(results, env, loads, prompt):
   print(f"tokens/s = {_N_PREDICT.value} generated tokens (the first, from the prompt, included) / "
         f"median wall time of the whole generate call ({_REPS.value} reps, prefill included); "
         f"decode-only = specjax's (n_predict - 1) / eval_s, prefill excluded. "
-        f"speedup = speculative t/s / same-engine baseline t/s. accept = n_accept / n_drafted.")
+        f"speedup = speculative t/s / same-engine baseline t/s. accept rate = n_accept / n_drafted.")
   print(f"prompt {len(prompt)} tokens, gamma {_GAMMA.value}, {results[0].capacity} specjax cache "
         f"slots; torch {env['torch']} ({env['torch_threads']} threads, attn "
         f"{results[0].hf_attn}), transformers {env['transformers']}, jax {env['jax']} "
         f"({env['backend']}, {env['cpu_count']} cores); 1-min load after each pair: "
         + ", ".join(f"{l:.2f}" for l in loads))
+  print(f"machine: {wd.machine_line(env)}")
   for r in results:
     sj = r.engines["specjax"].decode
     print(f"[{r.pair}] specjax compile (excluded): baseline {sj['baseline_compile_s']:.2f} s, "
@@ -101,7 +101,7 @@ def _report(results, env, loads, prompt):
         f"{g['specjax_speedup']:.3f}x {'>=' if g['holds'] else '<'} HF speedup "
         f"{g['hf_speedup']:.3f}x: {'holds' if g['holds'] else 'FAILS'}")
   if _JSON_OUT.value:
-    cli.write_json(_JSON_OUT.value, {
+    wd.write_json(_JSON_OUT.value, {
         "flags": {"target": _TARGET.value, "draft": _DRAFT.value, "gamma": _GAMMA.value,
                   "n_predict": _N_PREDICT.value, "reps": _REPS.value, "dtype": _DTYPE.value,
                   "threads": _THREADS.value, "hf_attn": _HF_ATTN.value, "seed": _SEED.value},

@@ -28,6 +28,7 @@ import numpy as np
 from absl import flags
 
 from specjax import cli, timing
+from specjax import workdir as wd
 from specjax.config import get_preset
 
 _MODEL = flags.DEFINE_string("model", "llama-160m", "Preset whose shapes are timed.")
@@ -101,7 +102,7 @@ def main(argv):
         t = timing.measure(lambda: _loop(xs[m], weights[kind], kind=kind, k=k), reps=1)
         times[kind][m].append(t.median / k)
   med = {kind: {m: float(np.median(v)) for m, v in d.items()} for kind, d in times.items()}
-  env = timing.environment()
+  env = wd.environment()
   print(f"{cfg.name}: the projections of one layer (dim {cfg.dim}, ffn {cfg.ffn_dim}), "
         f"ms per layer, median of {_REPS.value}; XLA_FLAGS={env.get('xla_flags') or '-'}")
   print("| variant | " + " | ".join(f"M={m}" for m in ms) + " | " +
@@ -114,8 +115,9 @@ def main(argv):
   base1 = med["f32 x@W"][ms[0]]
   print("vs the model's layout at M=1: " + ", ".join(
       f"{kind} {med[kind][ms[0]] / base1:.2f}x" for kind in kinds[1:]))
+  print(f"machine: {wd.machine_line(env)}")
   if _JSON.value:
-    cli.write_json(_JSON.value, {"model": cfg.name, "ms": ms, "median_s": med, "env": env,
+    wd.write_json(_JSON.value, {"model": cfg.name, "ms": ms, "median_s": med, "env": env,
                                  "compile_s": {f"{a}|{b}": v for (a, b), v in compile_s.items()}})
 
 

@@ -12,6 +12,7 @@ directory written by specjax) works the same way:
 from absl import flags
 
 from specjax import checkpoint, cli, generation, steps
+from specjax import workdir as wd
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Preset name, HF directory or orbax directory.")
 _N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate.", lower_bound=1)
@@ -29,7 +30,7 @@ def main(argv):
   prompt = _GEN.prompt(tok, cfg.vocab_size)
   sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else cfg.eos_token_id)
-  m = steps.Model(cfg, params)
+  m = steps.Runner(cfg, params)
   run = lambda: generation.generate(m, [prompt], _N_PREDICT.value, sp, seed=_GEN.seed,
                                     eos_id=eos, loop=_LOOP.value, ctx_size=_CTX.value)
   compile_s = run().compile_s if _WARMUP.value else 0.0
@@ -43,7 +44,7 @@ def main(argv):
   print(cli.rate_line("prompt eval time", res.prompt_s, res.n_prompt, "tokens"))
   print(cli.rate_line("eval time", res.eval_s, res.n_eval, "runs"))
   if _JSON_OUT.value:
-    cli.write_json(_JSON_OUT.value, {
+    wd.write_json(_JSON_OUT.value, {
         "model": cfg.name, "config": cfg.to_dict(), "prompt_tokens": prompt, "tokens": out,
         "text": cli.detokenize(tok, out) if tok else None,
         "n_prompt": res.n_prompt, "n_eval": res.n_eval,
@@ -51,7 +52,9 @@ def main(argv):
         "eval_ms_per_token": 1e3 * res.eval_s / max(res.n_eval, 1),
         "eval_tokens_per_s": res.n_eval / res.eval_s if res.eval_s else None,
         "compile_ms": 1e3 * compile_s, "loop": _LOOP.value,
-        "sampling": {"temp": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p, "seed": _GEN.seed}})
+        "sampling": {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
+                     "seed": _GEN.seed},
+        "env": wd.environment()})
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # noqa: E402
 from specjax import bench, cli, config, sweep
+from specjax import workdir as wd
 from specjax.errors import SpecjaxError
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_gpu", "Output folder.")
@@ -43,12 +44,14 @@ def main(argv):
   if _SMOKE.value:
     cfg.target, cfg.draft, cfg.dtype = "tiny", "tiny-draft", "float32"
     cfg.gammas, cfg.n_predict, cfg.ctx_size, cfg.reps = (1, 2), 8, 48, 1
+    cfg.accepts = ("bernoulli:0.8", "always")
   models = [cfg.draft, cfg.target]
   jsonl = os.path.join(_WORKDIR.value, "bench.jsonl")
   open(jsonl, "w").close()
-  records = bench.run_bench(models, [cfg.dtype], n_prompt=[1, 2, 3, 4, 5, 6, 8, 9, 12, 16],
+  n_prompt = [1, 2, 4] if _SMOKE.value else [1, 2, 3, 4, 5, 6, 8, 9, 12, 16]
+  records = bench.run_bench(models, [cfg.dtype], n_prompt=n_prompt,
                             n_gen=64 if not _SMOKE.value else 4, n_depth=128 if not _SMOKE.value else 8,
-                            reps=_REPS.value, on_record=lambda r: bench.append_jsonl(jsonl, [r]))
+                            reps=_REPS.value, on_record=lambda r: wd.append_jsonl(jsonl, [r]))
   bandwidth = _BANDWIDTH.value or bench.device_bandwidth_gbs(dev.device_kind)
   lines = ["## Decode and verify cost", "",
            "| model | tg t/s | ms/token | roofline | " + " | ".join(
@@ -66,11 +69,13 @@ def main(argv):
                  + " |")
   points = sweep.run_sweep(cfg, os.path.join(_WORKDIR.value, "sweep"), progress=False)
   lines += ["", "## Speedup, 160m draft / 7b target (bf16, random weights)", "",
-            "| gamma | accept | speedup | Leviathan | measured-cost | efficiency |", "|---" * 6 + "|"]
-  for r in sorted(points, key=lambda r: (r["accept"], r["gamma"])):
-    lines.append(f"| {r['gamma']} | {r['accept']} | {r['speedup']:.2f}x | "
+            "| gamma | accept rule | speedup | Leviathan | measured-cost | efficiency |",
+            "|---" * 6 + "|"]
+  for r in sorted(points, key=lambda r: (r["accept_rule"], r["gamma"])):
+    lines.append(f"| {r['gamma']} | {r['accept_rule']} | {r['speedup']:.2f}x | "
                  f"{r['predicted_leviathan']:.2f}x | {r['predicted_measured_cost']:.2f}x | "
                  f"{r['efficiency']:.2f} |")
+  lines += ["", f"Machine: {wd.machine_line(wd.environment())}."]
   text = "\n".join(lines) + "\n"
   with open(os.path.join(_WORKDIR.value, "gpu_summary.md"), "w") as f:
     f.write(text)

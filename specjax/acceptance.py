@@ -101,44 +101,60 @@ def position_probs(rule: AcceptRule, gamma: int) -> np.ndarray:
   return np.ones((gamma,), np.float32)  # always (and unused by real)
 
 
+def exact_accepts(u: jax.Array, p_x: jax.Array, q_x: jax.Array) -> jax.Array:
+  """Exact speculative sampling's test: accept x when u < p(x) / q(x), written
+  u q(x) < p(x) so that nothing is divided (q(x) > 0 for a drafted x)."""
+  return u * q_x < p_x
+
+
+def target_token_dist(p_next: jax.Array, q_next: jax.Array, rejected: jax.Array) -> jax.Array:
+  """The distribution of the token the target emits after the accepted run.
+
+  At a rejection: norm(max(0, p - q)), the residual (if p == q there is no
+  mass left, and a rejection has probability 0: p is returned). After every
+  drafted token was accepted (the bonus token): p itself.
+  p_next, q_next [B, V]; rejected [B].
+  """
+  resid = jnp.maximum(p_next - q_next, 0.0)
+  mass = jnp.sum(resid, -1, keepdims=True)
+  resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_next)
+  return jnp.where(rejected[:, None], resid, p_next)
+
+
 def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, n_drafted):
   """Decides how many drafted tokens to keep and the token after them.
 
   Args:
     key: PRNG key for this step's acceptance.
     simulated: False for the real rule, True for the simulated ones.
-    accept_probs: [G] position_probs() of a simulated rule (may be traced).
+    accept_probs: [gamma] position_probs() of a simulated rule (may be traced).
     sp: sampling settings applied to both models.
-    drafts: [B, G] drafted tokens.
-    q: [B, G, V] draft distributions (used by the real rule when sampling).
-    p: [B, G+1, V] target distributions at the G+1 verified positions.
-    n_drafted: [B] tokens really drafted (< G after an early stop).
+    drafts: [B, gamma] drafted tokens.
+    q: [B, gamma, V] draft distributions (used by the real rule when sampling).
+    p: [B, gamma+1, V] target distributions at the gamma+1 verified positions.
+    n_drafted: [B] tokens really drafted (< gamma after an early stop).
   Returns:
     (n_accepted [B], next_token [B]).
   """
-  b, g = drafts.shape
+  b, gamma = drafts.shape
   k_u, k_tok = jax.random.split(key)
-  pos = jnp.arange(g)[None, :]
-  u = jax.random.uniform(k_u, (b, g))
+  pos = jnp.arange(gamma)[None, :]
+  u = jax.random.uniform(k_u, (b, gamma))
   if simulated:
     ok = u < accept_probs[None, :]
   elif sp.greedy:
-    ok = drafts == jnp.argmax(p[:, :g], -1)
+    ok = drafts == jnp.argmax(p[:, :gamma], -1)
   else:
-    p_draft = jnp.take_along_axis(p[:, :g], drafts[..., None], -1)[..., 0]  # [B, G]
-    q_draft = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
-    ok = u * q_draft < p_draft            # u < p/q without dividing
+    p_x = jnp.take_along_axis(p[:, :gamma], drafts[..., None], -1)[..., 0]  # [B, gamma]
+    q_x = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+    ok = exact_accepts(u, p_x, q_x)
   n_acc = _leading(ok & (pos < n_drafted[:, None]))
 
   p_next = _at(p, n_acc)                  # target distribution after the accepted run
   if not simulated and not sp.greedy:
-    # At a rejection (a real draft there) sample the residual max(0, p - q).
-    rejected = n_acc < n_drafted
-    q_next = _at(q, jnp.minimum(n_acc, g - 1))
-    resid = jnp.maximum(p_next - q_next, 0.0)
-    mass = jnp.sum(resid, -1, keepdims=True)
-    resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_next)
-    p_next = jnp.where(rejected[:, None], resid, p_next)
+    # A rejection is a real draft at position n_acc that was not accepted.
+    q_next = _at(q, jnp.minimum(n_acc, gamma - 1))
+    p_next = target_token_dist(p_next, q_next, n_acc < n_drafted)
   if sp.greedy:
     nxt = jnp.argmax(p_next, -1).astype(jnp.int32)
   else:

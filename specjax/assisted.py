@@ -24,7 +24,7 @@ generated tokens, the first one (sampled from the prompt evaluation) included,
 over the wall time of the whole generate call, prefill included. specjax's
 decode-only tokens/s ((n_predict - 1) / eval_s, the project's usual number) is
 reported next to it. speedup = speculative tokens/s / baseline tokens/s of the
-same engine. accept = n_accept / n_drafted for both engines.
+same engine. accept_rate = n_accept / n_drafted for both engines.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def hf_generate(model, prompt: list[int], n_predict: int, assistant=None) -> lis
   return out[0, len(prompt):].tolist()
 
 
-def torch_models(target: steps.Model, draft: steps.Model, attn: str = "sdpa"):
+def torch_models(target: steps.Runner, draft: steps.Runner, attn: str = "sdpa"):
   """(target, draft) as transformers LlamaForCausalLM, via hf.to_torch_model.
 
   A draft with the target's weights still gets its own torch module, so its
@@ -209,14 +209,14 @@ class EngineResult:
     return self.spec_tps / self.baseline_tps
 
   @property
-  def accept(self) -> float:
+  def accept_rate(self) -> float:
     return self.n_accept / self.n_drafted if self.n_drafted else 0.0
 
   def to_dict(self) -> dict[str, Any]:
     return {"engine": self.engine, "baseline_tokens_per_s": self.baseline_tps,
             "spec_tokens_per_s": self.spec_tps, "speedup": self.speedup,
-            "accept": self.accept, "n_steps": self.n_steps, "n_drafted": self.n_drafted,
-            "n_accept": self.n_accept,
+            "accept_rate": self.accept_rate, "n_steps": self.n_steps,
+            "n_drafted": self.n_drafted, "n_accept": self.n_accept,
             "baseline": {**self.baseline.to_dict(), "times_s": self.baseline.times},
             "spec": {**self.spec.to_dict(), "times_s": self.spec.times},
             "decode_only": self.decode,
@@ -289,7 +289,7 @@ def _specjax_result(m: dict[str, Measured], n: int) -> EngineResult:
                       spec.timing, st.n_steps, st.n_drafted, st.n_accept, decode)
 
 
-def compare(target: steps.Model, draft: steps.Model, prompt: list[int], n_predict: int,
+def compare(target: steps.Runner, draft: steps.Runner, prompt: list[int], n_predict: int,
             gamma: int = 4, reps: int = 3, pair: str = "", hf_models=None,
             hf_attn: str = "sdpa") -> PairResult:
   """Both engines, baseline and speculative, on one pair (greedy, no EOS).
@@ -312,8 +312,8 @@ def compare(target: steps.Model, draft: steps.Model, prompt: list[int], n_predic
   pt_target, pt_draft = hf_models or torch_models(target, draft, hf_attn)
   configure_assistant(pt_draft, gamma)
   # Tight: specjax attends over every cache slot, HF's cache holds the sequence.
-  capacity = generation.plan_capacity(target.cfg, len(prompt), n_predict, extra=gamma + 1,
-                                      capacity=len(prompt) + n_predict + gamma + 1)
+  capacity = generation.plan_capacity(target.cfg, len(prompt), n_predict, extra=gamma,
+                                      ctx_size=len(prompt) + n_predict)
   counter = StepCounter(pt_target)
 
   def hf_spec():
@@ -343,7 +343,7 @@ def compare(target: steps.Model, draft: steps.Model, prompt: list[int], n_predic
 
 # ---------------------------------------------------------------- report
 
-TABLE_COLUMNS = ("engine", "pair", "baseline t/s", "speculative t/s", "speedup", "accept",
+TABLE_COLUMNS = ("engine", "pair", "baseline t/s", "speculative t/s", "speedup", "accept rate",
                  "tokens identical", "decode-only base t/s", "decode-only spec t/s")
 
 
@@ -366,7 +366,7 @@ def table_rows(results: list[PairResult]) -> list[list[str]]:
       dec = e.decode or {}
       fmt = lambda k: f"{dec[k]:.2f}" if k in dec else "-"
       rows.append([name, r.pair, f"{e.baseline_tps:.2f}", f"{e.spec_tps:.2f}",
-                   f"{e.speedup:.3f}x", f"{100 * e.accept:.1f}%", _identical_cell(r, name),
+                   f"{e.speedup:.3f}x", f"{100 * e.accept_rate:.1f}%", _identical_cell(r, name),
                    fmt("baseline_tokens_per_s"), fmt("spec_tokens_per_s")])
   return rows
 

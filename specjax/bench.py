@@ -1,6 +1,6 @@
-"""Throughput benchmarks: llama-bench, llama-batched-bench, and the layer loop.
+"""Throughput benchmarks: llama-bench and llama-batched-bench.
 
-Three benchmarks, each a library function that the thin scripts in
+Two benchmarks, each a library function that the thin scripts in
 experiments/ call, and each timed with the one method of specjax.timing
 (`measure`: warm-up untimed, compile time kept apart, every clock stopped
 after `block_until_ready`):
@@ -17,10 +17,8 @@ after `block_until_ready`):
   then TG decode steps, with llama.cpp's definitions
     N_KV = B (PP + TG), S_PP = B PP / T_PP, S_TG = B TG / T_TG,
     T = T_PP + T_TG, S = N_KV / T.
-* `run_layer_loop_bench`: specjax's unrolled layer loop against a `lax.scan`
-  over stacked per-layer weights: compile time and decode ms/step on one
-  preset, and lowering + compile time alone (nothing allocated) at real
-  depth, e.g. llama-2-70b's 80 layers.
+(The layer-loop benchmark is specjax.layer_loop; the sweep's cost probes,
+specjax.costs.)
 
 The cache capacity is fixed per model (the largest test plus a round-up), so
 each (shape, dtype) compiles once. Attention runs over the whole capacity, so
@@ -30,31 +28,26 @@ the capacity is recorded with every result.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import os
-import time
 from typing import Any, Callable, Iterable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import checkpoint, cli
+from specjax import checkpoint, costs
 from specjax import config as config_lib
 from specjax import kv_cache as kvc
 from specjax import model as model_lib
 from specjax import steps, timing
+from specjax import workdir as wd
 from specjax.config import ModelConfig
 from specjax.errors import ConfigError
-from specjax.layers import Block, RMSNorm, _init
 
 CAPACITY_ROUND = 16  # cache capacities are rounded up to a multiple of this
 Record = dict[str, Any]
 
 # ----------------------------------------------------------------------------
-# Shared helpers: flag lists, units, tables, JSON lines.
+# Shared helpers: flag lists, units, tables.
 
 
 def parse_ints(value: str | Sequence[int], name: str = "value",
@@ -105,42 +98,10 @@ def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]],
   return "\n".join([line(columns), rule] + [line(r) for r in rows])
 
 
-def append_jsonl(path: str, records: Iterable[Record]) -> None:
-  """Appends one JSON object per line to `path` (folder created)."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "a") as f:
-    for r in records:
-      f.write(json.dumps(r, default=cli.json_default) + "\n")
-
-
-def _model_info(cfg: ModelConfig, params) -> Record:
+def model_info(cfg: ModelConfig, params) -> Record:
   return {"model": cfg.name, "size_bytes": model_lib.param_bytes(params),
           "n_params": model_lib.param_count(params),
           "backend": jax.default_backend(), "dtype": cfg.precision}
-
-
-def load_avg() -> list[float] | None:
-  """Host load average (1, 5, 15 min) when a result is taken: other work on
-  the machine shows up in the timings, so every record says how busy it was."""
-  try:
-    return list(os.getloadavg())
-  except OSError:
-    return None
-
-
-def _random_tokens(rng: np.random.RandomState, cfg: ModelConfig, b: int,
-                   t: int) -> jax.Array:
-  return jnp.asarray(rng.randint(0, cfg.vocab_size, (b, t)), jnp.int32)
-
-
-def _fill(m: steps.Model, batch: int, capacity: int, depth: int,
-          rng: np.random.RandomState) -> kvc.KVCache:
-  """A new cache holding `depth` random tokens per row (untimed setup)."""
-  cache = m.new_cache(batch, capacity)
-  if depth:
-    prompts = rng.randint(0, m.cfg.vocab_size, (batch, depth)).tolist()
-    cache = timing.block(m.prefill(prompts, cache)[1])
-  return cache
 
 
 # ----------------------------------------------------------------------------
@@ -165,7 +126,7 @@ class BenchTest:
     return 1 if self.kind == "pp" else self.n
 
 
-def pp_runner(m: steps.Model, holder: list, tokens: jax.Array, depth: np.ndarray):
+def pp_runner(m: steps.Runner, holder: list, tokens: jax.Array, depth: np.ndarray):
   """pp: roll back to depth, one forward_step over tokens [B, N]."""
   def run():
     cache = kvc.rollback(holder[0], depth)
@@ -174,7 +135,7 @@ def pp_runner(m: steps.Model, holder: list, tokens: jax.Array, depth: np.ndarray
   return run
 
 
-def _tg_run(m: steps.Model, holder: list, tok: jax.Array, depth: np.ndarray,
+def _tg_run(m: steps.Runner, holder: list, tok: jax.Array, depth: np.ndarray,
             n: int):
   """tg: roll back to depth, n decode steps of tok [B, 1] queued back to back.
 
@@ -189,7 +150,7 @@ def _tg_run(m: steps.Model, holder: list, tok: jax.Array, depth: np.ndarray,
   return run
 
 
-def bench_model(m: steps.Model, n_prompt: Sequence[int], n_gen: int,
+def bench_model(m: steps.Runner, n_prompt: Sequence[int], n_gen: int,
                 n_depth: int, reps: int, seed: int = 0,
                 extra: Record | None = None,
                 on_record: Callable[[Record], None] | None = None
@@ -211,15 +172,15 @@ def bench_model(m: steps.Model, n_prompt: Sequence[int], n_gen: int,
   capacity = capacity_for(n_depth + max(t.n for t in tests))
   kvc.check_capacity([n_depth], max(t.n for t in tests), capacity)
   rng = np.random.RandomState(seed)
-  holder = [_fill(m, 1, capacity, n_depth, rng)]
+  holder = [costs.filled_cache(m, 1, capacity, n_depth, rng)]
   depth = np.full((1,), n_depth, np.int32)
-  info = {**_model_info(m.cfg, m.params), **(extra or {})}
+  info = {**model_info(m.cfg, m.params), **(extra or {})}
   records, t1 = [], None
   for test in tests:
     if test.kind == "pp":
-      run = pp_runner(m, holder, _random_tokens(rng, m.cfg, 1, test.n), depth)
+      run = pp_runner(m, holder, costs.random_tokens(rng, m.cfg.vocab_size, 1, test.n), depth)
     else:
-      run = _tg_run(m, holder, _random_tokens(rng, m.cfg, 1, 1), depth, test.n)
+      run = _tg_run(m, holder, costs.random_tokens(rng, m.cfg.vocab_size, 1, 1), depth, test.n)
     t = timing.measure(run, reps=reps)
     if test.kind == "pp" and test.n == 1:
       t1 = t.median  # pp1 runs first: the base of every verify_ratio
@@ -241,7 +202,7 @@ def bench_record(info: Record, test: BenchTest, t: timing.Timing,
           "tps_mean": float(np.mean(tps)),
           "tps_std": float(np.std(tps, ddof=1)) if len(tps) > 1 else 0.0,
           "ms_per_call": 1e3 * t.median / test.n_calls,
-          "verify_ratio": ratio, "load_avg": load_avg()}
+          "verify_ratio": ratio, "load_avg": wd.load_avg()}
 
 
 def run_bench(models: Sequence[str], dtypes: Sequence[str],
@@ -259,7 +220,7 @@ def run_bench(models: Sequence[str], dtypes: Sequence[str],
     raise ConfigError(f"reps must be >= 1, got {reps}")
   if n_depth < 0 or n_gen < 0 or not n_prompt or min(n_prompt) < 1:
     raise ConfigError("need n_depth >= 0, n_gen >= 0 and n_prompt sizes >= 1")
-  env = timing.environment()
+  env = wd.environment()
   records = []
   for spec in models:
     for dtype in dtypes:
@@ -269,7 +230,7 @@ def run_bench(models: Sequence[str], dtypes: Sequence[str],
       if need > cfg.max_seq_len:
         raise ConfigError(f"{cfg.name}: n_depth + largest test = {need} "
                           f"exceeds max_seq_len {cfg.max_seq_len}")
-      records += bench_model(steps.Model(cfg, params), n_prompt, n_gen,
+      records += bench_model(steps.Runner(cfg, params), n_prompt, n_gen,
                              n_depth, reps, seed,
                              extra={"model_spec": spec, "env": env},
                              on_record=on_record)
@@ -318,7 +279,7 @@ def verify_curve_table(records: Sequence[Record]) -> str:
 # llama-batched-bench.
 
 
-def _prefill_run(m: steps.Model, holder: list, tokens: jax.Array):
+def _prefill_run(m: steps.Runner, holder: list, tokens: jax.Array):
   """Prompt phase: roll back to 0, one prefill_step over tokens [B, PP]
   (logits of each row's last token only, as llama-batched-bench asks)."""
   b, pp = tokens.shape
@@ -332,16 +293,16 @@ def _prefill_run(m: steps.Model, holder: list, tokens: jax.Array):
   return run
 
 
-def batched_point(m: steps.Model, b: int, pp: int, tg: int, capacity: int,
+def batched_point(m: steps.Runner, b: int, pp: int, tg: int, capacity: int,
                   reps: int, rng: np.random.RandomState) -> Record:
   """One (PP, TG, B) point: T_PP and T_TG medians from `timing.measure`."""
   kvc.check_capacity([0], pp + tg, capacity)
   holder = [m.new_cache(b, capacity)]
-  t_pp = timing.measure(_prefill_run(m, holder, _random_tokens(rng, m.cfg, b, pp)),
+  t_pp = timing.measure(_prefill_run(m, holder, costs.random_tokens(rng, m.cfg.vocab_size, b, pp)),
                         reps=reps)
   # The cache now holds the PP prompt tokens of every row.
   depth = np.full((b,), pp, np.int32)
-  t_tg = timing.measure(_tg_run(m, holder, _random_tokens(rng, m.cfg, b, 1),
+  t_tg = timing.measure(_tg_run(m, holder, costs.random_tokens(rng, m.cfg.vocab_size, b, 1),
                                 depth, tg), reps=reps)
   return batched_record(pp, tg, b, t_pp, t_tg, capacity)
 
@@ -356,10 +317,10 @@ def batched_record(pp: int, tg: int, b: int, t_pp: timing.Timing,
           "t_tg_s": tt, "s_tg_tps": b * tg / tt,
           "t_s": tp + tt, "s_tps": n_kv / (tp + tt),
           "capacity": capacity, "timing_pp": t_pp.to_dict(),
-          "timing_tg": t_tg.to_dict(), "load_avg": load_avg()}
+          "timing_tg": t_tg.to_dict(), "load_avg": wd.load_avg()}
 
 
-def run_batched_bench(m: steps.Model, batches: Sequence[int],
+def run_batched_bench(m: steps.Runner, batches: Sequence[int],
                       pps: Sequence[int], tgs: Sequence[int], reps: int,
                       seed: int = 0,
                       on_record: Callable[[Record], None] | None = None
@@ -375,7 +336,7 @@ def run_batched_bench(m: steps.Model, batches: Sequence[int],
   if max(pps) + max(tgs) > m.cfg.max_seq_len:
     raise ConfigError(f"{m.cfg.name}: PP + TG = {max(pps) + max(tgs)} exceeds "
                       f"max_seq_len {m.cfg.max_seq_len}")
-  info, env = _model_info(m.cfg, m.params), timing.environment()
+  info, env = model_info(m.cfg, m.params), wd.environment()
   rng = np.random.RandomState(seed)
   records = []
   for pp in pps:
@@ -402,250 +363,6 @@ def batched_row(r: Record) -> list[str]:
 def batched_table(records: Sequence[Record]) -> str:
   return markdown_table(BATCHED_COLUMNS, [batched_row(r) for r in records],
                         [True] * len(BATCHED_COLUMNS))
-
-
-# ----------------------------------------------------------------------------
-# Layer loop: Python-unrolled layers (specjax) vs lax.scan over stacked weights.
-
-
-def stack_layers(params, n_layers: int):
-  """The per-layer subtrees layers_0..layers_{L-1} stacked on a new axis 0."""
-  layers = [params[f"layers_{i}"] for i in range(n_layers)]
-  return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
-
-
-def scan_params(params, cfg: ModelConfig):
-  """specjax params re-laid-out for `scan_forward`: layers stacked [L, ...]."""
-  out = {k: v for k, v in params.items() if not k.startswith("layers_")}
-  out["layers"] = stack_layers(params, cfg.n_layers)
-  return out
-
-
-def init_scan_cache(cfg: ModelConfig, batch: int, capacity: int):
-  """(k, v, lengths): k and v [L, B, S, K, D], lengths [B]."""
-  shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.d_head)
-  return (jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype),
-          jnp.zeros((batch,), jnp.int32))
-
-
-def scan_forward(params, tokens, cache, cfg: ModelConfig):
-  """The same model as model.forward, its layer loop a `lax.scan` over
-  stacked weights and a stacked cache (the naive variant).
-
-  tokens [B, T], cache (k, v, lengths) -> (logits [B, T, V] f32, cache).
-  """
-  k_all, v_all, lengths = cache
-  positions = lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
-  embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
-                   param_dtype=cfg.jnp_param_dtype, embedding_init=_init)
-  x = embed.apply({"params": params["embed"]}, tokens)  # [B, T, E]
-
-  def layer(x, xs):
-    lp, k, v = xs
-    x, k, v = Block(cfg).apply({"params": lp}, x, positions, k, v, lengths)
-    return x, (k, v)
-
-  x, (k_all, v_all) = jax.lax.scan(layer, x, (params["layers"], k_all, v_all))
-  x = RMSNorm(cfg).apply({"params": params["final_norm"]}, x)
-  if cfg.tie_embeddings:
-    logits = embed.apply({"params": params["embed"]}, x, method="attend")
-  else:
-    logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
-                      param_dtype=cfg.jnp_param_dtype).apply(
-                          {"params": params["lm_head"]}, x)
-  t = tokens.shape[1]
-  return logits.astype(jnp.float32), (k_all, v_all, lengths + t)
-
-
-scan_step = jax.jit(scan_forward, static_argnames=("cfg",),
-                    donate_argnames=("cache",))
-
-
-def _aot_compile(jitted, *args, **static) -> tuple[Any, float, float]:
-  """Lowers and compiles `jitted` for args (arrays or ShapeDtypeStructs)
-  without running it. Returns (executable, wall s, JAX compile-event s)."""
-  with timing.CompileWatch() as cw:
-    t0 = time.perf_counter()
-    exe = jitted.lower(*args, **static).compile()
-    wall = time.perf_counter() - t0
-  return exe, wall, cw.seconds
-
-
-def layer_loop_decode(cfg: ModelConfig, params, context: int, depth: int,
-                      reps: int, seed: int = 0) -> list[Record]:
-  """Unrolled vs scan on real weights: compile s, decode ms/step, logits diff.
-
-  Both variants decode one token (batch 1) against a cache of `context`
-  slots holding the same `depth` prompt tokens, rolled back to depth between
-  repetitions. Each variant is compiled ahead of time (timed on its own), so
-  the timed repetitions run the compiled executable only.
-  """
-  if not 0 <= depth < context:
-    raise ConfigError(f"need 0 <= depth < context, got depth={depth}, "
-                      f"context={context}")
-  rng = np.random.RandomState(seed)
-  prompt = _random_tokens(rng, cfg, 1, depth)
-  tok = _random_tokens(rng, cfg, 1, 1)
-  dep = np.full((1,), depth, np.int32)
-  u_cache = kvc.init_cache(cfg, 1, context)
-  sp = scan_params(params, cfg)
-  s_cache = init_scan_cache(cfg, 1, context)
-  if depth:
-    u_cache = timing.block(steps.forward_step(params, prompt, u_cache, cfg=cfg)[1])
-    s_cache = timing.block(scan_step(sp, prompt, s_cache, cfg=cfg)[1])
-  variants = {
-      "unrolled": (steps.forward_step, params, u_cache,
-                   lambda c: kvc.rollback(c, dep)),
-      "scan": (scan_step, sp, s_cache, lambda c: (c[0], c[1], jnp.asarray(dep))),
-  }
-  del u_cache, s_cache  # donated below; the holders own them
-  base = {**_model_info(cfg, params), "n_layers": cfg.n_layers,
-          "context": context, "depth": depth, "batch": 1, "T": 1}
-  records, logits = [], {}
-  for name, (fn, p, cache, roll) in variants.items():
-    exe, wall, events = _aot_compile(fn, p, tok, cache, cfg=cfg)
-    holder = [cache]
-
-    def run(exe=exe, p=p, roll=roll, holder=holder):
-      out, holder[0] = exe(p, tok, roll(holder[0]))
-      return out
-
-    t = timing.measure(run, reps=reps, warmup=2)
-    logits[name] = np.asarray(run())
-    records.append({**base, "variant": name, "compile_s": wall,
-                    "compile_events_s": events, "decode": t.to_dict(),
-                    "ms_per_step": 1e3 * t.median, "ms_std": 1e3 * t.std,
-                    "load_avg": load_avg()})
-  diff = float(np.max(np.abs(logits["unrolled"] - logits["scan"])))
-  for r in records:
-    r["max_abs_logit_diff"] = diff
-  return records
-
-
-def layer_loop_compile(cfg: ModelConfig, context: int) -> list[Record]:
-  """Lowering + compile seconds of the T=1 decode, unrolled and scan, for
-  `cfg` at full size: params and cache are ShapeDtypeStructs, so nothing is
-  allocated and nothing runs."""
-  params = jax.eval_shape(lambda: model_lib.init_params(cfg))
-  cache = jax.eval_shape(lambda: kvc.init_cache(cfg, 1, context))
-  sp = jax.eval_shape(lambda p: scan_params(p, cfg), params)
-  s_cache = jax.eval_shape(lambda: init_scan_cache(cfg, 1, context))
-  tok = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-  info = {"model": cfg.name, "n_params": cfg.num_params(),
-          "size_bytes": cfg.num_params() * jnp.dtype(cfg.jnp_param_dtype).itemsize,
-          "backend": jax.default_backend(), "dtype": cfg.precision,
-          "n_layers": cfg.n_layers, "context": context, "depth": None,
-          "batch": 1, "T": 1, "decode": None, "ms_per_step": None,
-          "ms_std": None, "max_abs_logit_diff": None}
-  records = []
-  for name, fn, p, c in (("unrolled", steps.forward_step, params, cache),
-                         ("scan", scan_step, sp, s_cache)):
-    _, wall, events = _aot_compile(fn, p, tok, c, cfg=cfg)
-    records.append({**info, "variant": name, "compile_s": wall,
-                    "compile_events_s": events, "load_avg": load_avg()})
-  return records
-
-
-def run_layer_loop_bench(preset: str, dtype: str = "float32",
-                         context: int = 256, depth: int = 128, reps: int = 20,
-                         compile_presets: Sequence[str] = ("llama-2-70b",),
-                         seed: int = 0, load: Callable = checkpoint.load_model,
-                         on_record: Callable[[Record], None] | None = None
-                         ) -> list[Record]:
-  """`layer_loop_decode` on `preset` (real weights, run), then
-  `layer_loop_compile` on each of `compile_presets` (compiled, never run).
-  Every record carries the environment."""
-  env = timing.environment()
-  cfg, params, _ = load(preset, dtype=config_lib.canonical_precision(dtype),
-                        seed=seed)
-  records = []
-
-  def emit(rs):
-    for r in rs:
-      records.append({**r, "env": env})
-      if on_record:
-        on_record(records[-1])
-
-  emit(layer_loop_decode(cfg, params, context, depth, reps, seed))
-  del params
-  for name in compile_presets:
-    emit(layer_loop_compile(config_lib.get_preset(name, dtype), context))
-  return records
-
-
-LAYER_LOOP_COLUMNS = ("model", "params", "layers", "dtype", "context", "variant",
-                      "compile s", "decode ms/step (median)", "max abs Δlogits")
-
-
-def layer_loop_row(r: Record) -> list[str]:
-  ms = ("not run (compile only)" if r["ms_per_step"] is None
-        else f"{r['ms_per_step']:.2f} ± {r['ms_std']:.2f}")
-  diff = ("" if r["max_abs_logit_diff"] is None
-          else f"{r['max_abs_logit_diff']:.2e}")
-  return [r["model"], format_params(r["n_params"]), str(r["n_layers"]),
-          r["dtype"], str(r["context"]), r["variant"], f"{r['compile_s']:.2f}",
-          ms, diff]
-
-
-def layer_loop_table(records: Sequence[Record]) -> str:
-  return markdown_table(LAYER_LOOP_COLUMNS,
-                        [layer_loop_row(r) for r in records],
-                        (False, True, True, False, True, False, True, True, True))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "k"), donate_argnames=("cache",))
-def _repeat_forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, k: int):
-  """k forwards of tokens from the same cache state, on device (no dispatch)."""
-  depth = cache.lengths
-
-  def body(_, carry):
-    c, acc = carry
-    logits, c = model_lib.forward(params, tokens, c, cfg)
-    # Consume every logit, as decoding does (an argmax per position): keeping
-    # only a slice would let XLA shrink the lm_head matmul to that slice.
-    return kvc.rollback(c, depth), acc + jnp.sum(jnp.argmax(logits, -1), -1)
-
-  cache, acc = jax.lax.fori_loop(0, k, body,
-                                 (cache, jnp.zeros(tokens.shape[:1], jnp.int32)))
-  return acc, cache
-
-
-class CostProbe:
-  """Measures T(n): one forward over n new tokens (batch 1) against a cache of
-  `capacity` slots already holding `depth` tokens. The cost curve that
-  theory.measured_cost_speedup and the sweep take.
-
-  Each repetition runs k forwards inside one jitted loop and reports the time
-  per forward, so host dispatch (which the on-device speculative loop never
-  pays) stays out of the cost. The probe keeps its cache, so it can be called
-  again and again between other measurements (the sweep interleaves it with
-  the runs whose speedup it predicts).
-  """
-
-  def __init__(self, m: steps.Model, capacity: int, depth: int, seed: int = 0, k: int = 8):
-    self.m, self.k, self.capacity = m, k, capacity
-    self.rng = np.random.RandomState(seed)
-    self.holder = [_fill(m, 1, capacity, depth, self.rng)]
-    self.depth = depth
-    self.tokens: dict[int, jax.Array] = {}
-
-  def times(self, ns: Sequence[int], reps: int = 1) -> dict[int, timing.Timing]:
-    """Per-forward timings for each n (compiles a new n on first use)."""
-    kvc.check_capacity([self.depth], max(ns), self.capacity)
-    out = {}
-    for n in sorted(set(ns)):
-      first = n not in self.tokens
-      if first:
-        self.tokens[n] = _random_tokens(self.rng, self.m.cfg, 1, n)
-
-      def run(tokens=self.tokens[n]):
-        acc, self.holder[0] = _repeat_forward(self.m.params, tokens, self.holder[0],
-                                              cfg=self.m.cfg, k=self.k)
-        return acc
-
-      t = timing.measure(run, reps=reps, warmup=1 if first else 0)
-      out[n] = dataclasses.replace(t, times=[x / self.k for x in t.times])
-    return out
 
 
 # ----------------------------------------------------------------------------

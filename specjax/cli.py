@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from typing import Any, Callable
 
@@ -17,19 +15,35 @@ DEFAULT_PROMPT_TOKENS = [1] + list(range(100, 131))
 DEFAULT_PROMPT_TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
+def fail(message: str) -> None:
+  """Bad input: one line on stderr, exit status 1."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(1)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, a bad flag reported as one line (not absl's two)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e))
+  return []
+
+
 def run(main: Callable[[list[str]], Any]) -> None:
   """absl's app.run, with bad input printed as one line and exit status 1."""
   def wrapped(argv):
     logging.set_verbosity(logging.WARNING)  # hide JAX's backend probing
+    if len(argv) > 1:
+      fail(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
       return main(argv)
     except SpecjaxError as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(1)
+      fail(str(e))
     except KeyboardInterrupt:
       print("interrupted", file=sys.stderr)
       sys.exit(130)
-  app.run(wrapped)
+  app.run(wrapped, flags_parser=_parse_flags)
 
 
 class GenerationFlags:
@@ -68,6 +82,36 @@ class GenerationFlags:
     return parse_prompt(self._prompt.value, self._prompt_tokens.value, tokenizer, vocab_size)
 
 
+class RecordFlags:
+  """--json_out and --jsonl_out of the benchmark scripts: each record as a
+  JSON line as soon as it is finished, all of them as one JSON object at the
+  end; a progress row per record on stderr."""
+
+  def __init__(self, what: str = "test"):
+    self._json = flags.DEFINE_string("json_out", None, "Write all results as one JSON object.")
+    self._jsonl = flags.DEFINE_string("jsonl_out", None,
+                                      f"Append one JSON line per {what}, as each finishes.")
+
+  def on_record(self, progress_row: Callable[[dict[str, Any]], str]):
+    """The callback a benchmark calls with each finished record."""
+    from specjax import workdir as wd  # pylint: disable=import-outside-toplevel
+
+    def on_record(r):
+      print(progress_row(r), file=sys.stderr, flush=True)
+      if self._jsonl.value:
+        wd.append_jsonl(self._jsonl.value, [r])
+    return on_record
+
+  def finish(self, records: list[dict[str, Any]]) -> None:
+    """Prints the machine line; writes --json_out."""
+    from specjax import workdir as wd  # pylint: disable=import-outside-toplevel
+    if records:
+      print(f"\nmachine: {wd.machine_line(records[0].get('env') or wd.environment())}")
+    if self._json.value:
+      wd.write_json(self._json.value, {"flags": flags.FLAGS.flag_values_dict(),
+                                       "results": records})
+
+
 def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
                  vocab_size: int) -> list[int]:
   """Token ids from --prompt (needs a tokenizer) or --prompt_tokens=1,2,3."""
@@ -100,24 +144,6 @@ def detokenize(tokenizer, ids: list[int]) -> str:
   if tokenizer is None:
     return "".join(f"{t} " for t in ids)
   return tokenizer.decode(ids)
-
-
-def write_json(path: str, obj: dict[str, Any]) -> None:
-  """Writes obj as JSON, creating the parent folder."""
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=1, default=json_default)
-    f.write("\n")
-
-
-def json_default(x):
-  """json.dump's default= for numpy / jax values."""
-  if hasattr(x, "tolist"):
-    return x.tolist()
-  if hasattr(x, "item"):
-    return x.item()
-  raise TypeError(f"not JSON serialisable: {type(x)}")
 
 
 def rate_line(label: str, secs: float, n: int, unit: str) -> str:

@@ -74,6 +74,14 @@ def read_texts(files: Iterable[Path]) -> list[str]:
   return out
 
 
+def bos_post_processor():
+  """What training feeds the models in front of a text: <s>. A tokenizer.json
+  with this post-processor gives the same ids in specjax and transformers."""
+  from tokenizers import processors  # pylint: disable=import-outside-toplevel
+  return processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1",
+                                       special_tokens=[(BOS, SPECIALS.index(BOS))])
+
+
 def train_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: str | os.PathLike) -> Path:
   """Trains a byte-level BPE and writes tokenizer.json + tokenizer_config.json."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
@@ -87,12 +95,14 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, out_dir: str | os.Pat
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
   tok.train_from_iterator(texts, trainer=trainer)
+  tok.post_processor = bos_post_processor()
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   tok.save(str(out / "tokenizer.json"))
   (out / "tokenizer_config.json").write_text(json.dumps(
-      {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-       "model_max_length": 1 << 20, "tokenizer_class": "PreTrainedTokenizerFast"},
+      {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": True,
+       "add_eos_token": False, "model_max_length": 1 << 20,
+       "tokenizer_class": "PreTrainedTokenizerFast"},
       indent=2) + "\n")
   return out / "tokenizer.json"
 
@@ -101,7 +111,8 @@ def encode_documents(tokenizer, texts: Sequence[str]) -> np.ndarray:
   """One int32 stream: <s> doc </s> <s> doc </s> ..."""
   if tokenizer.bos_id is None or tokenizer.eos_id is None:
     raise ConfigError(f"tokenizer {tokenizer.source} has no <s> or </s>")
-  parts = [np.asarray(tokenizer.encode(text, add_bos=True) + [tokenizer.eos_id], np.int32)
+  bos, eos = [tokenizer.bos_id], [tokenizer.eos_id]
+  parts = [np.asarray(bos + tokenizer.encode(text, add_special=False) + eos, np.int32)
            for text in texts]
   return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
@@ -152,10 +163,10 @@ def heldout_prompts(files: Sequence[Path], tokenizer, n: int, n_tokens: int,
     for i in (starts[n] for n in by_distance):
       prompt = ""
       for line in lines[i:]:
-        if len(tokenizer.encode(prompt + line, add_bos=False)) > n_tokens:
+        if len(tokenizer.encode(prompt + line, add_special=False)) > n_tokens:
           break
         prompt += line
-      if len(tokenizer.encode(prompt, add_bos=False)) >= n_tokens // 2:
+      if len(tokenizer.encode(prompt, add_special=False)) >= n_tokens // 2:
         out.append({"file": p.relative_to(root).as_posix(), "line": i + 1, "text": prompt})
         break
     if len(out) == n:

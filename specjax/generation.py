@@ -27,7 +27,13 @@ NO_EOS = -1  # eos_id value that never matches a token
 
 def plan_capacity(cfg, prompt_len: int, n_predict: int, extra: int = 0,
                   ctx_size: int | None = None, capacity: int | None = None) -> int:
-  """Cache slots for a prompt + n_predict tokens (+ `extra` for verify width).
+  """Cache slots for a prompt + n_predict tokens (+ `extra`).
+
+  A speculative run passes extra = gamma: its last verify (gamma + 1 tokens
+  after the prompt and n_predict - 2 cached tokens) ends at slot
+  prompt + n_predict + gamma - 2, and a row that finished early rides along
+  one slot further (speculative.commit), so prompt + n_predict + gamma slots
+  are exactly enough.
 
   Raises CacheOverflowError when the sequence does not fit the context
   (`ctx_size`, default the model's max_seq_len). An explicit `capacity` is
@@ -45,7 +51,7 @@ def plan_capacity(cfg, prompt_len: int, n_predict: int, extra: int = 0,
     if capacity < prompt_len + n_predict + extra:
       raise CacheOverflowError(
           f"cache capacity {capacity} < prompt ({prompt_len}) + n_predict ({n_predict})"
-          f" + verify width ({extra})")
+          f" + gamma ({extra})")
     return capacity
   return max(ctx + extra, steps.prefill_bucket(prompt_len))
 
@@ -100,7 +106,7 @@ def trim_eos(row, eos_id: int) -> list[int]:
   return row[:row.index(eos_id) + 1] if eos_id in row else row
 
 
-def generate(m: steps.Model, prompts, n_predict: int, sp: SamplingParams = SamplingParams(),
+def generate(m: steps.Runner, prompts, n_predict: int, sp: SamplingParams = SamplingParams(),
              seed: int = 0, eos_id: int | None = None, loop: str = "device",
              ctx_size: int | None = None, capacity: int | None = None) -> GenerationResult:
   """Generates n_predict tokens after each prompt (a list of token-id lists)."""

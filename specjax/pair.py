@@ -20,7 +20,6 @@ The pair is loaded by name: `--target=stdlib-target --draft=stdlib-draft`
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import corpus, hf, speculative, steps, train
+from specjax import workdir as wd
 from specjax.checkpoint import SHIPPED
 from specjax.config import ModelConfig
 from specjax.errors import ConfigError
@@ -48,7 +48,7 @@ def shipped_prompts(n: int | None = None) -> list[str]:
   if not file.is_file():
     raise ConfigError(f"{file} is missing: the shipped pair is not installed; "
                       "regenerate it with experiments/train.py (see README)")
-  texts = [p["text"] for p in json.loads(file.read_text())]
+  texts = [p["text"] for p in wd.read_json(file)]
   return texts[:n] if n else texts
 
 
@@ -60,10 +60,10 @@ def model_config(name: str, m, vocab_size: int, bos: int, eos: int) -> ModelConf
                      bos_token_id=bos, eos_token_id=eos)
 
 
-def _stage_corpus(c, wd: Path, log) -> dict[str, Any]:
-  meta_file = wd / "corpus.json"
-  if meta_file.is_file() and (wd / "train.npy").is_file():
-    return json.loads(meta_file.read_text())
+def _stage_corpus(c, work: Path, log) -> dict[str, Any]:
+  meta_file = work / "corpus.json"
+  if meta_file.is_file() and (work / "train.npy").is_file():
+    return wd.read_json(meta_file)
   t0 = time.perf_counter()
   train_files, held_files = corpus.list_files(heldout_per_mille=int(c.heldout_per_mille))
   if int(c.max_files):
@@ -72,8 +72,8 @@ def _stage_corpus(c, wd: Path, log) -> dict[str, Any]:
   texts = corpus.read_texts(train_files)
   log(f"corpus: {len(train_files)} train files, {len(held_files)} held-out files; "
       f"training a {c.vocab_size}-token BPE")
-  corpus.train_tokenizer(texts, int(c.vocab_size), wd)
-  tok = load_tokenizer(wd)
+  corpus.train_tokenizer(texts, int(c.vocab_size), work)
+  tok = load_tokenizer(work)
   train_stream = corpus.encode_documents(tok, texts)
   held_stream = corpus.encode_documents(tok, corpus.read_texts(held_files))
   prompts = corpus.heldout_prompts(held_files, tok, int(c.alpha_prompts_saved),
@@ -81,13 +81,13 @@ def _stage_corpus(c, wd: Path, log) -> dict[str, Any]:
   if len(prompts) < int(c.alpha_prompts):
     raise ConfigError(f"only {len(prompts)} held-out prompts found, "
                       f"alpha_prompts={c.alpha_prompts}")
-  np.save(wd / "train.npy", train_stream)
-  np.save(wd / "heldout.npy", held_stream)
-  (wd / PROMPTS_FILE).write_text(json.dumps(prompts, indent=1) + "\n")
+  np.save(work / "train.npy", train_stream)
+  np.save(work / "heldout.npy", held_stream)
+  wd.write_json(work / PROMPTS_FILE, prompts)
   meta = corpus.describe(train_files, held_files, len(train_stream), len(held_stream),
                          tok.vocab_size, int(c.heldout_per_mille))
   meta["seconds"] = time.perf_counter() - t0
-  meta_file.write_text(json.dumps(meta, indent=2) + "\n")
+  wd.write_json(meta_file, meta)
   log(f"corpus: {meta['train_tokens']:,} train tokens, {meta['heldout_tokens']:,} "
       f"held-out tokens ({meta['seconds']:.0f} s)")
   return meta
@@ -109,7 +109,7 @@ def train_seconds(workdir: Path) -> float:
   return total
 
 
-def measure_alpha(target: steps.Model, draft: steps.Model, prompts: list[list[int]],
+def measure_alpha(target: steps.Runner, draft: steps.Runner, prompts: list[list[int]],
                   gamma: int, n_predict: int, temps, seed: int = 0) -> dict[str, Any]:
   """Real acceptance of `draft` against `target`, by the engine, per temperature."""
   out = {}
@@ -117,7 +117,7 @@ def measure_alpha(target: steps.Model, draft: steps.Model, prompts: list[list[in
     res = speculative.generate(target, draft, prompts, n_predict, gamma,
                                sp=SamplingParams(float(t)), rule="real", seed=seed)
     s = res.stats
-    out[f"{float(t):g}"] = {"alpha": s.alpha, "accept": s.accept,
+    out[f"{float(t):g}"] = {"alpha": s.alpha, "accept_rate": s.accept_rate,
                             "mean_accepted": s.mean_accepted,
                             "tokens_per_step": s.tokens_per_step,
                             "alpha_at_pos": s.alpha_at_pos, "accept_hist": s.accept_hist,
@@ -128,22 +128,22 @@ def measure_alpha(target: steps.Model, draft: steps.Model, prompts: list[list[in
 def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = None,
         progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
   """Runs (or resumes) every stage; returns the training summary."""
-  wd = Path(workdir)
-  wd.mkdir(parents=True, exist_ok=True)
-  meta = _stage_corpus(c, wd, log)
-  tok = load_tokenizer(wd)
-  train_stream, held_stream = np.load(wd / "train.npy"), np.load(wd / "heldout.npy")
+  work = Path(workdir)
+  work.mkdir(parents=True, exist_ok=True)
+  meta = _stage_corpus(c, work, log)
+  tok = load_tokenizer(work)
+  train_stream, held_stream = np.load(work / "train.npy"), np.load(work / "heldout.npy")
   mk = lambda name, m: model_config(name, m, tok.vocab_size, tok.bos_id, tok.eos_id)
   tcfg, dcfg = mk("stdlib-target", c.target), mk("stdlib-draft", c.draft)
 
   def stage(name, cfg, tc, **kw):
-    params = train.finished_params(wd / name, cfg, tc, kw.get("teacher"))
+    params = train.finished_params(work / name, cfg, tc, kw.get("teacher"))
     if params is None:
       log(f"{name}: {cfg.num_params() / 1e6:.2f} M params, {tc.steps} steps of "
           f"{tc.batch}x{tc.seq_len} tokens")
-      params = train.train(cfg, tc, wd / name, train_stream, held_stream,
+      params = train.train(cfg, tc, work / name, train_stream, held_stream,
                            progress=progress, log=log, **kw)
-    return params, train_seconds(wd / name)
+    return params, train_seconds(work / name)
 
   tparams, t_s = stage("target", tcfg, c.target_train)
   d0params, d_s = stage("draft", dcfg, c.draft_train)
@@ -151,14 +151,14 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
                         init=d0params)
 
   dt = str(c.export_dtype)
-  target = steps.Model(tcfg, _round(tcfg, tparams, dt))
-  before = steps.Model(dcfg, _round(dcfg, d0params, dt))
-  after = steps.Model(dcfg, _round(dcfg, d1params, dt))
-  prompts_text = [p["text"] for p in json.loads((wd / PROMPTS_FILE).read_text())]
+  target = steps.Runner(tcfg, _round(tcfg, tparams, dt))
+  before = steps.Runner(dcfg, _round(dcfg, d0params, dt))
+  after = steps.Runner(dcfg, _round(dcfg, d1params, dt))
+  prompts_text = [p["text"] for p in wd.read_json(work / PROMPTS_FILE)]
   prompts = [tok.encode(t) for t in prompts_text[:int(c.alpha_prompts)]]
-  alpha_file = wd / "alpha.json"
+  alpha_file = work / "alpha.json"
   if alpha_file.is_file():
-    alpha = json.loads(alpha_file.read_text())
+    alpha = wd.read_json(alpha_file)
   else:
     log("alpha: measuring real acceptance before and after distillation")
     kw = dict(gamma=int(c.alpha_gamma), n_predict=int(c.alpha_n_predict),
@@ -167,7 +167,7 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
              "after": measure_alpha(target, after, prompts, **kw),
              "gamma": int(c.alpha_gamma), "n_predict": int(c.alpha_n_predict),
              "prompts": len(prompts)}
-    alpha_file.write_text(json.dumps(alpha, indent=2) + "\n")
+    wd.write_json(alpha_file, alpha)
 
   windows = corpus.eval_windows(held_stream, 64, int(c.target_train.seq_len) + 1)
   ev = lambda m, teacher=None: train.evaluate(m.params, m.cfg, windows, 8, teacher)
@@ -180,34 +180,32 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
                   "draft_after": ev(after, (tcfg, target.params))},
       "alpha": alpha, "export_dtype": dt,
   }
-  (wd / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-  plot_training(wd, wd / "training.png")
+  wd.write_json(work / SUMMARY_FILE, summary)
+  plot_training(work, work / "training.png")
   if export_dir is not None:
-    export(wd, Path(export_dir), tcfg, target.params, dcfg, after.params, dt, summary)
+    export(work, Path(export_dir), tcfg, target.params, dcfg, after.params, dt, summary)
   return summary
 
 
-def export(wd: Path, out: Path, tcfg: ModelConfig, tparams, dcfg: ModelConfig, dparams,
+def export(work: Path, out: Path, tcfg: ModelConfig, tparams, dcfg: ModelConfig, dparams,
            dtype: str, summary: dict[str, Any]) -> None:
   """Writes both HF directories (weights in `dtype`), tokenizer and provenance."""
   for name, cfg, params in (("stdlib-target", tcfg, tparams), ("stdlib-draft", dcfg, dparams)):
     d = out / name
     cast = jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
-    hf.save_hf(d, cfg.with_dtype(dtype), cast, tokenizer_json=wd / "tokenizer.json")
-    shutil.copyfile(wd / "tokenizer_config.json", d / "tokenizer_config.json")
-    (d / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-  shutil.copyfile(wd / PROMPTS_FILE, out / "stdlib-target" / PROMPTS_FILE)
+    hf.save_hf(d, cfg.with_dtype(dtype), cast, tokenizer_json=work / "tokenizer.json")
+    shutil.copyfile(work / "tokenizer_config.json", d / "tokenizer_config.json")
+    wd.write_json(d / SUMMARY_FILE, summary)
+  shutil.copyfile(work / PROMPTS_FILE, out / "stdlib-target" / PROMPTS_FILE)
 
 
-def plot_training(wd: Path, path: Path) -> None:
+def plot_training(work: Path, path: Path) -> None:
   """Training and held-out loss of each stage against tokens seen."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt = wd.pyplot()
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
   draft_tokens = 0.0
   for name, col in (("target", "C0"), ("draft", "C1"), ("distill", "C2")):
-    recs = train.read_metrics(wd / name)
+    recs = train.read_metrics(work / name)
     tr = [r for r in recs if "loss" in r]
     ev = [r for r in recs if "eval_loss" in r]
     per_step = tr[0]["tokens"] / tr[0]["step"] if tr else 1
@@ -235,6 +233,4 @@ def plot_training(wd: Path, path: Path) -> None:
   ax2.set_title("Distillation toward the target")
   ax2.grid(alpha=0.3)
   ax2.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  wd.save_figure(fig, path)

@@ -2,15 +2,26 @@
 
 One step, for every row b of the batch (n = tokens so far, `last` = the last
 emitted token, not yet seen by the target):
-  draft:   gamma T=1 draft steps in one lax.scan -> drafts [B, G], q [B, G, V]
-  verify:  one target forward over [last, d_1..d_G] (T = G+1) -> p [B, G+1, V]
+  draft:   gamma T=1 draft steps in one lax.scan -> drafts [B, gamma],
+           q [B, gamma, V]
+  verify:  one target forward over [last, d_1..d_gamma] (T = gamma+1)
+           -> p [B, gamma+1, V]
   accept:  k accepted drafts and one target token (acceptance.judge)
-  commit:  emit d_1..d_k and that token; set both cache lengths (rollback by
-           length, no copy).
-Invariant between steps: the target cache holds the sequence minus `last`
-(length n-1). The draft cache holds the same, except after a step that
-accepted all G drafts: then it lacks d_G too (length n-2), and the next draft
-phase first feeds it (a lax.cond), so no token is dropped or duplicated.
+  commit:  keep d_1..d_k and that token (fewer when n_predict or EOS cuts the
+           step short); set both cache lengths (rollback by length, no copy).
+Invariant between steps: the target cache holds the kept sequence minus
+`last` (length n-1). The draft cache holds the same, except after a step that
+accepted all gamma drafts: then it lacks d_gamma too (length n-2), and the
+next draft phase first feeds it (the catch-up, a lax.cond), so no token is
+dropped or duplicated.
+
+A row that has finished (n_predict tokens, or EOS) still rides along in the
+fixed-shape steps of the rows that have not. Its lengths are cut back to the
+tokens it kept, so its later writes land past its kept sequence and inside
+the cache (capacity = prompt + n_predict + gamma covers them): nothing it
+kept is overwritten and nothing is written out of range, where XLA would clamp
+the write silently. Only live rows count in the capacity checks and the
+statistics.
 
 Two loops run the same phase functions with the same keys and emit identical
 tokens: `device` (one lax.while_loop, one host transfer at the end) and `host`
@@ -53,34 +64,62 @@ class SpecConfig:
       raise ConfigError(f"gamma (draft length) must be >= 1, got {self.gamma}")
     if not 0.0 <= self.p_min <= 1.0:
       raise ConfigError(f"p_min must lie in [0, 1], got {self.p_min}")
-    if self.target.vocab_size != self.draft.vocab_size:
-      raise ConfigError(
-          f"draft and target vocabularies differ: target {self.target.name} has "
-          f"{self.target.vocab_size} tokens, draft {self.draft.name} has "
-          f"{self.draft.vocab_size}")
+    check_vocabularies(self.target, self.draft)
+
   @property
   def needs_q(self) -> bool:
+    """Only exact sampling reads the draft distributions q."""
     return not self.simulated and not self.sp.greedy
+
+
+def check_vocabularies(target: ModelConfig, draft: ModelConfig) -> None:
+  """Speculative decoding compares token ids: the two vocabularies must match."""
+  if target.vocab_size != draft.vocab_size:
+    raise ConfigError(
+        f"draft and target vocabularies differ: target {target.name} has "
+        f"{target.vocab_size} tokens, draft {draft.name} has {draft.vocab_size}")
 
 
 @struct.dataclass
 class SpecState:
   tcache: kvc.KVCache
   dcache: kvc.KVCache
-  tail: jax.Array  # [B, 2] the last two emitted tokens (prev, last)
-  n: jax.Array     # [B] sequence length so far (prompt + emitted)
+  tail: jax.Array  # [B, 2] the last two kept tokens (prev, last)
+  n: jax.Array     # [B] sequence length so far (prompt + kept tokens)
 
 
-def draft_phase(dparams, dcache, tail, n, key, sc: SpecConfig):
-  """Drafts G tokens per row. Returns (drafts [B,G], q [B,G,V] or [B,G,0],
-  n_drafted [B], dcache with length n-1+G)."""
+@struct.dataclass
+class Drafted:
+  """What the draft phase proposes."""
+  tokens: jax.Array     # [B, gamma]
+  q: jax.Array          # [B, gamma, V] draft distributions ([B, gamma, 0] unless needs_q)
+  n_drafted: jax.Array  # [B] tokens really drafted (< gamma after an early stop)
+  caught_up: jax.Array  # [B] bool: the row's d_gamma of the last step was fed first
+
+
+@struct.dataclass
+class Judged:
+  """What the accept phase decided, and the bookkeeping it implies."""
+  n_acc: jax.Array    # [B] drafts accepted
+  emitted: jax.Array  # [B, gamma+1] d_1..d_k then the target's token (valid up to n_acc+1)
+  tail: jax.Array     # [B, 2]
+  n: jax.Array        # [B] sequence length after the step
+  t_len: jax.Array    # [B] target cache length to roll back to
+  d_len: jax.Array    # [B] draft cache length to roll back to
+
+
+def draft_phase(dparams, dcache, tail, n, live, key, sc: SpecConfig):
+  """Drafts gamma tokens per row from the draft model.
+
+  Returns (Drafted, dcache holding n-1+gamma entries)."""
   cfg, sp = sc.draft, sc.sp
+  behind = live & (dcache.lengths < n - 1)  # rows that accepted every draft last step
 
-  def catch_up(c):  # feed d_G, left over from a fully accepted step
+  def catch_up(c):  # feed d_gamma, left over from a fully accepted step
     c = kvc.rollback(c, n - 2)
     return model.forward(dparams, tail[:, :1], c, cfg)[1]
 
-  dcache = jax.lax.cond(jnp.any(dcache.lengths < n - 1), catch_up, lambda c: c, dcache)
+  dcache = jax.lax.cond(jnp.any(behind), catch_up, lambda c: c, dcache)
 
   def body(carry, k):
     tok, c, active = carry
@@ -97,41 +136,86 @@ def draft_phase(dparams, dcache, tail, n, key, sc: SpecConfig):
   init = (tail[:, 1], dcache, jnp.ones((b,), bool))
   (_, dcache, _), (drafts, q, active) = jax.lax.scan(
       body, init, jax.random.split(key, sc.gamma))
-  n_drafted = jnp.sum(active, 0).astype(jnp.int32)
-  return drafts.T, jnp.swapaxes(q, 0, 1), n_drafted, dcache
+  return Drafted(tokens=drafts.T, q=jnp.swapaxes(q, 0, 1),
+                 n_drafted=jnp.sum(active, 0).astype(jnp.int32), caught_up=behind), dcache
 
 
 def verify_phase(tparams, tcache, tail, drafts, sc: SpecConfig):
-  """Target distributions p [B, G+1, V] at [last, d_1..d_G]; tcache + G+1."""
-  tokens = jnp.concatenate([tail[:, 1:], drafts], 1)  # [B, G+1]
+  """Target distributions p [B, gamma+1, V] at [last, d_1..d_gamma]; tcache + gamma+1."""
+  tokens = jnp.concatenate([tail[:, 1:], drafts], 1)  # [B, gamma+1]
   logits, tcache = model.forward(tparams, tokens, tcache, sc.target)
   return sampling.probs(logits, sc.sp), tcache
 
 
-def accept_phase(key, accept_probs, p, q, drafts, n_drafted, tail, n, live, sc: SpecConfig):
+def accept_phase(key, accept_probs, p, drafted: Drafted, tail, n, live,
+                 sc: SpecConfig) -> Judged:
   """Judges the drafts and advances the sequence bookkeeping.
 
-  Rows that are not `live` (finished) keep their state. Returns a dict with
-  n_acc, emitted [B, G+1] (valid up to n_emit), n_emit, tail, n, and the new
-  cache lengths t_len / d_len to roll back to.
+  Rows that are not `live` (finished) keep their state.
   """
-  g = sc.gamma
-  n_acc, nxt = acceptance.judge(key, sc.simulated, accept_probs, sc.sp, drafts, q, p, n_drafted)
-  pos = jnp.arange(g + 1)[None, :]
+  gamma, drafts = sc.gamma, drafted.tokens
+  n_acc, nxt = acceptance.judge(key, sc.simulated, accept_probs, sc.sp, drafts, drafted.q,
+                                p, drafted.n_drafted)
+  pos = jnp.arange(gamma + 1)[None, :]
   padded = jnp.concatenate([drafts, drafts[:, :1]], 1)
   emitted = jnp.where(pos == n_acc[:, None], nxt[:, None], padded)
   prev_last = jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0]
   prev = jnp.where(n_acc > 0, prev_last, tail[:, 1])
   keep = lambda new, old: jnp.where(live, new, old)
   new_n = n + n_acc + 1
-  return dict(
-      n_acc=n_acc, emitted=emitted, n_emit=n_acc + 1,
+  return Judged(
+      n_acc=n_acc, emitted=emitted,
       tail=jnp.where(live[:, None], jnp.stack([prev, nxt], 1), tail),
-      n=keep(new_n, n),
-      t_len=keep(new_n - 1, n - 1),
-      # After the scan the draft cache holds n-1+G entries (s_{n-1}, d_1..d_{G-1});
-      # d_G never entered it, so only a fully accepted step leaves it behind.
-      d_len=keep(jnp.minimum(new_n - 1, n - 1 + g), n - 1))
+      n=keep(new_n, n), t_len=keep(new_n - 1, n - 1),
+      # After the scan the draft cache holds n-1+gamma entries (s_{n-1},
+      # d_1..d_{gamma-1}); d_gamma never entered it, so only a fully accepted
+      # step leaves it behind.
+      d_len=keep(jnp.minimum(new_n - 1, n - 1 + gamma), n - 1))
+
+
+def keep_tokens(out, count, done, j: Judged, eos_id: int, n_predict: int):
+  """Writes the step's tokens at each row's count, at most up to n_predict
+  and the first EOS. Returns (out, count, done, kept [B] tokens kept)."""
+  g1 = j.emitted.shape[1]
+  pos = jnp.arange(g1)[None, :]
+  valid = pos < (j.n_acc + 1)[:, None]
+  is_eos = valid & (j.emitted == eos_id)
+  first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, g1 + 1)
+  kept = jnp.minimum(j.n_acc + 1, first_eos)
+  kept = jnp.where(done, 0, jnp.minimum(kept, n_predict - count))
+  write = jax.vmap(lambda o, e, c: jax.lax.dynamic_update_slice(o, e, (c,)))
+  out = jnp.where(done[:, None], out, write(out, j.emitted, count))
+  count = count + kept
+  done = done | (count >= n_predict) | (kept >= first_eos)
+  return out, count, done, kept
+
+
+def commit(tcache, dcache, tail, j: Judged, kept, live) -> SpecState:
+  """The state after a step: both caches rolled back to what the row kept.
+
+  A step emits n_acc + 1 tokens; when n_predict or EOS cuts it short, the
+  tokens past `kept` are dropped from the sequence, from both caches and from
+  the tail, so a finished row's state is exactly its output, and its later
+  (ignored) writes land past it and inside the capacity.
+  """
+  dropped = jnp.where(live, j.n_acc + 1 - kept, 0)
+  n = j.n - dropped
+  # [last, e_1 .. e_{gamma+1}]: the kept tail is (ext[kept - 1], ext[kept])
+  ext = jnp.concatenate([tail[:, 1:], j.emitted], 1)
+  at = lambda i: jnp.take_along_axis(ext, jnp.maximum(i, 0)[:, None], 1)[:, 0]
+  cut_tail = jnp.stack([at(kept - 1), at(kept)], 1)
+  return SpecState(tcache=kvc.rollback(tcache, j.t_len - dropped),
+                   dcache=kvc.rollback(dcache, jnp.minimum(j.d_len, n - 1)),
+                   tail=jnp.where((dropped > 0)[:, None], cut_tail, j.tail), n=n)
+
+
+REC_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up", "live")  # stats.Records + live
+
+
+def _record_row(j: Judged, d: Drafted, kept, live) -> dict[str, jax.Array]:
+  """One step's per-row record (see stats.Records)."""
+  return {"n_acc": j.n_acc, "n_drafted": d.n_drafted, "kept": kept,
+          "caught_up": d.caught_up.astype(jnp.int32), "live": live.astype(jnp.int32)}
 
 
 @dataclasses.dataclass
@@ -142,31 +226,27 @@ class SpecResult:
   eval_s: float             # speculative loop
   compile_s: float = 0.0
   records: Records | None = None  # per-step records behind `stats`
+  state: SpecState | None = None  # final state (caches), when asked for
 
 
-def _bookkeep(out, count, done, a, eos_id, n_predict):
-  """Writes the emitted tokens at each row's count; stops rows at eos/n_predict."""
-  g1 = a["emitted"].shape[1]
-  pos = jnp.arange(g1)[None, :]
-  valid = pos < a["n_emit"][:, None]
-  is_eos = valid & (a["emitted"] == eos_id)
-  first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, g1 + 1)
-  n_emit = jnp.minimum(a["n_emit"], first_eos)
-  n_emit = jnp.where(done, 0, jnp.minimum(n_emit, n_predict - count))
-  write = jax.vmap(lambda o, e, c: jax.lax.dynamic_update_slice(o, e, (c,)))
-  out = jnp.where(done[:, None], out, write(out, a["emitted"], count))
-  count = count + n_emit
-  done = done | (count >= n_predict) | (n_emit >= first_eos)
-  return out, count, done
+def _steps(key, i, tparams, dparams, st: SpecState, done, accept_probs, sc):
+  """The phases of step i, in order (shared by both loops through jit)."""
+  kd, ka = jax.random.split(jax.random.fold_in(key, i))
+  d, dcache = draft_phase(dparams, st.dcache, st.tail, st.n, ~done, kd, sc)
+  p, tcache = verify_phase(tparams, st.tcache, st.tail, d.tokens, sc)
+  j = accept_phase(ka, accept_probs, p, d, st.tail, st.n, ~done, sc)
+  return d, dcache, tcache, j
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id"),
                    donate_argnames=("state",))
 def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc: SpecConfig,
               n_predict: int, eos_id: int):
-  """The whole speculative generation on device (one lax.while_loop)."""
+  """The whole speculative generation on device (one lax.while_loop).
+
+  Returns (out [B, n_predict + gamma + 1], count [B], records, final state).
+  """
   b = out.shape[0]
-  rec0 = jnp.zeros((n_predict, b), jnp.int32)
 
   def cond(c):
     i, _, _, _, done, _ = c
@@ -174,21 +254,16 @@ def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc:
 
   def body(c):
     i, st, out, count, done, rec = c
-    kd, ka = jax.random.split(jax.random.fold_in(key, i))
-    drafts, q, m, dcache = draft_phase(dparams, st.dcache, st.tail, st.n, kd, sc)
-    p, tcache = verify_phase(tparams, st.tcache, st.tail, drafts, sc)
-    a = accept_phase(ka, accept_probs, p, q, drafts, m, st.tail, st.n, ~done, sc)
-    st = SpecState(tcache=kvc.rollback(tcache, a["t_len"]),
-                   dcache=kvc.rollback(dcache, a["d_len"]), tail=a["tail"], n=a["n"])
-    rec = {"n_acc": rec["n_acc"].at[i].set(a["n_acc"]),
-           "n_drafted": rec["n_drafted"].at[i].set(m),
-           "live": rec["live"].at[i].set((~done).astype(jnp.int32))}
-    out, count, done = _bookkeep(out, count, done, a, eos_id, n_predict)
-    return i + 1, st, out, count, done, rec
+    d, dcache, tcache, j = _steps(key, i, tparams, dparams, st, done, accept_probs, sc)
+    out, count, new_done, kept = keep_tokens(out, count, done, j, eos_id, n_predict)
+    row = _record_row(j, d, kept, ~done)
+    rec = {k: rec[k].at[i].set(row[k]) for k in REC_FIELDS}
+    st = commit(tcache, dcache, st.tail, j, kept, ~done)
+    return i + 1, st, out, count, new_done, rec
 
   count = jnp.ones((b,), jnp.int32)
   done = (out[:, 0] == eos_id) | (n_predict <= 1)
-  rec = {"n_acc": rec0, "n_drafted": rec0, "live": rec0}
+  rec = {k: jnp.zeros((n_predict, b), jnp.int32) for k in REC_FIELDS}
   _, st, out, count, _, rec = jax.lax.while_loop(
       cond, body, (jnp.int32(0), state, out, count, done, rec))
   return out, count, rec, st
@@ -197,7 +272,17 @@ def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc:
 draft_jit = jax.jit(draft_phase, static_argnames=("sc",), donate_argnames=("dcache",))
 verify_jit = jax.jit(verify_phase, static_argnames=("sc",), donate_argnames=("tcache",))
 accept_jit = jax.jit(accept_phase, static_argnames=("sc",))
-_bookkeep_jit = jax.jit(_bookkeep, static_argnames=("eos_id", "n_predict"))
+
+
+@functools.partial(jax.jit, static_argnames=("eos_id", "n_predict"),
+                   donate_argnames=("tcache", "dcache"))
+def _keep_and_commit(out, count, done, j, d, tcache, dcache, tail, *, eos_id, n_predict):
+  """The host loop's bookkeeping: keep_tokens, commit and the step's record."""
+  out, count, new_done, kept = keep_tokens(out, count, done, j, eos_id, n_predict)
+  st = commit(tcache, dcache, tail, j, kept, ~done)
+  return out, count, new_done, st, _record_row(j, d, kept, ~done)
+
+
 _split_jit = jax.jit(lambda key, i: jax.random.split(jax.random.fold_in(key, i)))
 
 
@@ -206,41 +291,58 @@ def _host_loop(tparams, dparams, st: SpecState, out, key, accept_probs, sc, n_pr
   b = out.shape[0]
   count = jnp.ones((b,), jnp.int32)
   done = np.asarray((out[:, 0] == eos_id) | (n_predict <= 1))
-  recs = {"n_acc": [], "n_drafted": [], "live": []}
+  recs = {k: [] for k in REC_FIELDS}
   phase = {"draft_s": 0.0, "verify_s": 0.0, "accept_s": 0.0}
   for i in range(n_predict):
     if done.all():
       break
     kd, ka = _split_jit(key, i)
-    n_host = np.asarray(st.n)
-    kvc.check_capacity(n_host - 1, sc.gamma + 1, st.tcache.capacity)
+    # live rows only: a finished row writes past its kept tokens, in range
+    kvc.check_capacity(np.asarray(st.n)[~done] - 1, sc.gamma + 1, st.tcache.capacity)
+    live = jnp.asarray(~done)
     t0 = time.perf_counter()
-    drafts, q, m, dcache = block(draft_jit(dparams, st.dcache, st.tail, st.n, kd, sc=sc))
+    d, dcache = block(draft_jit(dparams, st.dcache, st.tail, st.n, live, kd, sc=sc))
     t1 = time.perf_counter()
-    p, tcache = block(verify_jit(tparams, st.tcache, st.tail, drafts, sc=sc))
+    p, tcache = block(verify_jit(tparams, st.tcache, st.tail, d.tokens, sc=sc))
     t2 = time.perf_counter()
-    a = block(accept_jit(ka, accept_probs, p, q, drafts, m, st.tail, st.n, jnp.asarray(~done),
-                          sc=sc))
-    phase["accept_s"] += time.perf_counter() - t2
+    j = block(accept_jit(ka, accept_probs, p, d, st.tail, st.n, live, sc=sc))
     phase["draft_s"] += t1 - t0
     phase["verify_s"] += t2 - t1
-    st = SpecState(tcache=kvc.rollback(tcache, a["t_len"]),
-                   dcache=kvc.rollback(dcache, a["d_len"]), tail=a["tail"], n=a["n"])
-    for name, v in (("n_acc", a["n_acc"]), ("n_drafted", m), ("live", ~done)):
-      recs[name].append(np.asarray(v, np.int32))
-    out, count, done = _bookkeep_jit(out, count, jnp.asarray(done), a,
-                                     eos_id=eos_id, n_predict=n_predict)
+    phase["accept_s"] += time.perf_counter() - t2
+    out, count, done, st, row = _keep_and_commit(out, count, ~live, j, d, tcache, dcache,
+                                                 st.tail, eos_id=eos_id, n_predict=n_predict)
+    for k in REC_FIELDS:
+      recs[k].append(np.asarray(row[k], np.int32))
     done = np.asarray(done)
   rec = {k: np.stack(v) if v else np.zeros((0, b), np.int32) for k, v in recs.items()}
-  return out, count, rec, phase
+  return out, count, rec, st, phase
 
 
-def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
+def prefill(target: steps.Runner, draft: steps.Runner, prompts, capacity: int,
+            sp: SamplingParams, key) -> tuple[SpecState, jax.Array]:
+  """Both caches filled with the prompts, and the first token sampled from
+  the target (fold_in(key, 0), as target-only generation draws it).
+  Returns (state, first tokens [B])."""
+  logits, tcache = target.prefill(prompts, target.new_cache(len(prompts), capacity))
+  _, dcache = draft.prefill(prompts, draft.new_cache(len(prompts), capacity))
+  first = generation.sample_jit(jax.random.fold_in(key, 0), logits, sp=sp)
+  prev = jnp.asarray([p[-1] for p in prompts], jnp.int32)
+  st = SpecState(tcache=tcache, dcache=dcache, tail=jnp.stack([prev, first], 1),
+                 n=tcache.lengths + 1)
+  return block(st), first
+
+
+def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
              gamma: int, sp: SamplingParams = SamplingParams(),
              rule: AcceptRule | str = "real", seed: int = 0,
              eos_id: int | None = None, loop: str = "device", p_min: float = 0.0,
-             ctx_size: int | None = None, capacity: int | None = None) -> SpecResult:
-  """Speculative generation of n_predict tokens after each prompt."""
+             ctx_size: int | None = None, capacity: int | None = None,
+             keep_state: bool = False) -> SpecResult:
+  """Speculative generation of n_predict tokens after each prompt.
+
+  `keep_state` returns the final caches in `SpecResult.state` (tests read
+  them); otherwise they are freed.
+  """
   if loop not in ("device", "host"):
     raise ConfigError(f"loop must be 'device' or 'host', got {loop!r}")
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
@@ -249,31 +351,25 @@ def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
   accept_probs = jnp.asarray(acceptance.position_probs(rule, gamma))
   eos = generation.NO_EOS if eos_id is None else int(eos_id)
   p_len = max(len(p) for p in prompts)
-  cap = generation.plan_capacity(target.cfg, p_len, n_predict, extra=gamma + 1,
+  cap = generation.plan_capacity(target.cfg, p_len, n_predict, extra=gamma,
                                  ctx_size=ctx_size, capacity=capacity)
   key = jax.random.PRNGKey(seed)
   with CompileWatch() as cw:
     t0 = time.perf_counter()
-    logits, tcache = target.prefill(prompts, target.new_cache(len(prompts), cap))
-    _, dcache = draft.prefill(prompts, draft.new_cache(len(prompts), cap))
-    first = generation.sample_jit(jax.random.fold_in(key, 0), logits, sp=sp)
-    block((first, dcache))
+    st, first = prefill(target, draft, prompts, cap, sp, key)
     prompt_s = time.perf_counter() - t0
-    prev = jnp.asarray([p[-1] for p in prompts], jnp.int32)
-    st = SpecState(tcache=tcache, dcache=dcache, tail=jnp.stack([prev, first], 1),
-                   n=tcache.lengths + 1)
     out = jnp.full((len(prompts), n_predict + gamma + 1), eos, jnp.int32)
     out = out.at[:, 0].set(first)
     step_key = jax.random.fold_in(key, 1)
     t0 = time.perf_counter()
     if loop == "device":
-      out, count, rec, _ = block(spec_loop(target.params, draft.params, st, out, step_key,
-                                           accept_probs, sc=sc, n_predict=n_predict,
-                                           eos_id=eos))
+      out, count, rec, st = block(spec_loop(target.params, draft.params, st, out, step_key,
+                                            accept_probs, sc=sc, n_predict=n_predict,
+                                            eos_id=eos))
       phase = {}
     else:
-      out, count, rec, phase = _host_loop(target.params, draft.params, st, out,
-                                          step_key, accept_probs, sc, n_predict, eos)
+      out, count, rec, st, phase = _host_loop(target.params, draft.params, st, out,
+                                              step_key, accept_probs, sc, n_predict, eos)
     eval_s = time.perf_counter() - t0
   out, count = np.asarray(out), np.asarray(count)
   rows = [out[b, :count[b]].tolist() for b in range(len(prompts))]
@@ -281,4 +377,5 @@ def generate(target: steps.Model, draft: steps.Model, prompts, n_predict: int,
   stats = SpecStats.compute(records, gamma=gamma, n_predict=int(count.sum()),
                             eval_s=eval_s, phase_s=phase)
   return SpecResult(tokens=rows, stats=stats, prompt_s=prompt_s, eval_s=eval_s,
-                    compile_s=cw.seconds, records=records)
+                    compile_s=cw.seconds, records=records,
+                    state=st if keep_state else None)

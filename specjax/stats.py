@@ -1,23 +1,33 @@
 """Per-step records -> every speculative-decoding metric, each defined once.
 
 Definitions (see ARCHITECTURE.md; llama.cpp's names where it has them):
-  n_draft          gamma, the draft length asked for.
+  gamma            the draft length asked for (llama.cpp's n_draft).
   n_predict        tokens emitted, including the first token sampled from the
                    prompt evaluation (as llama.cpp counts).
   n_drafted        draft tokens really proposed (fewer than gamma per step
                    after an early stop).
   n_accept         drafted tokens accepted.
-  accept           n_accept / n_drafted (llama.cpp's number; NOT the paper's alpha).
-  n_steps          target verify calls.
-  tokens_per_step  tokens emitted by the steps / n_steps (accepted + the one
-                   correction or bonus token per step).
-  mean_accepted    n_accept / n_steps.
+  accept_rate      n_accept / n_drafted (llama.cpp's "accept"; NOT the
+                   paper's alpha).
+  n_steps          target verify calls (per row: a batch of B rows that runs
+                   s steps with every row live counts B s).
+  n_kept           tokens the steps kept: accepted drafts plus the one
+                   correction or bonus token per step, less whatever
+                   n_predict or EOS cut off the last step. n_predict - 1 per
+                   row for a fixed-length run.
+  n_catchup        steps that first fed the draft its d_gamma (the step
+                   before accepted every draft): one more draft forward.
+  tokens_per_step  n_kept / n_steps: the same tokens the measured speed
+                   counts.
+  mean_accepted    n_accept / n_steps (the acceptance process, cut-offs
+                   included: what the theory's alpha describes).
   alpha            the per-token acceptance rate whose expected accepted count
                    for gamma equals mean_accepted: an estimate under the
                    theory's i.i.d. assumption (theory.alpha_from_mean_accepted).
   accept_hist      steps that accepted k drafts, k = 0..gamma.
   alpha_at_pos     at draft position i (1-based), the fraction of steps that
                    reached i (all before accepted, i drafted) and accepted it.
+  tokens_per_s     n_kept / eval_s: decode tokens per second of the loop.
 """
 
 from __future__ import annotations
@@ -30,36 +40,56 @@ import numpy as np
 
 from specjax import theory
 
+RECORD_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up")
+
 
 @dataclasses.dataclass
 class Records:
-  """Per-step, per-row records of a speculative run (only live rows count)."""
-  n_acc: np.ndarray      # [steps, B] accepted drafts
-  n_drafted: np.ndarray  # [steps, B] drafts really proposed
-  live: np.ndarray       # [steps, B] 1 where the row was still generating
+  """Per-step records of a speculative run: one entry per live row-step, in
+  step-major order (a finished row riding along is not recorded)."""
+  n_acc: np.ndarray      # accepted drafts
+  n_drafted: np.ndarray  # drafts really proposed
+  kept: np.ndarray       # tokens kept (n_acc + 1, less what n_predict / EOS cut off)
+  caught_up: np.ndarray  # 1 where the step first fed the draft its d_gamma
+  step: np.ndarray       # the loop step of the entry
+  row: np.ndarray        # the batch row of the entry (offset per run after concat)
 
   @classmethod
   def concat(cls, parts: list["Records"]) -> "Records":
-    """The records of several runs (e.g. one per prompt) as one."""
-    return cls(*(np.concatenate([getattr(p, f) for p in parts])
-                 for f in ("n_acc", "n_drafted", "live")))
+    """The records of several runs (e.g. one per prompt) as one; rows are
+    renumbered so that every run keeps its own."""
+    offsets = np.cumsum([0] + [int(p.row.max()) + 1 if p.row.size else 0 for p in parts])
+    cat = lambda f: np.concatenate([getattr(p, f) for p in parts])
+    return cls(*(cat(f) for f in RECORD_FIELDS), step=cat("step"),
+               row=np.concatenate([p.row + o for p, o in zip(parts, offsets)]))
 
   @classmethod
   def from_arrays(cls, rec: dict[str, Any]) -> "Records":
+    """From the loops' [steps, B] arrays and their `live` mask."""
     live = np.asarray(rec["live"]).astype(bool)
-    return cls(n_acc=np.asarray(rec["n_acc"])[live],
-               n_drafted=np.asarray(rec["n_drafted"])[live],
-               live=live[live])
+    step, row = np.nonzero(live)
+    return cls(*(np.asarray(rec[f])[live] for f in RECORD_FIELDS), step=step, row=row)
+
+  def at_step(self, step: int, field: str = "n_acc") -> np.ndarray:
+    """`field` of every row live at `step`, by row."""
+    sel = self.step == step
+    return getattr(self, field)[sel][np.argsort(self.row[sel])]
+
+  def steps_per_row(self) -> np.ndarray:
+    """Steps each row was live for."""
+    return np.bincount(self.row)
 
 
 @dataclasses.dataclass
 class SpecStats:
-  n_draft: int
+  gamma: int
   n_predict: int
   n_drafted: int
   n_accept: int
   n_steps: int
-  accept: float
+  n_kept: int
+  n_catchup: int
+  accept_rate: float
   tokens_per_step: float
   mean_accepted: float
   alpha: float
@@ -74,7 +104,7 @@ class SpecStats:
               phase_s: dict[str, float] | None = None) -> "SpecStats":
     k, m = rec.n_acc.ravel(), rec.n_drafted.ravel()
     n_steps = int(k.size)
-    n_accept, n_drafted = int(k.sum()), int(m.sum())
+    n_accept, n_drafted, n_kept = int(k.sum()), int(m.sum()), int(rec.kept.sum())
     mean_acc = n_accept / n_steps if n_steps else 0.0
     reached = [(k >= i - 1) & (m >= i) for i in range(1, gamma + 1)]
     alpha_pos = [float(((k >= i) & r).sum() / r.sum()) if r.sum() else None
@@ -83,30 +113,36 @@ class SpecStats:
     if phase:
       phase["rest_s"] = max(eval_s - sum(phase.values()), 0.0)
     return cls(
-        n_draft=gamma, n_predict=n_predict, n_drafted=n_drafted, n_accept=n_accept,
-        n_steps=n_steps, accept=n_accept / n_drafted if n_drafted else 0.0,
-        tokens_per_step=(n_accept + n_steps) / n_steps if n_steps else 0.0,
+        gamma=gamma, n_predict=n_predict, n_drafted=n_drafted, n_accept=n_accept,
+        n_steps=n_steps, n_kept=n_kept, n_catchup=int(rec.caught_up.sum()),
+        accept_rate=n_accept / n_drafted if n_drafted else 0.0,
+        tokens_per_step=n_kept / n_steps if n_steps else 0.0,
         mean_accepted=mean_acc,
         alpha=float(theory.alpha_from_mean_accepted(min(mean_acc, gamma), gamma)),
         accept_hist=np.bincount(k, minlength=gamma + 1).tolist(),
         alpha_at_pos=alpha_pos, eval_s=eval_s,
-        # the first token comes from the prompt evaluation, not from the loop
-        tokens_per_s=(n_predict - 1) / eval_s if eval_s > 0 else 0.0,
+        tokens_per_s=n_kept / eval_s if eval_s > 0 else 0.0,
         phase_s=phase)
+
+  @property
+  def catchup_share(self) -> float:
+    """Catch-up draft steps per step."""
+    return self.n_catchup / self.n_steps if self.n_steps else 0.0
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
   def summary_lines(self) -> list[str]:
-    """The seed thread's block, then the rest."""
-    lines = [f"n_draft   = {self.n_draft}", f"n_predict = {self.n_predict}",
+    """The seed thread's block (llama.cpp's names), then the rest."""
+    lines = [f"n_draft   = {self.gamma}", f"n_predict = {self.n_predict}",
              f"n_drafted = {self.n_drafted}", f"n_accept  = {self.n_accept}",
-             f"accept    = {100 * self.accept:.3f}%", "",
+             f"accept    = {100 * self.accept_rate:.3f}%", "",
              f"n_steps         = {self.n_steps} (target verify calls)",
-             f"tokens_per_step = {self.tokens_per_step:.3f}",
+             f"tokens_per_step = {self.tokens_per_step:.3f} (tokens kept per step)",
              f"mean_accepted   = {self.mean_accepted:.3f}",
+             f"n_catchup       = {self.n_catchup} (steps that first fed the draft d_gamma)",
              f"alpha (i.i.d. estimate) = {self.alpha:.4f}",
-             f"accepted-length histogram (k=0..{self.n_draft}) = {self.accept_hist}",
+             f"accepted-length histogram (k=0..{self.gamma}) = {self.accept_hist}",
              "alpha at draft position = [" + ", ".join(
                  "-" if a is None else f"{a:.3f}" for a in self.alpha_at_pos) + "]"]
     if self.phase_s:
@@ -171,7 +207,7 @@ def geometric_check(st: SpecStats) -> dict[str, Any]:
   n = hist.sum()
   if n == 0:
     return {"observed": [], "expected": [], "tv": None, "chi2": None, "dof": 0, "p": None}
-  exp = theory.geometric_accept_pmf(st.alpha, st.n_draft) * n
+  exp = theory.geometric_accept_pmf(st.alpha, st.gamma) * n
   obs_bins, exp_bins, o, e = [], [], 0.0, 0.0
   for ok, ek in zip(hist, exp):
     o, e = o + ok, e + ek

@@ -1,9 +1,9 @@
 """Jitted model steps with fixed shapes: prefill (bucketed), decode, forward_n.
 
 Each step is compiled once per (config, shapes); the cache argument is donated
-so XLA updates it in place. The `Model` wrapper checks capacity on the host
-before every call, because inside XLA an out-of-range cache write would be
-clamped silently rather than fail.
+so XLA updates it in place. `Runner` (a config bound to its params) checks
+capacity on the host before every call, because inside XLA an out-of-range
+cache write would be clamped silently rather than fail.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ def forward_step(params, tokens, cache: kvc.KVCache, cfg: ModelConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class Model:
-  """A config with its params: the host-side, capacity-checked step API."""
+class Runner:
+  """A config bound to its params: the host-side, capacity-checked step API
+  (`model.py` holds the pure model; this holds the jitted calls on it)."""
   cfg: ModelConfig
   params: dict
 

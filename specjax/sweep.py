@@ -1,78 +1,44 @@
 """The gamma x acceptance sweep: measured speedup next to the theory's.
 
-For every (gamma, acceptance) point, in one run on one machine:
+For every (gamma, acceptance rule, temperature) point, in one run on one
+machine:
   measured   target-only tokens/s and speculative tokens/s (device loop,
-             medians over repetitions of identical work), their ratio, and
-             the acceptance statistics (specjax.stats);
-  costs      T_target(1), T_target(gamma+1) and T_draft(1), each one forward
-             against a cache of the run's capacity (bench.CostProbe),
-             measured in every repetition between the runs; and the
-             accept/commit cost per step;
+             medians over repetitions of identical work, the two alternating),
+             their ratio, and the acceptance statistics (specjax.stats);
+  costs      T_target(1), T_target(gamma), T_target(gamma+1) and T_draft(1)
+             with the point's sampling settings, measured in every repetition
+             between the runs they predict, and the point's accept cost
+             (specjax.costs);
   predicted  Leviathan's Theorem 3.8 at the measured alpha and c, the
-             thread's approximation, and the measured-cost model:
-               tokens_per_step * T_t(1) /
-               (gamma T_d(1) + f_full T_d(1) + T_t(gamma+1) + T_accept)
-             where f_full is the share of steps that accepted every draft
-             (the draft must then be fed d_gamma: one more draft step);
+             thread's approximation, and the measured-cost model
+             (costs.predict);
   efficiency measured / measured-cost prediction;
   split      draft / verify / accept / rest shares of the step time, from
              one run of the host loop (which times each phase).
+Nothing may compile inside a timed repetition: it would be timed as work.
 
-Outputs (workdir): results.jsonl (appended as each point finishes; `resume`
-skips finished points), results.csv, config.json, costs.json,
-speedup.png, verify_cost.png and summary.md.
+Outputs (workdir, specjax.workdir's conventions): results.jsonl (appended as
+each point finishes; `resume` skips finished points), results.csv,
+config.json, costs.json, speedup.png, verify_cost.png, acceptance.png and
+summary.md. Records follow specjax.schema.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import json
-import math
 import os
 import statistics
 import time
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from specjax import acceptance, bench, checkpoint, cli, generation, speculative, steps
-from specjax import theory, timing
-from specjax.errors import ConfigError
-from specjax.sampling import SamplingParams
+from specjax import acceptance, checkpoint, cli, costs, generation, schema, speculative
 from specjax import stats as stats_lib
+from specjax import steps, workdir as wd
+from specjax.errors import ConfigError, SpecjaxError
+from specjax.sampling import SamplingParams
+from specjax.timing import CompileWatch
 
-CSV_COLUMNS = [
-    "gamma", "accept", "temp", "baseline_tps", "spec_tps", "speedup", "accept_rate",
-    "mean_accepted", "tokens_per_step", "alpha", "c", "verify_ratio",
-    "predicted_leviathan", "predicted_thread", "predicted_measured_cost", "efficiency",
-    "draft_share", "verify_share", "accept_share", "rest_share", "n_steps", "compile_s"]
-
-
-@dataclasses.dataclass
-class Costs:
-  """Measured per-call costs (seconds, medians) at the sweep's cache capacity."""
-  t_target: dict[int, float]        # T_target(n)
-  t_draft: float                    # T_draft(1)
-  t_accept: dict[int, float]        # accept + commit per step, by gamma
-  capacity: int
-  depth: int
-
-  @property
-  def c(self) -> float:
-    return self.t_draft / self.t_target[1]
-
-  def verify_ratio(self, n: int) -> float:
-    return self.t_target[n] / self.t_target[1]
-
-  def to_dict(self) -> dict[str, Any]:
-    return {"t_target_s": {str(k): v for k, v in self.t_target.items()},
-            "t_draft_s": self.t_draft, "c": self.c,
-            "t_accept_s": {str(k): v for k, v in self.t_accept.items()},
-            "verify_ratio": {str(k): self.verify_ratio(k) for k in self.t_target},
-            "capacity": self.capacity, "depth": self.depth}
+Record = dict[str, Any]
 
 
 def validate(cfg) -> None:
@@ -95,191 +61,159 @@ def validate(cfg) -> None:
     SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p))
 
 
-def measure_costs(probe_t: bench.CostProbe, probe_d: bench.CostProbe, gammas, reps: int,
-                  sp: SamplingParams) -> Costs:
-  """The whole cost curve T_target(1..max gamma + 1), T_draft(1), accept costs."""
-  ns = sorted({1} | {g + 1 for g in gammas} | set(gammas))
-  t_target = {n: t.median for n, t in probe_t.times(ns, reps).items()}
-  t_draft = probe_d.times([1], reps)[1].median
-  t_accept = {g: accept_cost(probe_t.m.cfg, probe_d.m.cfg, g, sp, reps) for g in gammas}
-  return Costs(t_target, t_draft, t_accept, probe_t.capacity, probe_t.depth)
+@dataclasses.dataclass(frozen=True)
+class Point:
+  gamma: int
+  accept_rule: str
+  sp: SamplingParams
+
+  @property
+  def key(self) -> tuple:
+    return (self.gamma, self.accept_rule, self.sp.temperature)
 
 
-def accept_cost(tcfg, dcfg, gamma: int, sp: SamplingParams, reps: int) -> float:
-  """Median time of one accept/commit phase (the real rule, batch 1)."""
-  sc = speculative.SpecConfig(tcfg, dcfg, gamma, sp)
-  v = tcfg.vocab_size
-  k = jax.random.split(jax.random.PRNGKey(0), 4)
-  p = jax.nn.softmax(jax.random.normal(k[0], (1, gamma + 1, v)), -1)
-  q = jax.nn.softmax(jax.random.normal(k[1], (1, gamma, v)), -1)
-  q = q if sc.needs_q else q[..., :0]
-  drafts = jax.random.randint(k[2], (1, gamma), 0, v)
-  tail, n = jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 8, jnp.int32)
-  m, live = jnp.full((1,), gamma, jnp.int32), jnp.ones((1,), bool)
-  run = lambda: speculative.accept_jit(k[3], jnp.ones((gamma,)), p, q, drafts, m, tail, n,
-                                       live, sc=sc)
-  return timing.measure(run, reps=max(reps, 5)).median
+def point_key(rec: Record) -> tuple:
+  return (int(rec["gamma"]), str(rec["accept_rule"]), float(rec["temperature"]))
 
 
-def run_point(target, draft, prompts, gamma: int, accept: str, sp: SamplingParams,
-              cfg, costs: Costs, probes) -> dict[str, Any]:
-  """Measures one (gamma, accept, temperature) point and its predictions.
+@dataclasses.dataclass
+class Bench:
+  """What every point of a sweep shares: models, prompts, capacity, probes."""
+  target: steps.Runner
+  draft: steps.Runner
+  prompts: list[list[int]]
+  capacity: int
+  probe_t: costs.CostProbe
+  probe_d: costs.CostProbe
+  cfg: Any
+
+  def spec(self, p: Point, loop: str = "device") -> list[speculative.SpecResult]:
+    c = self.cfg
+    return [speculative.generate(self.target, self.draft, [prompt], int(c.n_predict), p.gamma,
+                                 sp=p.sp, rule=p.accept_rule, seed=int(c.seed),
+                                 capacity=self.capacity, loop=loop)
+            for prompt in self.prompts]
+
+  def base(self, p: Point) -> list[generation.GenerationResult]:
+    c = self.cfg
+    return [generation.generate(self.target, [prompt], int(c.n_predict), p.sp, seed=int(c.seed),
+                                capacity=self.capacity) for prompt in self.prompts]
+
+
+def _rep_costs(bench: Bench, p: Point) -> dict[str, float]:
+  ts = bench.probe_t.times([1, p.gamma, p.gamma + 1], sp=p.sp)
+  return {"t_target": ts[1].median, "t_target_gamma": ts[p.gamma].median,
+          "t_verify": ts[p.gamma + 1].median,
+          "t_draft": bench.probe_d.times([1], sp=p.sp)[1].median}
+
+
+def run_point(bench: Bench, p: Point) -> Record:
+  """Measures one point and its predictions.
 
   Each repetition runs target-only, then speculative (each over every
-  prompt, one after another, batch 1), then the cost probes (T_target(1),
-  T_target(gamma), T_target(gamma+1), T_draft(1)), so the measured speedup
-  and the costs that predict it see the same machine state; every figure is
-  the median over repetitions. Tokens/s pool all prompts; so do the
-  acceptance statistics.
+  prompt, one after another, batch 1), then the cost probes, so the measured
+  speedup and the costs that predict it see the same machine state; every
+  figure is the median over repetitions. Tokens/s pool all prompts; so do
+  the acceptance statistics.
   """
-  n, seed, ctx = int(cfg.n_predict), int(cfg.seed), int(cfg.ctx_size)
-
-  def spec(loop):
-    return [speculative.generate(target, draft, [p], n, gamma, sp=sp, rule=accept, seed=seed,
-                                 ctx_size=ctx, capacity=costs.capacity, loop=loop)
-            for p in prompts]
-
-  def base():
-    return [generation.generate(target, [p], n, sp, seed=seed, ctx_size=ctx,
-                                capacity=costs.capacity) for p in prompts]
-
-  compile_s = sum(r.compile_s for r in spec("device") + base())  # warm-up
-  spec_s, base_s, t_t, t_d = [], [], [], []
-  for _ in range(int(cfg.reps)):
-    b = base()
-    res = spec("device")
+  sc = speculative.SpecConfig(bench.target.cfg, bench.draft.cfg, p.gamma, p.sp,
+                              acceptance.parse_rule(p.accept_rule).simulated)
+  compile_s = sum(r.compile_s for r in bench.spec(p) + bench.base(p))  # warm-up
+  _rep_costs(bench, p)  # compiles the probes at this point's sampling settings
+  t_accept = costs.accept_cost(sc, int(bench.cfg.reps)).median
+  spec_s, base_s, rep_costs = [], [], []
+  for rep in range(int(bench.cfg.reps)):
+    with CompileWatch() as cw:
+      b = bench.base(p)
+      res = bench.spec(p)
+    if cw.count:
+      raise SpecjaxError(f"{cw.count} compilation(s) inside timed repetition {rep} of "
+                         f"{p.key} ({dict(cw.names)}): shapes changed between runs")
     base_s.append(sum(r.eval_s for r in b) / sum(r.n_eval for r in b))
-    spec_s.append(sum(r.eval_s for r in res) / sum(r.stats.n_predict - 1 for r in res))
-    t_t.append({k: v.median for k, v in probes[0].times([1, gamma, gamma + 1]).items()})
-    t_d.append(probes[1].times([1])[1].median)
+    spec_s.append(sum(r.eval_s for r in res) / sum(r.stats.n_kept for r in res))
+    rep_costs.append(_rep_costs(bench, p))
   med = statistics.median
-  here = Costs({k: med(t[k] for t in t_t) for k in t_t[0]}, med(t_d), costs.t_accept,
-               costs.capacity, costs.depth)
+  step_costs = costs.StepCosts(**{k: med(c[k] for c in rep_costs) for k in rep_costs[0]},
+                               t_accept=t_accept)
   pooled = stats_lib.Records.concat([r.records for r in res])
-  st = stats_lib.SpecStats.compute(pooled, gamma=gamma,
+  st = stats_lib.SpecStats.compute(pooled, gamma=p.gamma,
                                    n_predict=sum(r.stats.n_predict for r in res))
-  split = {}
-  if cfg.measure_split:
-    spec("host")  # compiles the phase functions
-    phase: dict[str, float] = {}
-    for r in spec("host"):
-      for k, v in r.stats.phase_s.items():
-        phase[k] = phase.get(k, 0.0) + v
-    total = sum(phase.values())
-    split = {f"{k[:-2]}_share": v / total for k, v in phase.items()}
-  rec = point_record(gamma, accept, sp, st, 1 / med(spec_s), 1 / med(base_s), here,
-                     split, compile_s)
-  rec.update(t_target_1_s=here.t_target[1], t_verify_s=here.t_target[gamma + 1],
-             t_draft_1_s=here.t_draft, n_prompts=len(prompts),
-             geometric=stats_lib.geometric_check(st))
-  return rec
+  pred = costs.predict(st, step_costs)
+  speedup = med(base_s) / med(spec_s)
+  return schema.run_record(
+      st, gamma=p.gamma, accept_rule=p.accept_rule, temperature=p.sp.temperature,
+      top_k=p.sp.top_k, top_p=p.sp.top_p, seed=int(bench.cfg.seed), loop="device",
+      capacity=bench.capacity, n_prompts=len(bench.prompts), reps=int(bench.cfg.reps),
+      baseline_tps=1 / med(base_s), spec_tps=1 / med(spec_s), speedup=speedup,
+      t_target_s=step_costs.t_target, t_target_gamma_s=step_costs.t_target_gamma,
+      t_verify_s=step_costs.t_verify, t_draft_s=step_costs.t_draft, t_accept_s=t_accept,
+      c=step_costs.c, verify_ratio=step_costs.verify_ratio, **pred,
+      efficiency=speedup / pred["predicted_measured_cost"], compile_s=compile_s,
+      geometric=stats_lib.geometric_check(st),
+      **(time_split(bench, p) if bench.cfg.measure_split else {}))
 
 
-def point_record(gamma, accept, sp, st, spec_tps, baseline_tps, costs: Costs, split,
-                 compile_s) -> dict[str, Any]:
-  """All the numbers of one point; every prediction comes from theory.py."""
-  t1, td = costs.t_target[1], costs.t_draft
-  full = st.accept_hist[-1] / max(st.n_steps, 1)
-  overhead = full * td + costs.t_accept[gamma]
-  pred_cost = theory.measured_cost_speedup(st.tokens_per_step, gamma, td, t1,
-                                           costs.t_target[gamma + 1], overhead)
-  speedup = spec_tps / baseline_tps
-  return {
-      "gamma": gamma, "accept": accept, "temp": sp.temperature,
-      "baseline_tps": baseline_tps, "spec_tps": spec_tps, "speedup": speedup,
-      "accept_rate": st.accept, "mean_accepted": st.mean_accepted,
-      "tokens_per_step": st.tokens_per_step, "alpha": st.alpha, "c": costs.c,
-      "verify_ratio": costs.verify_ratio(gamma + 1),
-      "predicted_leviathan": theory.leviathan_speedup(st.alpha, gamma, costs.c),
-      "predicted_thread": theory.thread_approx_speedup(
-          st.alpha, gamma, 1 / td, 1 / t1, gamma / costs.t_target[gamma]),
-      "predicted_measured_cost": pred_cost, "efficiency": speedup / pred_cost,
-      "full_accept_share": full, "t_accept_s": costs.t_accept[gamma],
-      "n_steps": st.n_steps, "compile_s": compile_s, **split,
-      "stats": st.to_dict(),
-  }
+def time_split(bench: Bench, p: Point) -> dict[str, float]:
+  """Shares of the step time per phase, from a run of the host loop."""
+  bench.spec(p, "host")  # compiles the phase functions
+  phase: dict[str, float] = {}
+  for r in bench.spec(p, "host"):
+    for k, v in r.stats.phase_s.items():
+      phase[k] = phase.get(k, 0.0) + v
+  total = sum(phase.values())
+  return {f"{k[:-2]}_share": v / total for k, v in phase.items()}
 
 
-def point_key(rec: dict[str, Any]) -> tuple:
-  return (int(rec["gamma"]), str(rec["accept"]), float(rec["temp"]))
-
-
-def load_finished(path: str) -> list[dict[str, Any]]:
-  """Records already in results.jsonl (a torn last line is ignored)."""
-  if not os.path.exists(path):
-    return []
-  out = []
-  with open(path) as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        pass
-  return out
-
-
-def write_csv(path: str, records: list[dict[str, Any]]) -> None:
-  with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-    w.writeheader()
-    for r in records:
-      w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-
-
-def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) -> list[dict]:
+def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) -> list[Record]:
   """Runs every point of the config; returns all records (finished + new)."""
   validate(cfg)
   os.makedirs(workdir, exist_ok=True)
-  jsonl = os.path.join(workdir, "results.jsonl")
-  done = load_finished(jsonl) if resume else []
+  jsonl = os.path.join(workdir, wd.RESULTS)
+  done = wd.read_jsonl(jsonl) if resume else []
   if done:
-    _check_same_sweep(os.path.join(workdir, "config.json"), cfg)
-  # Rewrite only whole records, so a line torn by an interruption is dropped
-  # instead of having the next record glued onto it.
-  with open(jsonl, "w") as f:
-    f.writelines(json.dumps(r, default=cli.json_default) + "\n" for r in done)
-  env = timing.environment()
-  cli.write_json(os.path.join(workdir, "config.json"), {"config": cfg.to_dict(), "env": env})
+    _check_same_sweep(workdir, cfg)
+  wd.restart_jsonl(jsonl, done)  # whole records only: a torn line is dropped
+  env = wd.environment()
+  wd.write_config(workdir, cfg.to_dict(), env, schema=schema.SCHEMA_VERSION)
 
   tcfg, tparams, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, seed=int(cfg.seed))
   dcfg, dparams, _ = checkpoint.load_model(cfg.draft, dtype=cfg.dtype, seed=int(cfg.seed) + 1)
-  target, draft = steps.Model(tcfg, tparams), steps.Model(dcfg, dparams)
-  speculative.SpecConfig(tcfg, dcfg, 1)  # vocabulary check, before any timing
+  speculative.check_vocabularies(tcfg, dcfg)  # before any timing
+  target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
   prompts = sweep_prompts(cfg, tok, tcfg.vocab_size)
   depth = max(len(p) for p in prompts)
   gammas = sorted(int(g) for g in cfg.gammas)
   capacity = generation.plan_capacity(tcfg, depth, int(cfg.n_predict),
-                                      extra=max(gammas) + 1, ctx_size=int(cfg.ctx_size))
-  points = [(g, a, float(t)) for t in cfg.temps for g in gammas for a in cfg.accepts]
+                                      extra=max(gammas), ctx_size=int(cfg.ctx_size))
+  bench = Bench(target, draft, prompts, capacity, costs.CostProbe(target, capacity, depth),
+                costs.CostProbe(draft, capacity, depth), cfg)
+  points = [Point(g, a, SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p)))
+            for t in cfg.temps for g in gammas for a in cfg.accepts]
   finished = {point_key(r) for r in done}
-  todo = [p for p in points if (p[0], p[1], p[2]) not in finished]
+  todo = [p for p in points if p.key not in finished]
 
+  curve = costs.measure_curve(bench.probe_t, bench.probe_d, gammas, int(cfg.reps))
+  wd.write_json(os.path.join(workdir, "costs.json"), curve.to_dict())
   records = list(done)
   bar = _progress(len(points), len(points) - len(todo), progress)
-  n_new, t_start = 0, time.perf_counter()
-  sp0 = SamplingParams(float(cfg.temps[0]), int(cfg.top_k), float(cfg.top_p))
-  probes = (bench.CostProbe(target, capacity, depth),
-            bench.CostProbe(draft, capacity, depth))
-  costs = measure_costs(*probes, gammas, int(cfg.reps), sp0)
-  cli.write_json(os.path.join(workdir, "costs.json"), costs.to_dict())
-  for g, a, temp in todo:
-    sp = SamplingParams(temp, int(cfg.top_k), float(cfg.top_p))
-    rec = run_point(target, draft, prompts, g, a, sp, cfg, costs, probes)
-    rec.update(target=tcfg.name, draft=dcfg.name, dtype=tcfg.precision, env=env)
-    bench.append_jsonl(jsonl, [rec])
+  t_start = time.perf_counter()
+  for i, p in enumerate(todo):
+    rec = run_point(bench, p)
+    rec.update(target=tcfg.name, draft=dcfg.name, precision=tcfg.precision, env=env)
+    wd.append_jsonl(jsonl, [rec])
     records.append(rec)
-    write_csv(os.path.join(workdir, "results.csv"), records)
+    wd.write_csv(os.path.join(workdir, wd.CSV_FILE), records, schema.CSV_COLUMNS)
     bar.update(1)
-    bar.set_postfix_str(f"g={g} {a} T={temp:g}: {rec['speedup']:.2f}x")
-    n_new += 1
+    bar.set_postfix_str(f"g={p.gamma} {p.accept_rule} T={p.sp.temperature:g}: "
+                        f"{rec['speedup']:.2f}x")
     if not progress:  # logs: one line per point with the time left
-      left = (time.perf_counter() - t_start) / n_new * (len(todo) - n_new)
-      print(f"point {len(records)}/{len(points)}: gamma {g}, {a}, T={temp:g}: speedup "
-            f"{rec['speedup']:.3f}x, efficiency {rec['efficiency']:.3f}; ~{left / 60:.1f} min left",
-            flush=True)
+      left = (time.perf_counter() - t_start) / (i + 1) * (len(todo) - i - 1)
+      print(f"point {len(records)}/{len(points)}: gamma {p.gamma}, {p.accept_rule}, "
+            f"T={p.sp.temperature:g}: speedup {rec['speedup']:.3f}x, efficiency "
+            f"{rec['efficiency']:.3f}; ~{left / 60:.1f} min left", flush=True)
   bar.close()
   from specjax import sweep_report  # matplotlib only when writing the report
-  sweep_report.write_report(workdir, records, costs.to_dict(), cfg)
+  sweep_report.write_report(workdir, records, curve.to_dict(), env)
   return records
 
 
@@ -301,14 +235,17 @@ def sweep_prompts(cfg, tok, vocab_size: int) -> list[list[int]]:
 _POINT_FIELDS = ("gammas", "accepts", "temps")
 
 
-def _check_same_sweep(path: str, cfg) -> None:
-  """Resuming into a workdir whose points were measured differently is refused."""
-  try:
-    with open(path) as f:
-      old = json.load(f)["config"]
-  except (OSError, ValueError, KeyError):
+def _check_same_sweep(workdir: str, cfg) -> None:
+  """Resuming into a workdir whose points were measured differently (other
+  settings, or an older record schema) is refused."""
+  saved = wd.read_config(workdir)
+  if saved is None:
     return
-  new = json.loads(json.dumps(cfg.to_dict(), default=cli.json_default))
+  if saved.get("schema") != schema.SCHEMA_VERSION:
+    raise ConfigError(f"cannot resume: {workdir} holds results of an older specjax (record "
+                      f"schema {saved.get('schema', 1)}, now {schema.SCHEMA_VERSION}); "
+                      f"use another --workdir")
+  old, new = saved.get("config") or {}, wd.normalised(cfg.to_dict())
   diff = sorted(k for k in set(old) | set(new)
                 if k not in _POINT_FIELDS and old.get(k) != new.get(k))
   if diff:
@@ -317,6 +254,6 @@ def _check_same_sweep(path: str, cfg) -> None:
 
 
 def _progress(total: int, initial: int, enabled: bool):
-  from tqdm import tqdm
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   return tqdm(total=total, initial=initial, desc="sweep points", unit="pt",
               disable=not enabled, dynamic_ncols=True)

@@ -1,4 +1,4 @@
-"""Plots and summary.md for a finished (or partial) sweep."""
+"""Plots and summary.md for a finished (or partial) sweep (records: specjax.schema)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ import os
 import statistics
 from typing import Any
 
-import matplotlib
 import matplotlib.ticker
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from specjax import workdir as wd
 
-from specjax import theory  # noqa: E402
+plt = wd.pyplot()
 
 EFFICIENCY_FLOOR = 0.90
 
@@ -25,11 +23,11 @@ def _log_err(measured: float, predicted: float) -> float:
 
 def plot_speedup(path: str, records: list[dict[str, Any]]) -> None:
   """Speedup vs gamma: measured markers, predictions as lines, a colour per setting."""
-  settings = sorted({(r["accept"], r["temp"]) for r in records})
+  settings = sorted({(r["accept_rule"], r["temperature"]) for r in records})
   fig, ax = plt.subplots(figsize=(8, 5.5))
   colors = plt.cm.tab10(np.linspace(0, 1, 10))
   for i, (acc, temp) in enumerate(settings):
-    rs = sorted((r for r in records if (r["accept"], r["temp"]) == (acc, temp)),
+    rs = sorted((r for r in records if (r["accept_rule"], r["temperature"]) == (acc, temp)),
                 key=lambda r: r["gamma"])
     g = [r["gamma"] for r in rs]
     col = colors[i % 10]
@@ -48,9 +46,7 @@ def plot_speedup(path: str, records: list[dict[str, Any]]) -> None:
   ax.set_title("Speculative speedup: measured vs predicted")
   ax.legend(fontsize=7, loc="best")
   ax.grid(alpha=0.3, which="both")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  wd.save_figure(fig, path)
 
 
 def plot_verify_cost(path: str, costs: dict[str, Any]) -> None:
@@ -66,29 +62,27 @@ def plot_verify_cost(path: str, costs: dict[str, Any]) -> None:
   ax.set_title("Verify cost (target forward over n tokens)")
   ax.legend()
   ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  wd.save_figure(fig, path)
 
 
 def _iid_records(records):
   """Points whose acceptance is random (real or Bernoulli), with a geometric check."""
   return [r for r in records if "geometric" in r and r["geometric"]["observed"]
-          and (r["accept"] == "real" or r["accept"].startswith("bernoulli"))]
+          and (r["accept_rule"] == "real" or r["accept_rule"].startswith("bernoulli"))]
 
 
 def plot_acceptance(path: str, records: list[dict[str, Any]]) -> None:
   """Alpha per draft position, and accepted lengths against the geometric law."""
   rs = _iid_records(records)
-  settings = sorted({(r["accept"], r["temp"]) for r in rs})
+  settings = sorted({(r["accept_rule"], r["temperature"]) for r in rs})
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
   colors = plt.cm.tab10(np.linspace(0, 1, 10))
   width = 0.8 / max(len(settings), 1)
   for i, (acc, temp) in enumerate(settings):
-    pts = [r for r in rs if (r["accept"], r["temp"]) == (acc, temp)]
+    pts = [r for r in rs if (r["accept_rule"], r["temperature"]) == (acc, temp)]
     r = max(pts, key=lambda x: x["gamma"])  # the longest draft shows the most positions
     col, label = colors[i % 10], f"{acc} T={temp:g}"
-    pos = [(j + 1, a) for j, a in enumerate(r["stats"]["alpha_at_pos"]) if a is not None]
+    pos = [(j + 1, a) for j, a in enumerate(r["alpha_at_pos"]) if a is not None]
     ax1.plot([p for p, _ in pos], [a for _, a in pos], "o-", color=col,
              label=f"{label} (gamma {r['gamma']})")
     ax1.axhline(r["alpha"], color=col, ls=":", lw=1)
@@ -109,14 +103,12 @@ def plot_acceptance(path: str, records: list[dict[str, Any]]) -> None:
   ax2.set_title("Accepted lengths vs the i.i.d. law")
   ax2.legend(fontsize=7)
   ax2.grid(alpha=0.3, axis="y")
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+  wd.save_figure(fig, path)
 
 
 def acceptance_markdown(records: list[dict[str, Any]]) -> list[str]:
   """Per-position alpha and the geometric check, for real and Bernoulli points."""
-  rs = sorted(_iid_records(records), key=lambda r: (r["temp"], r["accept"], r["gamma"]))
+  rs = sorted(_iid_records(records), key=lambda r: (r["temperature"], r["accept_rule"], r["gamma"]))
   if not rs:
     return []
   out = ["## Acceptance against the i.i.d. assumption", "",
@@ -128,10 +120,10 @@ def acceptance_markdown(records: list[dict[str, Any]]) -> list[str]:
          "TV | chi2 (dof) | p |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rs:
     g = r["geometric"]
-    pos = ", ".join("-" if a is None else f"{a:.2f}" for a in r["stats"]["alpha_at_pos"])
+    pos = ", ".join("-" if a is None else f"{a:.2f}" for a in r["alpha_at_pos"])
     chi = "-" if g["chi2"] is None else f"{g['chi2']:.1f} ({g['dof']})"
     p = "-" if g["p"] is None else f"{g['p']:.2g}"
-    out.append(f"| {r['gamma']} | {r['accept']} | {r['temp']:g} | {r.get('n_prompts', 1)} | "
+    out.append(f"| {r['gamma']} | {r['accept_rule']} | {r['temperature']:g} | {r.get('n_prompts', 1)} | "
                f"{r['n_steps']} | {r['alpha']:.3f} | {pos} | {_fmt(g['tv'], '.3f')} | "
                f"{chi} | {p} |")
   return out + [""]
@@ -141,17 +133,21 @@ def _fmt(x, spec=".2f") -> str:
   return "-" if x is None else format(x, spec)
 
 
-def summary_markdown(records: list[dict[str, Any]], costs: dict[str, Any], cfg) -> str:
-  rs = sorted(records, key=lambda r: (r["temp"], r["accept"], r["gamma"]))
-  lines = [f"# Sweep: {rs[0]['target']} (target) / {rs[0]['draft']} (draft), {rs[0]['dtype']}"
-           if rs else "# Sweep", ""]
+def summary_markdown(records: list[dict[str, Any]], costs: dict[str, Any], env: dict[str, Any]) -> str:
+  rs = sorted(records, key=lambda r: (r["temperature"], r["accept_rule"], r["gamma"]))
+  lines = [f"# Sweep: {rs[0]['target']} (target) / {rs[0]['draft']} (draft), "
+           f"{rs[0]['precision']}" if rs else "# Sweep", "",
+           f"Machine: {wd.machine_line(env)}.", ""]
   t1 = costs["t_target_s"]["1"]
-  lines += [f"Measured costs at cache capacity {costs['capacity']}: T_target(1) = "
+  lines += [f"Measured costs (greedy) at cache capacity {costs['capacity']}: T_target(1) = "
             f"{1e3 * t1:.2f} ms, T_draft(1) = {1e3 * costs['t_draft_s']:.2f} ms, "
             f"c = {costs['c']:.3f}. Verify cost T(n)/T(1): " + ", ".join(
                 f"{k}: {v:.2f}" for k, v in sorted(costs["verify_ratio"].items(),
-                                                   key=lambda kv: int(kv[0]))) + ".", ""]
-  head = ["gamma", "accept", "T", "base t/s", "spec t/s", "speedup", "accept %", "mean acc",
+                                                   key=lambda kv: int(kv[0]))) + ". "
+            "The verify ratio T(gamma+1)/T(1) is what most separates machines: a speedup "
+            "measured on one machine transfers to another only with its verify ratio "
+            "(column `T(g+1)/T(1)`, measured at each point with its sampling settings).", ""]
+  head = ["gamma", "accept rule", "T", "base t/s", "spec t/s", "speedup", "accept %", "mean acc",
           "alpha", "T(g+1)/T(1)", "Leviathan", "thread", "meas.-cost", "efficiency",
           "draft/verify/accept/rest %"]
   lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -159,7 +155,7 @@ def summary_markdown(records: list[dict[str, Any]], costs: dict[str, Any], cfg) 
     split = "/".join(f"{100 * r[k]:.0f}" for k in ("draft_share", "verify_share",
                                                    "accept_share", "rest_share") if k in r)
     lines.append("| " + " | ".join([
-        str(r["gamma"]), r["accept"], f"{r['temp']:g}", f"{r['baseline_tps']:.2f}",
+        str(r["gamma"]), r["accept_rule"], f"{r['temperature']:g}", f"{r['baseline_tps']:.2f}",
         f"{r['spec_tps']:.2f}", f"{r['speedup']:.3f}", f"{100 * r['accept_rate']:.1f}",
         f"{r['mean_accepted']:.2f}", f"{r['alpha']:.3f}", f"{r['verify_ratio']:.2f}",
         f"{r['predicted_leviathan']:.3f}", f"{r['predicted_thread']:.3f}",
@@ -190,20 +186,21 @@ def verdict(rs: list[dict[str, Any]]) -> list[str]:
     for r in low:
       split = ", ".join(f"{k[:-6]} {100 * r[k]:.0f}%" for k in
                         ("draft_share", "verify_share", "accept_share", "rest_share") if k in r)
-      out.append(f"- gamma {r['gamma']}, {r['accept']}, T={r['temp']:g}: efficiency "
+      out.append(f"- gamma {r['gamma']}, {r['accept_rule']}, T={r['temperature']:g}: efficiency "
                  f"{r['efficiency']:.3f}; time split {split or 'not measured'}.")
   else:
     out.append(f"Every point reaches efficiency >= {EFFICIENCY_FLOOR}.")
   return out
 
 
-def write_report(workdir: str, records: list[dict[str, Any]], costs: dict[str, Any], cfg) -> str:
+def write_report(workdir: str, records: list[dict[str, Any]], costs: dict[str, Any],
+                 env: dict[str, Any]) -> str:
   if records:
     plot_speedup(os.path.join(workdir, "speedup.png"), records)
     if _iid_records(records):
       plot_acceptance(os.path.join(workdir, "acceptance.png"), records)
   plot_verify_cost(os.path.join(workdir, "verify_cost.png"), costs)
-  md = summary_markdown(records, costs, cfg)
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
+  md = summary_markdown(records, costs, env)
+  with open(os.path.join(workdir, wd.SUMMARY), "w") as f:
     f.write(md)
   return md

@@ -11,10 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
-import platform
 import statistics
-import subprocess
 import time
 from typing import Any, Callable
 
@@ -118,24 +115,3 @@ def measure(run: Callable[[], Any], reps: int = 5, warmup: int = 1) -> Timing:
   if late.count:
     raise RuntimeError(f"{late.count} compilation(s) during timed repetitions")
   return Timing(times=times, compile_s=cw.seconds, n_compiles=cw.count)
-
-
-def git_commit() -> str:
-  try:
-    here = os.path.dirname(os.path.abspath(__file__))
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                          capture_output=True, text=True, timeout=5
-                          ).stdout.strip() or "unknown"
-  except (OSError, subprocess.SubprocessError):
-    return "unknown"
-
-
-def environment() -> dict[str, Any]:
-  """What every record carries: versions, backend, device, host."""
-  import jaxlib
-  dev = jax.devices()[0]
-  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          "backend": jax.default_backend(), "device_kind": dev.device_kind,
-          "n_devices": jax.device_count(), "host": platform.node(),
-          "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-          "xla_flags": os.environ.get("XLA_FLAGS", ""), "git_commit": git_commit()}

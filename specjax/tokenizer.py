@@ -2,8 +2,25 @@
 
 Models see token ids only. A tokenizer is optional: a checkpoint directory
 without tokenizer.json / tokenizer.model yields None, and prompts are then
-given as ids. The BOS token is added here, never by the backend's
-post-processor, so `encode(..., add_bos=False)` means exactly that.
+given as ids.
+
+Special tokens follow each format's own convention, so that the same text
+gives the same ids as the reference implementation (transformers'
+AutoTokenizer):
+  tokenizer.json   its post-processor decides what is added (LLaMA-2's adds
+                   <s>, LLaMA-3's <|begin_of_text|>, many byte-level BPEs
+                   nothing). tokenizer_config.json's add_bos_token is not
+                   consulted, as transformers (>= 5) ignores it when a
+                   tokenizer.json is present.
+  tokenizer.model  SentencePiece adds nothing itself. tokenizer_config.json's
+                   add_bos_token / add_eos_token decide; without them,
+                   LLaMA's convention (Meta's tokenizer, transformers 4's
+                   LlamaTokenizer): BOS first, no EOS. (transformers 5 adds
+                   nothing when add_bos_token is absent; LLaMA checkpoints
+                   state it.) The ids are SentencePiece's own; transformers 5
+                   converts the model to a Metaspace BPE, which gives a text
+                   that starts with spaces one '▁' fewer.
+`encode(text, add_special=False)` gives the bare ids.
 """
 
 from __future__ import annotations
@@ -29,12 +46,16 @@ class Tokenizer:
   """encode/decode plus the special ids that generation needs."""
 
   def __init__(self, backend: Any, kind: str, bos_id: int | None,
-               eos_id: int | None, source: str):
+               eos_id: int | None, source: str, add_bos: bool = False,
+               add_eos: bool = False):
     self._backend = backend
     self.kind = kind          # 'hf' (tokenizers) or 'sentencepiece'
     self.bos_id = bos_id
     self.eos_id = eos_id
     self.source = source      # the file it was read from
+    # sentencepiece only (a tokenizer.json's post-processor decides for itself)
+    self.add_bos = add_bos and bos_id is not None
+    self.add_eos = add_eos and eos_id is not None
 
   @property
   def vocab_size(self) -> int:
@@ -42,13 +63,15 @@ class Tokenizer:
       return self._backend.get_vocab_size(with_added_tokens=True)
     return self._backend.get_piece_size()
 
-  def encode(self, text: str, add_bos: bool = True) -> list[int]:
+  def encode(self, text: str, add_special: bool = True) -> list[int]:
+    """Token ids of `text`, with the special tokens the format adds (see the
+    module docstring) unless add_special=False."""
     if self.kind == "hf":
-      ids = self._backend.encode(text, add_special_tokens=False).ids
-    else:
-      ids = self._backend.encode(text)
-    bos = [self.bos_id] if add_bos and self.bos_id is not None else []
-    return bos + [int(i) for i in ids]
+      return [int(i) for i in self._backend.encode(text, add_special_tokens=add_special).ids]
+    ids = [int(i) for i in self._backend.encode(text)]
+    if add_special:
+      ids = [self.bos_id] * self.add_bos + ids + [self.eos_id] * self.add_eos
+    return ids
 
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     ids = [int(i) for i in ids]
@@ -61,15 +84,23 @@ class Tokenizer:
             f"eos={self.eos_id}, source={self.source!r})")
 
 
-def _config_token(directory: Path, key: str) -> str | None:
-  """The `bos_token`/`eos_token` string of tokenizer_config.json, if any."""
+def _config(directory: Path) -> dict[str, Any]:
+  """tokenizer_config.json as a dict ({} when absent)."""
   file = directory / CONFIG_FILE
   if not file.is_file():
-    return None
+    return {}
   try:
-    value = json.loads(file.read_text()).get(key)
-  except (ValueError, AttributeError) as e:
+    config = json.loads(file.read_text())
+  except ValueError as e:
     raise TokenizerError(f"corrupt {file}: {e}") from e
+  if not isinstance(config, dict):
+    raise TokenizerError(f"corrupt {file}: not a JSON object")
+  return config
+
+
+def _config_token(directory: Path, key: str) -> str | None:
+  """The `bos_token`/`eos_token` string of tokenizer_config.json, if any."""
+  value = _config(directory).get(key)
   return value.get("content") if isinstance(value, dict) else value
 
 
@@ -105,7 +136,10 @@ def _load_sp(file: Path, bos_id, eos_id) -> Tokenizer:
   own = lambda i: None if i < 0 else int(i)  # sentencepiece says -1 for none
   bos_id = own(backend.bos_id()) if bos_id is None else bos_id
   eos_id = own(backend.eos_id()) if eos_id is None else eos_id
-  return Tokenizer(backend, "sentencepiece", bos_id, eos_id, str(file))
+  config = _config(file.parent)
+  return Tokenizer(backend, "sentencepiece", bos_id, eos_id, str(file),
+                   add_bos=bool(config.get("add_bos_token", True)),
+                   add_eos=bool(config.get("add_eos_token", False)))
 
 
 def load_tokenizer(directory: str | os.PathLike, bos_id: int | None = None,

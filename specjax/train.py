@@ -30,7 +30,6 @@ workdir layout
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import time
@@ -43,6 +42,7 @@ import numpy as np
 import optax
 
 from specjax import checkpoint, corpus
+from specjax import workdir as wd
 from specjax import kv_cache as kvc
 from specjax import model as model_lib
 from specjax.config import ModelConfig
@@ -174,33 +174,23 @@ def _train_config(cfg: ModelConfig, tc, teacher) -> dict[str, Any]:
 def _check_same_run(workdir: Path, want: dict[str, Any]) -> None:
   file = workdir / CONFIG_FILE
   if file.is_file():
-    have = json.loads(file.read_text())
+    have = wd.read_json(file)
     # Model configs compare through ModelConfig, so a field added since the
     # run (with its default) does not make it a different run.
     for key in ("model", "teacher"):
       if have.get(key) is not None:
         have[key] = ModelConfig.from_dict(have[key]).to_dict()
-    if json.loads(json.dumps(have)) != json.loads(json.dumps(want)):
+    if wd.normalised(have) != wd.normalised(want):
       raise ConfigError(f"{workdir} holds a training run with a different config "
                         f"({file}); use a new workdir or delete it")
   else:
     workdir.mkdir(parents=True, exist_ok=True)
-    file.write_text(json.dumps(want, indent=2) + "\n")
+    wd.write_json(file, want)
 
 
 def _trim_metrics(path: Path, last_step: int) -> None:
   """Drops records past the restored step (written after the last checkpoint)."""
-  if not path.is_file():
-    return
-  keep = []
-  for line in path.read_text().splitlines():
-    try:
-      rec = json.loads(line)
-    except ValueError:
-      continue  # a torn last line
-    if rec.get("step", 0) <= last_step:
-      keep.append(line)
-  path.write_text("".join(l + "\n" for l in keep))
+  wd.restart_jsonl(path, [r for r in wd.read_jsonl(path) if r.get("step", 0) <= last_step])
 
 
 def _manager(workdir: Path, keep: int):
@@ -288,41 +278,38 @@ def train(cfg: ModelConfig, tc, workdir: str | os.PathLike, train_stream: np.nda
   bar = _bar(total, start, progress, workdir.name)
   acc: dict[str, list] = {}
   t_last, tokens_last, compile_s = time.perf_counter(), 0, None
-  with open(metrics_path, "a") as out:
-    for step in range(start, end):
-      batch = jnp.asarray(corpus.batch_at(train_stream, step, int(tc.batch),
-                                          int(tc.seq_len) + 1, int(tc.seed)))
-      t0 = time.perf_counter()
-      state, m = step_fn(state, batch, tparams)
-      if compile_s is None:  # the first step compiles: keep it out of tok/s
-        jax.block_until_ready(m)
-        compile_s = time.perf_counter() - t0
-        t_last = time.perf_counter()
-        tokens_last = 0
-      for k, v in m.items():
-        acc.setdefault(k, []).append(v)
-      tokens_last += int(tc.batch) * int(tc.seq_len)
-      done = step + 1
-      if done % int(tc.log_every) == 0 or done == end:
-        vals = {k: float(np.mean(jax.device_get(v))) for k, v in acc.items()}
-        dt = time.perf_counter() - t_last
-        rec = {"step": done, **vals, "lr": float(schedule(done - 1)),
-               "tokens": done * int(tc.batch) * int(tc.seq_len),
-               "tok_s": tokens_last / dt if dt > 0 else None, "compile_s": compile_s}
-        out.write(json.dumps(rec) + "\n")
-        out.flush()
-        bar.set_postfix(loss=f"{vals['loss']:.3f}", tok_s=f"{rec['tok_s'] or 0:.0f}")
-        acc, t_last, tokens_last = {}, time.perf_counter(), 0
-      if done % int(tc.eval_every) == 0 or done == total:
-        ev = evaluate(state["params"], cfg, windows, int(tc.batch), teacher)
-        out.write(json.dumps({"step": done, **ev}) + "\n")
-        out.flush()
-        bar.write(f"{workdir.name} step {done}: " +
-                  ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-        t_last = time.perf_counter()  # eval time is not training time
-      if done % int(tc.ckpt_every) == 0 or done == end:
-        _save(mngr, done, state)
-      bar.update(1)
+  for step in range(start, end):
+    batch = jnp.asarray(corpus.batch_at(train_stream, step, int(tc.batch),
+                                        int(tc.seq_len) + 1, int(tc.seed)))
+    t0 = time.perf_counter()
+    state, m = step_fn(state, batch, tparams)
+    if compile_s is None:  # the first step compiles: keep it out of tok/s
+      jax.block_until_ready(m)
+      compile_s = time.perf_counter() - t0
+      t_last = time.perf_counter()
+      tokens_last = 0
+    for k, v in m.items():
+      acc.setdefault(k, []).append(v)
+    tokens_last += int(tc.batch) * int(tc.seq_len)
+    done = step + 1
+    if done % int(tc.log_every) == 0 or done == end:
+      vals = {k: float(np.mean(jax.device_get(v))) for k, v in acc.items()}
+      dt = time.perf_counter() - t_last
+      rec = {"step": done, **vals, "lr": float(schedule(done - 1)),
+             "tokens": done * int(tc.batch) * int(tc.seq_len),
+             "tok_s": tokens_last / dt if dt > 0 else None, "compile_s": compile_s}
+      wd.append_jsonl(metrics_path, [rec])
+      bar.set_postfix(loss=f"{vals['loss']:.3f}", tok_s=f"{rec['tok_s'] or 0:.0f}")
+      acc, t_last, tokens_last = {}, time.perf_counter(), 0
+    if done % int(tc.eval_every) == 0 or done == total:
+      ev = evaluate(state["params"], cfg, windows, int(tc.batch), teacher)
+      wd.append_jsonl(metrics_path, [{"step": done, **ev}])
+      bar.write(f"{workdir.name} step {done}: " +
+                ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+      t_last = time.perf_counter()  # eval time is not training time
+    if done % int(tc.ckpt_every) == 0 or done == end:
+      _save(mngr, done, state)
+    bar.update(1)
   mngr.wait_until_finished()
   bar.close()
   return state["params"]
@@ -335,12 +322,4 @@ def _bar(total: int, initial: int, enabled: bool, desc: str):
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
-  path = Path(workdir) / METRICS_FILE
-  out = []
-  if path.is_file():
-    for line in path.read_text().splitlines():
-      try:
-        out.append(json.loads(line))
-      except ValueError:
-        continue
-  return out
+  return wd.read_jsonl(Path(workdir) / METRICS_FILE)

@@ -81,7 +81,7 @@ def test_goal_compares_speedups():
 def tiny_models(init_params):
   _needs_torch()
   cfg, dcfg = get_preset("tiny"), get_preset("tiny-draft")
-  return steps.Model(cfg, init_params(cfg, 0)), steps.Model(dcfg, init_params(dcfg, 1))
+  return steps.Runner(cfg, init_params(cfg, 0)), steps.Runner(dcfg, init_params(dcfg, 1))
 
 
 @pytest.mark.parametrize("pair", ["tiny/tiny-draft", "draft=target"])
@@ -96,7 +96,7 @@ def test_engines_emit_identical_tokens(tiny_models, pair):
     assert e.spec.median > 0 and e.baseline.median > 0 and len(e.spec.times) == 1
     assert 0 < e.n_drafted and 0 <= e.n_accept <= e.n_drafted
   if pair == "draft=target":  # every draft accepted, on both engines
-    assert hf.accept == 1.0 and sj.accept == 1.0
+    assert hf.accept_rate == 1.0 and sj.accept_rate == 1.0
     # HF: ceil(20 / (gamma + 1)) steps, the last drafting only what fits.
     assert (hf.n_steps, hf.n_drafted) == (5, 15)
   assert sj.decode["spec_compile_s"] >= 0 and sj.decode["spec_tokens_per_s"] > 0

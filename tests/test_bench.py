@@ -1,5 +1,5 @@
-"""The benchmark library end to end on tiny models: tables, JSON lines, the
-llama-batched-bench definitions, and the unrolled-vs-scan comparison."""
+"""The benchmarks end to end on tiny models: tables, JSON lines, the
+llama-batched-bench definitions, and the unrolled-vs-scan layer loop."""
 
 import json
 
@@ -7,18 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import bench, config, kv_cache, model, steps
+from specjax import bench, config, kv_cache, layer_loop, model, steps
+from specjax import workdir as wd
 from specjax.errors import ConfigError
 from specjax.timing import CompileWatch
 
-ENV_KEYS = {"jax", "jaxlib", "backend", "device_kind", "git_commit"}
+ENV_KEYS = {"jax", "jaxlib", "backend", "device_kind", "cpu", "git_commit"}
 
 
 @pytest.fixture(scope="module")
 def tiny():
   # Its own name, so that no other test module has compiled its shapes.
   cfg = config.get_preset("tiny").replace(name="tiny-bench")
-  return steps.Model(cfg, model.init_params(cfg, seed=3))
+  return steps.Runner(cfg, model.init_params(cfg, seed=3))
 
 
 def _cells(line):
@@ -36,7 +37,7 @@ def test_llama_bench_table_json_lines_and_compiles_once(tiny, tmp_path):
   load = lambda spec, dtype, seed: (tiny.cfg.with_dtype(dtype), tiny.params, None)
   path = tmp_path / "bench.jsonl"
   seen = []
-  on_record = lambda r: (seen.append(r["test"]), bench.append_jsonl(str(path), [r]))
+  on_record = lambda r: (seen.append(r["test"]), wd.append_jsonl(str(path), [r]))
   with CompileWatch() as cw:
     recs = bench.run_bench(["tiny"], ["f32"], [4, 1, 2], n_gen=3, n_depth=5,
                            reps=2, on_record=on_record, load=load)
@@ -82,17 +83,17 @@ def test_scan_variant_equals_unrolled_model(name, tied):
   params = model.init_params(cfg, seed=1)
   toks = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 9)), jnp.int32)
   ref = steps.forward_step(params, toks, kv_cache.init_cache(cfg, 2, 16), cfg=cfg)[0]
-  sp, cache = bench.scan_params(params, cfg), bench.init_scan_cache(cfg, 2, 16)
+  sp, cache = layer_loop.scan_params(params, cfg), layer_loop.init_scan_cache(cfg, 2, 16)
   outs = []
   for s, e in ((0, 6), (6, 7), (7, 8), (8, 9)):  # a chunk, then one token at a time
-    logits, cache = bench.scan_step(sp, toks[:, s:e], cache, cfg=cfg)
+    logits, cache = layer_loop.scan_step(sp, toks[:, s:e], cache, cfg=cfg)
     outs.append(logits)
   np.testing.assert_allclose(jnp.concatenate(outs, 1), ref, atol=1e-5)
   assert np.asarray(cache[2]).tolist() == [9, 9]
 
 
 def test_layer_loop_bench_runs_and_compares_like_for_like(tmp_path):
-  recs = bench.run_layer_loop_bench("tiny", context=32, depth=7, reps=3,
+  recs = layer_loop.run_layer_loop_bench("tiny", capacity=32, depth=7, reps=3,
                                     compile_presets=["tiny-mha"])
   assert [(r["model"], r["variant"]) for r in recs] == [
       ("tiny", "unrolled"), ("tiny", "scan"), ("tiny-mha", "unrolled"), ("tiny-mha", "scan")]
@@ -101,8 +102,8 @@ def test_layer_loop_bench_runs_and_compares_like_for_like(tmp_path):
     assert r["ms_per_step"] > 0 and r["compile_s"] > 0 and r["decode"]["reps"] == 3
   for r in recs[2:]:  # compiled from ShapeDtypeStructs, never run
     assert r["ms_per_step"] is None and r["compile_s"] > 0 and r["n_layers"] == 2
-  _check_table(bench.layer_loop_table(recs), bench.LAYER_LOOP_COLUMNS, 4)
-  bench.append_jsonl(str(tmp_path / "ll.jsonl"), recs)
+  _check_table(layer_loop.layer_loop_table(recs), layer_loop.LAYER_LOOP_COLUMNS, 4)
+  wd.append_jsonl(str(tmp_path / "ll.jsonl"), recs)
   assert len((tmp_path / "ll.jsonl").read_text().splitlines()) == 4
 
 

@@ -34,12 +34,13 @@ def bit_equal(a, b) -> bool:
           and all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(same, a, b))))
 
 
-def write_bpe_tokenizer(path, n_extra=0):
+def write_bpe_tokenizer(path, n_extra=0, bos=False):
   """Trains a tiny byte-level BPE tokenizer (128 tokens, plus `n_extra` added
-  tokens) on SENTENCES; writes tokenizer.json."""
+  tokens) on SENTENCES; writes tokenizer.json. `bos`: its post-processor
+  puts <s> first (LLaMA-2 style); otherwise it adds nothing."""
   # pylint: disable=import-outside-toplevel
   import tokenizers
-  from tokenizers import decoders, models, pre_tokenizers, trainers
+  from tokenizers import decoders, models, pre_tokenizers, processors, trainers
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
@@ -49,8 +50,23 @@ def write_bpe_tokenizer(path, n_extra=0):
   # round-trips; the full byte alphabet (256) would not fit a tiny model.
   tok.train_from_iterator(SENTENCES + [string.printable], trainer)
   tok.add_tokens([f"<extra_{i}>" for i in range(n_extra)])
+  if bos:
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", 1)])
   tok.save(str(path))
   return path
+
+
+def write_sp_tokenizer(folder, llama_style=False):
+  """Trains a tiny SentencePiece BPE on SENTENCES: tokenizer.model (64 pieces;
+  llama_style: LLaMA's settings, identity normalisation, spaces kept, byte
+  fallback, so 300 pieces)."""
+  import sentencepiece  # pylint: disable=import-outside-toplevel
+  style = (dict(normalization_rule_name="identity", remove_extra_whitespaces=False,
+                byte_fallback=True, vocab_size=300) if llama_style else dict(vocab_size=64))
+  sentencepiece.SentencePieceTrainer.train(
+      sentence_iterator=iter(SENTENCES), model_prefix=str(folder / "tokenizer"),
+      hard_vocab_limit=False, model_type="bpe", minloglevel=2, **style)
 
 # ------------------------------------------------------------ orbax
 
@@ -198,23 +214,21 @@ def test_load_model_tokenizer_too_big(tmp_path, init_params):
 # ------------------------------------------------------------ tokenizer
 
 
-def test_tokenizer_round_trip(tmp_path):
-  write_bpe_tokenizer(tmp_path / "tokenizer.json")
+@pytest.mark.parametrize("bos", [False, True])
+def test_tokenizer_round_trip_follows_its_post_processor(tmp_path, bos):
+  write_bpe_tokenizer(tmp_path / "tokenizer.json", bos=bos)
   tok = load_tokenizer(tmp_path)
   assert (tok.bos_id, tok.eos_id) == (1, 2)  # found by their names
   assert tok.vocab_size == 128
   for text in SENTENCES + ["unseen words: zebra quartz!"]:
-    ids = tok.encode(text)
-    assert ids[0] == tok.bos_id and tok.encode(text, add_bos=False) == ids[1:]
+    ids, bare = tok.encode(text), tok.encode(text, add_special=False)
+    assert ids == ([tok.bos_id] if bos else []) + bare
     assert all(0 <= i < tok.vocab_size for i in ids)
     assert tok.decode(ids) == text
 
 
 def test_sentencepiece_round_trip(tmp_path):
-  import sentencepiece  # pylint: disable=import-outside-toplevel
-  sentencepiece.SentencePieceTrainer.train(
-      sentence_iterator=iter(SENTENCES), model_prefix=str(tmp_path / "tokenizer"),
-      vocab_size=64, hard_vocab_limit=False, model_type="bpe", minloglevel=2)
+  write_sp_tokenizer(tmp_path)
   tok = load_tokenizer(tmp_path)
   assert tok.kind == "sentencepiece" and tok.vocab_size == 64
   assert (tok.bos_id, tok.eos_id) == (1, 2)
@@ -230,6 +244,40 @@ def test_tokenizer_config_names_specials(tmp_path):
   tok = load_tokenizer(tmp_path)
   assert (tok.bos_id, tok.eos_id) == (2, 0)
   assert load_tokenizer(tmp_path, bos_id=7, eos_id=8).bos_id == 7
+
+
+TEXTS = ["the quick brown fox", "  two spaces,\nthen a newline\n\n", "def f(x):\n\treturn x * 2  # code",
+         "a small model proposes"]
+
+
+@pytest.mark.parametrize("kind,config", [
+    ("bpe", {}), ("bpe-bos", {}), ("bpe", {"add_bos_token": True}),
+    ("sp", {"add_bos_token": True}), ("sp", {"add_bos_token": False}),
+    ("sp", {"add_bos_token": True, "add_eos_token": True})])
+def test_token_ids_match_transformers(tmp_path, transformers, kind, config):
+  """The same text gives the same ids as transformers' AutoTokenizer: a
+  tokenizer.json's post-processor decides (tokenizer_config's add_bos_token
+  does not override it, as in transformers >= 5); a tokenizer.model follows
+  add_bos_token / add_eos_token."""
+  if kind == "sp":
+    write_sp_tokenizer(tmp_path, llama_style=True)
+    tc = {"tokenizer_class": "LlamaTokenizer", "unk_token": "<unk>"}
+  else:
+    write_bpe_tokenizer(tmp_path / "tokenizer.json", bos=kind == "bpe-bos")
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast"}
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+      {**tc, "bos_token": "<s>", "eos_token": "</s>", **config}))
+  ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  tok = load_tokenizer(tmp_path)
+  for text in TEXTS:
+    if kind == "sp" and text.startswith(" "):
+      # SentencePiece itself (what specjax runs, and Meta's tokenizer) puts its
+      # dummy-prefix '▁' before leading spaces; transformers 5's conversion
+      # to a Metaspace BPE does not.
+      continue
+    assert tok.encode(text) == ref(text)["input_ids"], text
+    assert tok.encode(text, add_special=False) == ref(text, add_special_tokens=False)["input_ids"]
 
 
 def test_no_tokenizer_is_none(tmp_path):

@@ -30,7 +30,7 @@ def models(tmp_path_factory):
     path = tmp_path_factory.mktemp(f"hf{seed}")
     _hf_model(seed).save_pretrained(path)
     cfg, params = hf.load_hf(path)
-    out.append((_hf_model(seed), steps.Model(cfg, params)))
+    out.append((_hf_model(seed), steps.Runner(cfg, params)))
   return out
 
 

@@ -16,7 +16,7 @@ ATOL = 1e-5
 @pytest.fixture(scope="module", params=["tiny", "tiny-mha"])
 def tiny(request):
   cfg = config.get_preset(request.param)
-  return steps.Model(cfg, model.init_params(cfg, seed=7))
+  return steps.Runner(cfg, model.init_params(cfg, seed=7))
 
 
 def _tokens(b, t, vocab, seed=0):
@@ -179,7 +179,7 @@ def mixed_pair(request):
   params = model.init_params(cfg, seed=11)
   params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), params)
   mcfg = cfg.with_dtype("bf16-mixed")
-  return steps.Model(cfg, params), steps.Model(
+  return steps.Runner(cfg, params), steps.Runner(
       mcfg, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params))
 
 
@@ -216,7 +216,7 @@ def test_mixed_mode_greedy_speculative_equals_target_only(mixed_pair):
   from specjax import speculative
   _, m = mixed_pair
   dcfg = config.get_preset("tiny-draft", "bf16-mixed")
-  d = steps.Model(dcfg, model.init_params(dcfg, seed=5))
+  d = steps.Runner(dcfg, model.init_params(dcfg, seed=5))
   prompt = [3, 14, 15, 92, 6]
   base = generation.generate(m, [prompt], 24, SamplingParams(0.0), ctx_size=64)
   for gamma in (1, 4):

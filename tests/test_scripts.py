@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from specjax import checkpoint, config, model
+from specjax import checkpoint, config, model, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,20 +43,28 @@ def test_generate_writes_json(tmp_path):
   assert "prompt eval time" in proc.stdout and "compile time" in proc.stdout
   rec = json.loads(out.read_text())
   assert len(rec["tokens"]) == 6 and rec["prompt_tokens"] == [1, 2, 3]
+  assert rec["env"]["cpu"]["model"] and rec["env"]["git_commit"]
 
 
 def test_speculative_writes_json(tmp_path):
   out = tmp_path / "spec.json"
   proc = run("speculative.py", "--model=tiny", "--model_draft=tiny-draft", "--n_predict=12",
-             "--draft=3", "--accept=bernoulli:0.5", "--prompt_tokens=4,5,6", f"--json_out={out}")
+             "--draft=3", "--accept=bernoulli:0.5", "--prompt_tokens=4,5,6", "--reps=2",
+             f"--json_out={out}")
   assert proc.returncode == 0, proc.stderr
-  for word in ("n_draft", "n_predict", "n_drafted", "n_accept", "accept", "speedup"):
+  for word in ("n_draft", "n_predict", "n_drafted", "n_accept", "accept", "speedup",
+               "median of 2"):
     assert word in proc.stdout
   rec = json.loads(out.read_text())
-  for key in ("tokens", "n_draft", "n_predict", "n_drafted", "n_accept", "accept", "n_steps",
-              "tokens_per_step", "alpha", "accept_hist", "alpha_at_pos", "speedup"):
+  for key in ("tokens", "gamma", "n_predict", "n_drafted", "n_accept", "accept_rate", "n_steps",
+              "tokens_per_step", "alpha", "accept_hist", "alpha_at_pos", "speedup",
+              "baseline_tps", "spec_tps", "capacity", "env"):
     assert key in rec, key
+  assert set(rec) <= set(schema.FIELDS)
+  # the rule and the rate are two fields, not one overwriting the other
+  assert rec["accept_rule"] == "bernoulli:0.5" and 0 <= rec["accept_rate"] <= 1
   assert rec["n_predict"] == 12 and len(rec["tokens"]) == 12
+  assert rec["env"]["cpu"]["model"] and rec["env"]["git_commit"]
 
 
 @pytest.mark.parametrize("script,args,pattern", [

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from configs import sweep_gamma
-from specjax import checkpoint, config, model, sweep
+from specjax import checkpoint, config, model, schema, sweep
 from specjax.errors import SpecjaxError
 
 
@@ -32,33 +32,37 @@ def _tiny_config(path, **kw):
 
 
 def test_sweep_writes_every_output(tmp_path, tiny_dir):
-  records = sweep.run_sweep(_tiny_config(tiny_dir), str(tmp_path), progress=False)
-  assert len(records) == 6
+  records = sweep.run_sweep(_tiny_config(tiny_dir, gammas=(3,)), str(tmp_path), progress=False)
+  assert len(records) == 3
   for name in ("results.jsonl", "results.csv", "config.json", "costs.json",
                "speedup.png", "verify_cost.png", "summary.md"):
     assert (tmp_path / name).stat().st_size > 0, name
   lines = (tmp_path / "results.jsonl").read_text().splitlines()
-  assert len(lines) == 6
+  assert len(lines) == 3
   rec = json.loads(lines[0])
   for key in ("speedup", "predicted_leviathan", "predicted_measured_cost", "efficiency",
               "alpha", "c", "verify_ratio", "baseline_tps", "spec_tps", "env",
-              "draft_share", "verify_share", "rest_share"):
+              "draft_share", "verify_share", "rest_share", "accept_rule", "accept_rate",
+              "temperature", "t_accept_s", "n_catchup", "n_kept"):
     assert key in rec, key
-  real = [r for r in records if r["accept"] == "real"]
+  assert set(rec) <= set(schema.FIELDS)  # one record schema
+  assert rec["env"]["cpu"]["model"] and rec["env"]["git_commit"]
+  real = [r for r in records if r["accept_rule"] == "real"]
   assert all(r["accept_rate"] == 1.0 for r in real)   # the draft is the target
-  always = [r for r in records if r["accept"] == "always"]
+  always = [r for r in records if r["accept_rule"] == "always"]
   assert all(r["mean_accepted"] == r["gamma"] for r in always)
   assert abs(sum(rec[k] for k in ("draft_share", "verify_share", "accept_share",
                                   "rest_share")) - 1) < 1e-6
   summary = (tmp_path / "summary.md").read_text()
   assert "measured-cost model" in summary and "| 3 | always |" in summary
   csv_lines = (tmp_path / "results.csv").read_text().splitlines()
-  assert len(csv_lines) == 7 and csv_lines[0].startswith("gamma,accept")
+  assert len(csv_lines) == 4 and csv_lines[0].split(",") == list(schema.CSV_COLUMNS)
+  assert "Machine: " in summary and rec["env"]["cpu"]["model"] in summary
   # per-position alpha and the geometric check, for the random (Bernoulli, real) points
   assert "Acceptance against the i.i.d. assumption" in summary
   assert (tmp_path / "acceptance.png").stat().st_size > 0
-  bern = [r for r in records if r["accept"] == "bernoulli:0.5"]
-  assert all(len(r["stats"]["alpha_at_pos"]) == r["gamma"] for r in bern)
+  bern = [r for r in records if r["accept_rule"] == "bernoulli:0.5"]
+  assert all(len(r["alpha_at_pos"]) == r["gamma"] for r in bern)
   assert all(abs(sum(r["geometric"]["expected"]) - 1) < 1e-9 for r in bern)
 
 
@@ -73,10 +77,15 @@ def test_resume_skips_finished_points_and_survives_a_torn_line(tmp_path, tiny_di
   assert len(records) == 2
   kept = [json.loads(l) for l in path.read_text().splitlines() if l.startswith("{") and l.endswith("}")]
   assert kept[0] == json.loads(first[0])  # the finished point was not redone
-  assert {(r["gamma"], r["accept"]) for r in records} == {(1, "always"), (3, "always")}
+  assert {(r["gamma"], r["accept_rule"]) for r in records} == {(1, "always"), (3, "always")}
   with pytest.raises(SpecjaxError, match="n_predict"):
     sweep.run_sweep(_tiny_config(tiny_dir, accepts=("always",), measure_split=False,
                                  n_predict=10), str(tmp_path), resume=True, progress=False)
+  # results of an older record schema are not mixed with new ones
+  saved = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**saved, "schema": 1}))
+  with pytest.raises(SpecjaxError, match="older specjax"):
+    sweep.run_sweep(cfg, str(tmp_path), resume=True, progress=False)
 
 
 @pytest.mark.parametrize("field,value,match", [
@@ -99,6 +108,6 @@ def test_real_config_on_the_shipped_pair(tmp_path):
   c.n_predict, c.reps, c.measure_split = 16, 1, False
   (rec,) = sweep.run_sweep(c, str(tmp_path), progress=False)
   assert rec["n_prompts"] == 2 and rec["target"] == "stdlib-target"
-  assert rec["stats"]["n_predict"] == 2 * 16
+  assert rec["n_predict"] == 2 * 16 and rec["n_kept"] == 2 * 15
   assert rec["mean_accepted"] > 0.5   # a trained pair agrees on held-out code
   assert "| 3 | real | 0 | 2 |" in (tmp_path / "summary.md").read_text()

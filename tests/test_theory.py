@@ -303,11 +303,27 @@ def test_geometric_check_accepts_the_law_and_rejects_all_or_nothing():
   from specjax.stats import SpecStats, geometric_check
   def stats(hist, alpha):
     g = len(hist) - 1
-    return SpecStats(n_draft=g, n_predict=0, n_drafted=0, n_accept=0, n_steps=sum(hist),
-                     accept=0.0, tokens_per_step=0.0, mean_accepted=0.0, alpha=alpha,
-                     accept_hist=hist, alpha_at_pos=[None] * g)
+    return SpecStats(gamma=g, n_predict=0, n_drafted=0, n_accept=0, n_steps=sum(hist),
+                     n_kept=0, n_catchup=0, accept_rate=0.0, tokens_per_step=0.0,
+                     mean_accepted=0.0, alpha=alpha, accept_hist=hist,
+                     alpha_at_pos=[None] * g)
   law = theory.geometric_accept_pmf(0.6, 4)
   good = geometric_check(stats([int(round(10000 * x)) for x in law], 0.6))
   assert good["tv"] < 1e-3 and good["p"] > 0.5
   bad = geometric_check(stats([4000, 0, 0, 0, 6000], 0.6))
   assert bad["tv"] > 0.3 and bad["p"] < 1e-10
+
+
+def test_paper_outputs_reproduce_the_published_numbers(tmp_path):
+  from specjax import paper  # pylint: disable=import-outside-toplevel
+  summary = paper.write_outputs(str(tmp_path), 6)
+  for printed in ("2.1594861448542773", "2.7629832057356403", "| 0.8 | 5 | 1.63× |"):
+    assert printed in summary, printed
+  assert "3.6893×" in summary  # Table 1, alpha 0.8, gamma 5 (the paper: 3.69x)
+  rows = (tmp_path / "results.csv").read_text().splitlines()
+  assert len(rows) == 1 + len(paper.PLOT_CS) * len(paper.ALPHAS) * 6
+  for name in ("speedup_vs_gamma.png", "optimal_gamma_vs_alpha.png", "config.json",
+               "results.jsonl", "summary.md"):
+    assert (tmp_path / name).stat().st_size > 0, name
+  with pytest.raises(SpecjaxError, match="max_gamma"):
+    paper.write_outputs(str(tmp_path), 0)

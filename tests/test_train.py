@@ -130,16 +130,17 @@ def test_tokenizer_round_trips_text_exactly(tmp_path):
       "\tdef f(x):\n        return x  # tabs, spaces\r\n", "unicode: é ß 漢字 🙂\x00",
       "  leading and trailing  ", ""]
   for text in texts:
-    ids = tok.encode(text, add_bos=False)
+    ids = tok.encode(text, add_special=False)
     assert tok.decode(ids) == text
+    assert tok.encode(text) == [tok.bos_id] + ids  # what training puts first
     assert max(ids, default=0) < 400
 
 
 @pytest.fixture(scope="module")
 def shipped():
-  t = steps.Model(*checkpoint.load_model("stdlib-target", "float32")[:2])
+  t = steps.Runner(*checkpoint.load_model("stdlib-target", "float32")[:2])
   d_cfg, d_params, tok = checkpoint.load_model("stdlib-draft", "float32")
-  return t, steps.Model(d_cfg, d_params), tok
+  return t, steps.Runner(d_cfg, d_params), tok
 
 
 def test_shipped_pair_loads_and_shares_a_vocabulary(shipped):
@@ -178,7 +179,10 @@ def test_shipped_pair_loads_into_transformers_unchanged(shipped):
   hf_model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
   hf_tok = transformers.AutoTokenizer.from_pretrained(path)
   text = pair.shipped_prompts(1)[0]
-  assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text, add_bos=False)
+  # The same ids, special tokens included: <s> first, as in training.
+  assert hf_tok(text)["input_ids"] == tok.encode(text)
+  assert tok.encode(text)[0] == tok.bos_id
+  assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text, add_special=False)
   ids = tok.encode(text)[:48]
   with torch.no_grad():
     ref = hf_model(torch.tensor([ids])).logits.numpy()

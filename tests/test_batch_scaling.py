@@ -1,4 +1,5 @@
-"""The XLA / PyTorch / llama.cpp comparison (specjax.compare) on tiny models.
+"""The XLA / PyTorch / llama.cpp comparison (specjax.batch_scaling, its report
+and specjax.backends) on tiny models.
 
 Torch tests take the `transformers` fixture and are skipped without torch;
 llama.cpp tests are skipped without the optional llamacpp extra (never in
@@ -15,13 +16,15 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import compare, hf, theory
+from specjax import batch_scaling, batch_scaling_report, hf, theory
+from specjax.backends import base, llamacpp, pytorch
+from specjax.backends import xla as xla_lib
 from specjax.config import get_preset
 from specjax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from configs import batch_scaling  # noqa: E402  pylint: disable=wrong-import-position
+import configs.batch_scaling  # noqa: E402  pylint: disable=wrong-import-position
 
 OUTPUTS = ("results.jsonl", "results.csv", "config.json", "parity.json",
            "scaling.png", "decode.png", "summary.md")
@@ -36,7 +39,7 @@ def llama_cpp():
 
 
 def tiny_config(**overrides):
-  c = batch_scaling.get_config("tiny")
+  c = configs.batch_scaling.get_config("tiny")
   for k, v in overrides.items():
     c[k] = v
   return c
@@ -66,10 +69,10 @@ def test_round_trip_specjax_torch_specjax_is_exact(transformers, init_params,
 def test_gguf_permute_is_the_interleaved_rope_layout():
   # One head of D = 4: rotate-half pairs (0, 2), (1, 3) become adjacent rows.
   w = np.arange(8, dtype=np.float32).reshape(4, 2)
-  assert compare.gguf_permute(w, 1)[:, 0].tolist() == [0, 4, 2, 6]
+  assert llamacpp.gguf_permute(w, 1)[:, 0].tolist() == [0, 4, 2, 6]
   # Per head, rows move only within their own head.
   w = np.arange(24, dtype=np.float32).reshape(12, 2)
-  got = compare.gguf_permute(w, 3)
+  got = llamacpp.gguf_permute(w, 3)
   for h in range(3):
     assert sorted(got[4 * h:4 * h + 4, 0]) == sorted(w[4 * h:4 * h + 4, 0])
 
@@ -78,7 +81,7 @@ def test_write_gguf_holds_the_weights(llama_cpp, init_params, tmp_path):
   import gguf  # pylint: disable=import-outside-toplevel
   cfg = get_preset("tiny")
   params = init_params(cfg)
-  path = compare.write_gguf(tmp_path / "tiny.gguf", cfg, params)
+  path = llamacpp.write_gguf(tmp_path / "tiny.gguf", cfg, params)
   reader = gguf.GGUFReader(str(path))
   tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
   assert len(tensors) == 2 + 9 * cfg.n_layers + 1
@@ -92,15 +95,15 @@ def test_write_gguf_holds_the_weights(llama_cpp, init_params, tmp_path):
 
 def test_check_parity_passes_and_fails_loudly():
   ref = np.linspace(-2, 2, 60, dtype=np.float32).reshape(1, 3, 20)
-  assert compare.check_parity(ref, ref + 1e-7, 1e-4, "x") < 1e-6
-  with pytest.raises(compare.ParityError, match=r"parity check failed: torch vs xla.*> tolerance"):
-    compare.check_parity(ref, ref + 0.1, 1e-4, "torch vs xla")
-  with pytest.raises(compare.ParityError, match="shapes"):
-    compare.check_parity(ref, ref[:, :2], 1e-4, "x")
+  assert base.check_parity(ref, ref + 1e-7, 1e-4, "x") < 1e-6
+  with pytest.raises(base.ParityError, match=r"parity check failed: torch vs xla.*> tolerance"):
+    base.check_parity(ref, ref + 0.1, 1e-4, "torch vs xla")
+  with pytest.raises(base.ParityError, match="shapes"):
+    base.check_parity(ref, ref[:, :2], 1e-4, "x")
 
 
 def _xla_and_torch(cfg, params, corrupt=None):
-  xla, th = compare.XlaBackend(cfg, params), compare.TorchBackend(cfg, params, 1, "sdpa")
+  xla, th = xla_lib.XlaBackend(cfg, params), pytorch.TorchBackend(cfg, params, 1, "sdpa")
   if corrupt:
     corrupt(th.model)
   rng = np.random.RandomState(0)
@@ -119,14 +122,14 @@ def _corrupt_one_weight(model):
 def test_torch_cached_call_matches_xla(transformers, init_params):
   cfg = get_preset("tiny")
   ref, got = _xla_and_torch(cfg, init_params(cfg))
-  assert compare.parity_error(ref, got) < 1e-5
+  assert base.parity_error(ref, got) < 1e-5
 
 
 def test_parity_fails_loudly_on_a_corrupted_weight(transformers, init_params):
   cfg = get_preset("tiny")
   ref, got = _xla_and_torch(cfg, init_params(cfg), _corrupt_one_weight)
-  with pytest.raises(compare.ParityError, match="do not compute the same model"):
-    compare.check_parity(ref, got, compare.parity_tolerance("torch", "float32"), "torch vs xla")
+  with pytest.raises(base.ParityError, match="do not compute the same model"):
+    base.check_parity(ref, got, base.parity_tolerance("torch", "float32"), "torch vs xla")
 
 
 def test_run_stops_on_corrupted_torch_weights(transformers, tmp_path, monkeypatch):
@@ -137,9 +140,9 @@ def test_run_stops_on_corrupted_torch_weights(transformers, tmp_path, monkeypatc
     _corrupt_one_weight(model)
     return model
 
-  monkeypatch.setattr(compare.hf, "to_torch_model", corrupted)
-  with pytest.raises(compare.ParityError, match=r"torch vs xla, tiny float32"):
-    compare.run_batch_scaling(tiny_config(backends=("xla", "torch")), str(tmp_path),
+  monkeypatch.setattr(pytorch.hf, "to_torch_model", corrupted)
+  with pytest.raises(base.ParityError, match=r"torch vs xla, tiny float32"):
+    batch_scaling.run_batch_scaling(tiny_config(backends=("xla", "torch")), str(tmp_path),
                               log=lambda s: None)
   assert not (tmp_path / "results.jsonl").exists()  # stopped before any timing
 
@@ -147,7 +150,7 @@ def test_run_stops_on_corrupted_torch_weights(transformers, tmp_path, monkeypatc
 def test_llama_cpp_logits_match_xla(llama_cpp, init_params):
   cfg = get_preset("tiny")
   params = init_params(cfg)
-  xla, ll = compare.XlaBackend(cfg, params), compare.LlamaCppBackend(cfg, params, 1)
+  xla, ll = xla_lib.XlaBackend(cfg, params), llamacpp.LlamaCppBackend(cfg, params, 1)
   try:
     rng = np.random.RandomState(1)
     for b in (1, 2):
@@ -155,8 +158,8 @@ def test_llama_cpp_logits_match_xla(llama_cpp, init_params):
       for backend in (xla, ll):
         backend.prepare(ctx, 32, 4)
       ref = xla.logits(new)
-      assert compare.parity_error(ref, ll.logits(new)) < 1e-5
-      assert compare.parity_error(ref, ll.logits(new)) < 1e-5  # rolled back
+      assert base.parity_error(ref, ll.logits(new)) < 1e-5
+      assert base.parity_error(ref, ll.logits(new)) < 1e-5  # rolled back
   finally:
     ll.close()
 
@@ -164,7 +167,7 @@ def test_llama_cpp_logits_match_xla(llama_cpp, init_params):
 
 
 def test_batch_scaling_end_to_end(transformers, tmp_path):
-  records = compare.run_batch_scaling(tiny_config(), str(tmp_path), log=lambda s: None)
+  records = batch_scaling.run_batch_scaling(tiny_config(), str(tmp_path), log=lambda s: None)
   for name in OUTPUTS:
     assert (tmp_path / name).stat().st_size > 0, name
   backends = {r["backend"] for r in records}
@@ -178,18 +181,19 @@ def test_batch_scaling_end_to_end(transformers, tmp_path):
                                and q["n_tokens"] == 1 and q["backend"] == r["backend"]))
   assert not any(r["backend"] == "xla-loop" and r["batch"] > 1 for r in records)
   summary = (tmp_path / "summary.md").read_text()
-  for text in ("## tiny float32, context 16", "## Parity", "## Batched view",
+  for text in ("## tiny float32, depth 16", "## Parity", "## Batched view",
                "leaves flat at N", "speedup α0.8 γ1", "- llama.cpp: "):
     assert text in summary, text
   lines = (tmp_path / "results.csv").read_text().splitlines()
-  assert lines[0].split(",") == list(compare.CSV_COLUMNS) and len(lines) == 1 + len(records)
+  assert (lines[0].split(",") == list(batch_scaling_report.CSV_COLUMNS)
+          and len(lines) == 1 + len(records))
 
 
 def test_missing_llama_cpp_is_a_note_not_a_failure(tmp_path, monkeypatch):
   def missing():
-    raise compare.Unavailable("llama_cpp is not installed: pip install -e '.[llamacpp]'")
-  monkeypatch.setattr(compare, "_llama_cpp", missing)
-  compare.run_batch_scaling(tiny_config(backends=("xla", "llama.cpp"), batches=(1,)),
+    raise base.Unavailable("llama_cpp is not installed: pip install -e '.[llamacpp]'")
+  monkeypatch.setattr(llamacpp, "_llama_cpp", missing)
+  batch_scaling.run_batch_scaling(tiny_config(backends=("xla", "llama.cpp"), batches=(1,)),
                             str(tmp_path), log=lambda s: None)
   summary = (tmp_path / "summary.md").read_text()
   assert "- llama.cpp: unavailable (llama_cpp is not installed" in summary
@@ -220,29 +224,29 @@ def test_script_bad_config_is_one_line(tmp_path):
 
 
 def test_settings_normalise_and_reject():
-  c = compare.settings(tiny_config(backends=("xla,torch",), n_tokens=(4, 1, 2, 2)))
+  c = batch_scaling.settings(tiny_config(backends=("xla,torch",), n_tokens=(4, 1, 2, 2)))
   assert c.backends == ("xla", "torch") and c.n_tokens == (1, 2, 4)
   for bad in (dict(backends=("torch",)), dict(backends=("xla", "onnx")),
               dict(n_tokens=(2, 4)), dict(batches=(2,)), dict(reps=0),
               dict(alpha=1.0), dict(compile_dynamic="maybe"), dict(dtypes=("f8",))):
     with pytest.raises(ConfigError):
-      compare.settings(tiny_config(**bad))
+      batch_scaling.settings(tiny_config(**bad))
 
 
 def test_flat_region_and_cliffs():
   curve = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3, 9: 2.5, 16: 4.4, 32: 8.8, 64: 20.0}
-  leave, cliffs = compare.scaling_report(curve)
+  leave, cliffs = batch_scaling_report.scaling_report(curve)
   assert leave == 8
   # 8 -> 9 jumps x1.9 for 1/8 more tokens; 16 -> 32 doubles with N (linear,
   # no cliff); 32 -> 64 is worse than linear.
   assert [(a, b) for a, b, _ in cliffs] == [(8, 9), (32, 64)]
-  assert compare.scaling_report({1: 1.0, 2: 1.2}) == (None, [])
+  assert batch_scaling_report.scaling_report({1: 1.0, 2: 1.2}) == (None, [])
 
 
 def test_allowed_speedup_is_theory_on_the_curve():
   flat = {n: 0.05 for n in (1, 2, 5, 8)}
-  assert compare.allowed_speedup(flat, 0.8, 4, 0.1) == pytest.approx(
+  assert batch_scaling_report.allowed_speedup(flat, 0.8, 4, 0.1) == pytest.approx(
       float(theory.leviathan_speedup(0.8, 4, 0.1)))
   linear = {n: 0.05 * n for n in (1, 2, 5, 8)}
-  assert compare.allowed_speedup(linear, 0.8, 4, 0.1) < 1.0
-  assert compare.allowed_speedup(flat, 0.8, 8, 0.1) is None  # needs N = 9
+  assert batch_scaling_report.allowed_speedup(linear, 0.8, 4, 0.1) < 1.0
+  assert batch_scaling_report.allowed_speedup(flat, 0.8, 8, 0.1) is None  # needs N = 9

@@ -1,0 +1,224 @@
+"""The sweep's cost model: measured step costs in, predicted speedup out.
+
+Costs are measured the way the device loop pays them, with no host dispatch:
+  T_target(n)  one target forward over n new tokens (batch 1) against a cache
+               of the run's capacity holding `depth` tokens, its logits
+               consumed as the run consumes them (argmax when greedy; the
+               sampling distribution and a draw otherwise). n = 1 is a
+               target-only decode step; n = gamma + 1 is the verify.
+  T_draft(1)   the same for the draft model.
+  T_accept     one accept phase plus the step's bookkeeping (keep_tokens,
+               commit), for the point's rule kind (real or simulated), gamma
+               and sampling settings.
+Each is timed as k repetitions inside one jitted loop (`CostProbe`,
+`accept_cost`), time per repetition reported.
+
+The prediction for one point, from its own statistics (specjax.stats):
+  step_s     = (gamma + catchup_share) T_draft(1) + T_target(gamma+1) + T_accept
+  predicted  = tokens_per_step T_target(1) / step_s
+where catchup_share is the share of steps that first fed the draft d_gamma
+(the step before accepted every draft), and tokens_per_step counts the
+tokens the run kept, the same tokens its measured speed counts.
+  efficiency = measured speedup / predicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import kv_cache as kvc
+from specjax import model as model_lib
+from specjax import sampling, speculative, steps, theory, timing
+from specjax.sampling import SamplingParams
+from specjax.stats import SpecStats
+
+REPEATS = 8  # forwards (or accept phases) per timed repetition
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "sp"), donate_argnames=("cache",))
+def _repeat_forward(params, tokens, cache: kvc.KVCache, key, cfg, k: int, sp: SamplingParams):
+  """k forwards of tokens from the same cache state, on device (no dispatch),
+  each followed by what a run does with the logits."""
+  depth = cache.lengths
+
+  def body(i, carry):
+    c, acc = carry
+    logits, c = model_lib.forward(params, tokens, c, cfg)
+    # Consume every logit, as decoding does: keeping only a slice would let
+    # XLA shrink the lm_head matmul to that slice.
+    tok = sampling.sample_logits(jax.random.fold_in(key, i), logits, sp)
+    return kvc.rollback(c, depth), acc + jnp.sum(tok, -1)
+
+  cache, acc = jax.lax.fori_loop(0, k, body,
+                                 (cache, jnp.zeros(tokens.shape[:1], jnp.int32)))
+  return acc, cache
+
+
+def random_tokens(rng: np.random.RandomState, vocab: int, b: int, t: int) -> jax.Array:
+  return jnp.asarray(rng.randint(0, vocab, (b, t)), jnp.int32)
+
+
+def filled_cache(m: steps.Runner, batch: int, capacity: int, depth: int,
+                 rng: np.random.RandomState) -> kvc.KVCache:
+  """A new cache holding `depth` random tokens per row (untimed setup)."""
+  cache = m.new_cache(batch, capacity)
+  if depth:
+    prompts = rng.randint(0, m.cfg.vocab_size, (batch, depth)).tolist()
+    cache = timing.block(m.prefill(prompts, cache)[1])
+  return cache
+
+
+class CostProbe:
+  """Measures T(n) of one model: a forward over n new tokens (batch 1)
+  against a cache of `capacity` slots already holding `depth` tokens.
+
+  Each repetition runs k forwards inside one jitted loop and reports the time
+  per forward, so host dispatch (which the on-device loop never pays) stays
+  out. The probe keeps its cache, so it can be called again and again between
+  other measurements (the sweep interleaves it with the runs it predicts).
+  """
+
+  def __init__(self, m: steps.Runner, capacity: int, depth: int, seed: int = 0,
+               k: int = REPEATS):
+    self.m, self.k, self.capacity, self.depth = m, k, capacity, depth
+    self.rng = np.random.RandomState(seed)
+    self.holder = [filled_cache(m, 1, capacity, depth, self.rng)]
+    self.tokens: dict[int, jax.Array] = {}
+    self.warm: set[tuple[int, SamplingParams]] = set()
+
+  def times(self, ns: Sequence[int], reps: int = 1,
+            sp: SamplingParams = SamplingParams()) -> dict[int, timing.Timing]:
+    """Per-forward timings for each n (a new (n, sp) compiles on first use)."""
+    kvc.check_capacity([self.depth], max(ns), self.capacity)
+    out = {}
+    for n in sorted(set(ns)):
+      if n not in self.tokens:
+        self.tokens[n] = random_tokens(self.rng, self.m.cfg.vocab_size, 1, n)
+      key = jax.random.PRNGKey(n)
+
+      def run(tokens=self.tokens[n], key=key):
+        acc, self.holder[0] = _repeat_forward(self.m.params, tokens, self.holder[0], key,
+                                              cfg=self.m.cfg, k=self.k, sp=sp)
+        return acc
+
+      first = (n, sp) not in self.warm
+      self.warm.add((n, sp))
+      t = timing.measure(run, reps=reps, warmup=1 if first else 0)
+      out[n] = dataclasses.replace(t, times=[x / self.k for x in t.times])
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "k"))
+def _repeat_accept(key, accept_probs, p, drafted, tail, n, out, *, sc, k: int):
+  """k accept phases with their bookkeeping (keep_tokens, commit's length
+  arithmetic), on device."""
+  b = tail.shape[0]
+  live = jnp.ones((b,), bool)
+
+  def body(i, carry):
+    acc, out = carry
+    j = speculative.accept_phase(jax.random.fold_in(key, i), accept_probs, p, drafted,
+                                 tail, n, live, sc)
+    out, count, _, kept = speculative.keep_tokens(out, jnp.ones((b,), jnp.int32), ~live,
+                                                  j, -1, out.shape[1])
+    return acc + jnp.sum(count + kept + j.t_len + j.d_len), out
+
+  return jax.lax.fori_loop(0, k, body, (jnp.int32(0), out))
+
+
+def accept_cost(sc: speculative.SpecConfig, reps: int, seed: int = 0,
+                k: int = REPEATS) -> timing.Timing:
+  """Time of one accept phase and its bookkeeping (batch 1) for `sc`'s rule
+  kind, gamma and sampling settings, on random distributions; per phase."""
+  v, gamma = sc.target.vocab_size, sc.gamma
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  p = jax.nn.softmax(4 * jax.random.normal(keys[0], (1, gamma + 1, v)), -1)
+  q = jax.nn.softmax(4 * jax.random.normal(keys[1], (1, gamma, v)), -1)
+  drafted = speculative.Drafted(
+      tokens=jax.random.randint(keys[2], (1, gamma), 0, v),
+      q=q if sc.needs_q else q[..., :0], n_drafted=jnp.full((1,), gamma, jnp.int32),
+      caught_up=jnp.zeros((1,), bool))
+  tail, n = jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 8, jnp.int32)
+  out = jnp.zeros((1, 4 * (gamma + 1)), jnp.int32)
+  probs = jnp.full((gamma,), 0.5)
+  run = lambda: _repeat_accept(keys[3], probs, p, drafted, tail, n, out, sc=sc, k=k)
+  t = timing.measure(run, reps=max(reps, 5))
+  return dataclasses.replace(t, times=[x / k for x in t.times])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+  """Measured seconds per call at one point (medians), what `predict` needs."""
+  t_target: float        # T_target(1): one target-only decode step
+  t_target_gamma: float  # T_target(gamma): the thread's pp(gamma)
+  t_verify: float        # T_target(gamma+1)
+  t_draft: float         # T_draft(1)
+  t_accept: float        # one accept phase and its bookkeeping
+
+  @property
+  def c(self) -> float:
+    """c = T_draft(1) / T_target(1)."""
+    return self.t_draft / self.t_target
+
+  @property
+  def verify_ratio(self) -> float:
+    """T_target(gamma+1) / T_target(1)."""
+    return self.t_verify / self.t_target
+
+
+def predict(st: SpecStats, c: StepCosts) -> dict[str, float]:
+  """Every prediction of one point from its statistics and measured costs.
+
+  predicted_measured_cost: the model of the module docstring.
+  predicted_leviathan: Theorem 3.8 at the measured alpha and c (verify
+    assumed to cost one decode step, no catch-up, no accept cost).
+  predicted_thread: ggerganov's approximation in [T3649] (c from the
+    speeds: tg_draft, tg_target, pp_target(gamma)).
+  """
+  gamma = st.gamma
+  step_s = (gamma + st.catchup_share) * c.t_draft + c.t_verify + c.t_accept
+  return {
+      "predicted_step_s": step_s,
+      "predicted_measured_cost": float(theory.measured_cost_speedup(
+          st.tokens_per_step, gamma, c.t_draft, c.t_target, c.t_verify,
+          st.catchup_share * c.t_draft + c.t_accept)),
+      "predicted_leviathan": float(theory.leviathan_speedup(st.alpha, gamma, c.c)),
+      "predicted_thread": float(theory.thread_approx_speedup(
+          st.alpha, gamma, 1 / c.t_draft, 1 / c.t_target, gamma / c.t_target_gamma)),
+  }
+
+
+@dataclasses.dataclass
+class Curve:
+  """The cost curve of a sweep (seconds, medians), written to costs.json."""
+  t_target: dict[int, float]   # T_target(n), greedy
+  t_draft: float               # T_draft(1), greedy
+  capacity: int
+  depth: int
+
+  @property
+  def c(self) -> float:
+    return self.t_draft / self.t_target[1]
+
+  def verify_ratio(self, n: int) -> float:
+    return self.t_target[n] / self.t_target[1]
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"t_target_s": {str(k): v for k, v in self.t_target.items()},
+            "t_draft_s": self.t_draft, "c": self.c,
+            "verify_ratio": {str(k): self.verify_ratio(k) for k in self.t_target},
+            "capacity": self.capacity, "depth": self.depth}
+
+
+def measure_curve(probe_t: CostProbe, probe_d: CostProbe, gammas: Sequence[int],
+                  reps: int) -> Curve:
+  """T_target(1..max gamma + 1) at the measured gammas, T_draft(1) (greedy)."""
+  ns = sorted({1} | {g + 1 for g in gammas} | set(gammas))
+  t_target = {n: t.median for n, t in probe_t.times(ns, reps).items()}
+  return Curve(t_target, probe_d.times([1], reps)[1].median, probe_t.capacity, probe_t.depth)

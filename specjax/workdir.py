@@ -1,0 +1,238 @@
+"""A run's folder and its records: the one place that writes and reads them.
+
+Every script that takes `--workdir` (or `--json_out`) follows these
+conventions, and nothing else in specjax opens these files:
+
+  results.jsonl  one JSON object per finished point, appended and flushed as
+                 the point finishes, so an interruption loses nothing
+                 finished. `read_jsonl` skips a line torn by an interruption;
+                 `restart_jsonl` rewrites the whole records before new ones
+                 are appended, so the next record is never glued to a torn
+                 line.
+  results.csv    the same records under a fixed list of columns.
+  config.json    {"config": the run's settings, "env": environment()}.
+  *.png          plots, finished by `save_figure` (layout, dpi, closed).
+  summary.md     the human-readable report.
+
+`environment()` is what every record carries: versions, backend, device, the
+CPU model and its vector extensions (results move a lot between machines:
+AVX-512 and AMX change which matmul kernels XLA:CPU runs), host load, XLA
+flags and the git commit.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import subprocess
+from typing import Any, Callable, Iterable, Sequence
+
+Record = dict[str, Any]
+
+RESULTS = "results.jsonl"
+CSV_FILE = "results.csv"
+CONFIG = "config.json"
+SUMMARY = "summary.md"
+
+# ---------------------------------------------------------------- JSON
+
+
+def json_default(x):
+  """json.dump's default= for numpy / jax values (and tuples of them)."""
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  if hasattr(x, "item"):
+    return x.item()
+  raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def _parent(path: str | os.PathLike) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+  """Writes obj as indented JSON, creating the parent folder."""
+  _parent(path)
+  with open(path, "w") as f:
+    json.dump(obj, f, indent=1, default=json_default)
+    f.write("\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+  with open(path) as f:
+    return json.load(f)
+
+
+def append_jsonl(path: str | os.PathLike, records: Iterable[Record]) -> None:
+  """Appends one JSON object per line (folder created), flushed at once."""
+  _parent(path)
+  with open(path, "a") as f:
+    for r in records:
+      f.write(json.dumps(r, default=json_default) + "\n")
+    f.flush()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[Record]:
+  """The whole records of a JSONL file; a torn or corrupt line is skipped.
+  A missing file has no records."""
+  if not os.path.exists(path):
+    return []
+  out = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rec = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(rec, dict):
+        out.append(rec)
+  return out
+
+
+def restart_jsonl(path: str | os.PathLike, records: Sequence[Record]) -> None:
+  """Rewrites `path` with exactly `records` (whole lines only)."""
+  _parent(path)
+  with open(path, "w") as f:
+    f.writelines(json.dumps(r, default=json_default) + "\n" for r in records)
+
+
+def normalised(obj: Any) -> Any:
+  """obj as it reads back from JSON (tuples -> lists, numpy -> Python), so a
+  settings dict can be compared with one read from config.json."""
+  return json.loads(json.dumps(obj, default=json_default))
+
+# ---------------------------------------------------------------- CSV
+
+
+def csv_cell(v: Any) -> Any:
+  """Floats with 6 significant digits, None as an empty cell."""
+  if v is None:
+    return ""
+  return f"{v:.6g}" if isinstance(v, float) else v
+
+
+def write_csv(path: str | os.PathLike, records: Sequence[Record],
+              columns: Sequence[str],
+              row: Callable[[Record], Record] | None = None) -> None:
+  """One row per record under `columns` (missing fields empty, extra ones
+  left out); `row` maps a record to its cells first (units, renames)."""
+  _parent(path)
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+    w.writeheader()
+    for r in records:
+      cells = row(r) if row else r
+      w.writerow({k: csv_cell(cells.get(k)) for k in columns})
+
+# ---------------------------------------------------------------- config
+
+
+def write_config(workdir: str | os.PathLike, config: Any, env: Record | None = None,
+                 **extra: Any) -> None:
+  """config.json: {"config": config, "env": env, **extra}."""
+  write_json(os.path.join(workdir, CONFIG), {"config": config, "env": env, **extra})
+
+
+def read_config(workdir: str | os.PathLike) -> Record | None:
+  """config.json of a workdir, or None when it is missing or unreadable."""
+  try:
+    return read_json(os.path.join(workdir, CONFIG))
+  except (OSError, ValueError):
+    return None
+
+# ---------------------------------------------------------------- environment
+
+
+def git_commit() -> str:
+  """The short commit of the specjax checkout, '+dirty' if it has changes."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    run = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True,
+                                    text=True, timeout=5).stdout.strip()
+    commit = run("rev-parse", "--short", "HEAD")
+    if not commit:
+      return "unknown"
+    dirty = run("status", "--porcelain", "--untracked-files=no", "--", ".")
+    return commit + ("+dirty" if dirty else "")
+  except (OSError, subprocess.SubprocessError):
+    return "unknown"
+
+
+# The CPU features that decide which kernels XLA:CPU and llama.cpp run.
+VECTOR_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
+                "amx_bf16", "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
+def cpu_info() -> Record:
+  """{"model": the CPU's model string, "flags": its vector extensions}
+  (from /proc/cpuinfo on Linux; platform.processor() elsewhere)."""
+  model, flags = "", set()
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Processor", "cpu model") and not model:
+          model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+          flags = set(value.split())
+  except OSError:
+    pass
+  model = model or platform.processor() or platform.machine()
+  return {"model": model, "flags": [f for f in VECTOR_FLAGS if f in flags]}
+
+
+def cpu_line(env: Record) -> str:
+  """'AMD EPYC 7B13 (avx2, fma, ...), 2 cores' for tables and summaries."""
+  cpu = env.get("cpu") or {}
+  flags = ", ".join(cpu.get("flags") or []) or "flags unknown"
+  return f"{cpu.get('model', 'CPU unknown')} ({flags}), {env.get('cpu_count', '?')} cores"
+
+
+def load_avg() -> list[float] | None:
+  """Host load average (1, 5, 15 min): other work on the machine shows up in
+  the timings, so every record says how busy it was."""
+  try:
+    return list(os.getloadavg())
+  except OSError:
+    return None
+
+
+def environment() -> Record:
+  """What every record carries: versions, backend, device, CPU, host, load."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  dev = jax.devices()[0]
+  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "backend": jax.default_backend(), "device_kind": dev.device_kind,
+          "n_devices": jax.device_count(), "host": platform.node(),
+          "cpu": cpu_info(), "cpu_count": os.cpu_count(), "load_avg": load_avg(),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""), "git_commit": git_commit()}
+
+
+def machine_line(env: Record) -> str:
+  """One line naming the machine and commit a result came from."""
+  dev = "" if env.get("backend") == "cpu" else f"{env.get('device_kind')}, "
+  return (f"{dev}{cpu_line(env)}; jax {env.get('jax')} ({env.get('backend')}); "
+          f"commit {env.get('git_commit')}")
+
+# ---------------------------------------------------------------- plots
+
+
+def pyplot():
+  """matplotlib.pyplot on the file-only Agg backend (imported on first use)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  return plt
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:
+  """Tight layout, written to `path`, closed."""
+  fig.tight_layout()
+  _parent(path)
+  fig.savefig(path, dpi=dpi)
+  pyplot().close(fig)
