@@ -1,8 +1,8 @@
 """The gamma x acceptance sweep.
 
-Default (about 10 minutes on a 2-core CPU, random weights, no download):
+Default (random weights, no download; 30 minutes on a 2-core AVX2 machine, where the verify is costly):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py --workdir=/tmp/specjax_sweep
-Quick (about 2 minutes):
+Quick (about 9 minutes on a 2-core AVX2 machine):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick --workdir=/tmp/specjax_quick
 Real acceptance with the shipped trained pair (held-out stdlib prompts, T=0 and 1):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:real --workdir=/tmp/specjax_real
@@ -35,9 +35,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   if arg == "quick":
     c.gammas = (1, 2, 4, 8)
     c.accepts = ("bernoulli:0.8", "always")
-    c.n_predict = 48
+    c.n_predict = 64
     c.ctx_size = 128
-    c.reps = 2
+    c.reps = 3
     c.measure_split = False
   elif arg == "gpu":  # experiments/gpu_check.py: the seed thread's pair, bf16
     c.target, c.draft, c.dtype = "llama-7b", "llama-160m", "bfloat16"

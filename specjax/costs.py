@@ -39,6 +39,7 @@ from specjax.sampling import SamplingParams
 from specjax.stats import SpecStats
 
 REPEATS = 8  # forwards (or accept phases) per timed repetition
+PROBE_REPEATS = 4  # ... in the sweep's probes, which it repeats (sweep.PROBE_REPS)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "sp"), donate_argnames=("cache",))

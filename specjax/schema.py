@@ -43,7 +43,8 @@ FIELDS: dict[str, str] = {
     # speed
     "baseline_tps": "target-only decode tokens/s (first token excluded), median",
     "spec_tps": "speculative decode tokens/s (first token excluded), median",
-    "speedup": "spec_tps / baseline_tps: same prompts, same cache capacity, same run",
+    "speedup": "speculative over target-only speed: same prompts, same cache capacity, "
+               "same run (the sweep: median over repetitions of each repetition's ratio)",
     "prompt_s": "prefill seconds (both models)",
     "compile_s": "compilation seconds, excluded from every timing",
     # measured costs (costs.py), seconds, medians
@@ -59,7 +60,9 @@ FIELDS: dict[str, str] = {
     "predicted_measured_cost": "the measured-cost model's speedup",
     "predicted_leviathan": "Leviathan et al. Theorem 3.8 at the measured alpha and c",
     "predicted_thread": "ggerganov's approximation in llama.cpp #3649",
-    "efficiency": "speedup / predicted_measured_cost",
+    "efficiency": "speedup / predicted_measured_cost (the sweep: median over repetitions, "
+                  "each repetition's runs against the probes taken right after them)",
+    "efficiency_reps": "each repetition's efficiency",
     "draft_share": "share of the host loop's step time in the draft phase",
     "verify_share": "... in the verify phase",
     "accept_share": "... in the accept phase",

@@ -12,7 +12,8 @@ machine:
   predicted  Leviathan's Theorem 3.8 at the measured alpha and c, the
              thread's approximation, and the measured-cost model
              (costs.predict);
-  efficiency measured / measured-cost prediction;
+  efficiency measured / measured-cost prediction, paired within each
+             repetition (run_point), median over repetitions;
   split      draft / verify / accept / rest shares of the step time, from
              one run of the host loop (which times each phase).
 Nothing may compile inside a timed repetition: it would be timed as work.
@@ -100,56 +101,70 @@ class Bench:
                                 capacity=self.capacity) for prompt in self.prompts]
 
 
+PROBE_REPS = 3  # probe repetitions per sweep repetition (of costs.PROBE_REPEATS forwards)
+
+
 def _rep_costs(bench: Bench, p: Point) -> dict[str, float]:
-  ts = bench.probe_t.times([1, p.gamma, p.gamma + 1], sp=p.sp)
+  """The point's costs, each the median of PROBE_REPS short probes: cheap
+  next to the runs, and a single probe is as noisy as the machine."""
+  ts = bench.probe_t.times([1, p.gamma, p.gamma + 1], PROBE_REPS, sp=p.sp)
   return {"t_target": ts[1].median, "t_target_gamma": ts[p.gamma].median,
           "t_verify": ts[p.gamma + 1].median,
-          "t_draft": bench.probe_d.times([1], sp=p.sp)[1].median}
+          "t_draft": bench.probe_d.times([1], PROBE_REPS, sp=p.sp)[1].median}
 
 
 def run_point(bench: Bench, p: Point) -> Record:
   """Measures one point and its predictions.
 
-  Each repetition runs target-only, then speculative (each over every
-  prompt, one after another, batch 1), then the cost probes, so the measured
-  speedup and the costs that predict it see the same machine state; every
-  figure is the median over repetitions. Tokens/s pool all prompts; so do
-  the acceptance statistics.
+  Each repetition runs target-only and speculative generation (each over
+  every prompt, one after another, batch 1; the order alternates between
+  repetitions), then the cost probes, and pairs them: its speedup is the
+  ratio of its two runs, its prediction comes from the probes taken right
+  after them, and its efficiency is their ratio. The machine's speed drifts
+  over seconds; pairing within a repetition cancels the drift that a ratio
+  of medians taken apart would keep. Reported: the median over repetitions
+  of each (speed and costs too). Tokens/s pool all prompts; so do the
+  acceptance statistics (identical in every repetition: same seed).
   """
   sc = speculative.SpecConfig(bench.target.cfg, bench.draft.cfg, p.gamma, p.sp,
                               acceptance.parse_rule(p.accept_rule).simulated)
   compile_s = sum(r.compile_s for r in bench.spec(p) + bench.base(p))  # warm-up
   _rep_costs(bench, p)  # compiles the probes at this point's sampling settings
   t_accept = costs.accept_cost(sc, int(bench.cfg.reps)).median
-  spec_s, base_s, rep_costs = [], [], []
+  reps = []
   for rep in range(int(bench.cfg.reps)):
     with CompileWatch() as cw:
-      b = bench.base(p)
-      res = bench.spec(p)
+      if rep % 2:
+        res, b = bench.spec(p), bench.base(p)
+      else:
+        b, res = bench.base(p), bench.spec(p)
     if cw.count:
       raise SpecjaxError(f"{cw.count} compilation(s) inside timed repetition {rep} of "
                          f"{p.key} ({dict(cw.names)}): shapes changed between runs")
-    base_s.append(sum(r.eval_s for r in b) / sum(r.n_eval for r in b))
-    spec_s.append(sum(r.eval_s for r in res) / sum(r.stats.n_kept for r in res))
-    rep_costs.append(_rep_costs(bench, p))
-  med = statistics.median
-  step_costs = costs.StepCosts(**{k: med(c[k] for c in rep_costs) for k in rep_costs[0]},
-                               t_accept=t_accept)
+    reps.append({"base_s": sum(r.eval_s for r in b) / sum(r.n_eval for r in b),
+                 "spec_s": sum(r.eval_s for r in res) / sum(r.stats.n_kept for r in res),
+                 **_rep_costs(bench, p)})
   pooled = stats_lib.Records.concat([r.records for r in res])
   st = stats_lib.SpecStats.compute(pooled, gamma=p.gamma,
                                    n_predict=sum(r.stats.n_predict for r in res))
-  pred = costs.predict(st, step_costs)
-  speedup = med(base_s) / med(spec_s)
+  for r in reps:
+    step = costs.StepCosts(r["t_target"], r["t_target_gamma"], r["t_verify"], r["t_draft"],
+                           t_accept)
+    r["speedup"] = r["base_s"] / r["spec_s"]
+    r["efficiency"] = r["speedup"] / costs.predict(st, step)["predicted_measured_cost"]
+  med = lambda k: statistics.median(r[k] for r in reps)
+  step_costs = costs.StepCosts(med("t_target"), med("t_target_gamma"), med("t_verify"),
+                               med("t_draft"), t_accept)
   return schema.run_record(
       st, gamma=p.gamma, accept_rule=p.accept_rule, temperature=p.sp.temperature,
       top_k=p.sp.top_k, top_p=p.sp.top_p, seed=int(bench.cfg.seed), loop="device",
       capacity=bench.capacity, n_prompts=len(bench.prompts), reps=int(bench.cfg.reps),
-      baseline_tps=1 / med(base_s), spec_tps=1 / med(spec_s), speedup=speedup,
+      baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=med("speedup"),
       t_target_s=step_costs.t_target, t_target_gamma_s=step_costs.t_target_gamma,
       t_verify_s=step_costs.t_verify, t_draft_s=step_costs.t_draft, t_accept_s=t_accept,
-      c=step_costs.c, verify_ratio=step_costs.verify_ratio, **pred,
-      efficiency=speedup / pred["predicted_measured_cost"], compile_s=compile_s,
-      geometric=stats_lib.geometric_check(st),
+      c=step_costs.c, verify_ratio=step_costs.verify_ratio, **costs.predict(st, step_costs),
+      efficiency=med("efficiency"), efficiency_reps=[r["efficiency"] for r in reps],
+      compile_s=compile_s, geometric=stats_lib.geometric_check(st),
       **(time_split(bench, p) if bench.cfg.measure_split else {}))
 
 
@@ -185,8 +200,9 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   gammas = sorted(int(g) for g in cfg.gammas)
   capacity = generation.plan_capacity(tcfg, depth, int(cfg.n_predict),
                                       extra=max(gammas), ctx_size=int(cfg.ctx_size))
-  bench = Bench(target, draft, prompts, capacity, costs.CostProbe(target, capacity, depth),
-                costs.CostProbe(draft, capacity, depth), cfg)
+  bench = Bench(target, draft, prompts, capacity,
+                costs.CostProbe(target, capacity, depth, k=costs.PROBE_REPEATS),
+                costs.CostProbe(draft, capacity, depth, k=costs.PROBE_REPEATS), cfg)
   points = [Point(g, a, SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p)))
             for t in cfg.temps for g in gammas for a in cfg.accepts]
   finished = {point_key(r) for r in done}

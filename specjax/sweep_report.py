@@ -116,7 +116,7 @@ def acceptance_markdown(records: list[dict[str, Any]]) -> list[str]:
          "assumes one alpha for every position, hence a capped geometric law of accepted "
          "lengths; TV = total-variation distance between the measured and that law, p = "
          "chi-square goodness of fit (small p: not geometric).", "",
-         "| gamma | accept | T | prompts | steps | alpha (i.i.d.) | alpha per position | "
+         "| gamma | accept rule | T | prompts | steps | alpha (i.i.d.) | alpha per position | "
          "TV | chi2 (dof) | p |", "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rs:
     g = r["geometric"]
