@@ -17,7 +17,9 @@ from specjax import workdir as wd
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Preset name, HF directory or orbax directory.")
 _N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate.", lower_bound=1)
 _GEN = cli.GenerationFlags()
-_CTX = flags.DEFINE_integer("ctx_size", None, "Context (KV cache) size; default: the model's max_seq_len.", lower_bound=1)
+_CTX = flags.DEFINE_integer("ctx_size", None, "Context: the longest sequence (prompt + n_predict) "
+                            "allowed, and the KV cache's size; default: what the run needs "
+                            "(within the model's max_seq_len).", lower_bound=1)
 _LOOP = flags.DEFINE_enum("loop", "device", ["device", "host"], "Device while_loop or host loop of jitted steps.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run once untimed first so the timed run excludes compilation.")
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Do not stop at the end-of-sequence token.")

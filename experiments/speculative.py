@@ -34,7 +34,8 @@ _P_MIN = flags.DEFINE_float("p_min", 0.0, "Stop drafting when the draft's top pr
                             lower_bound=0.0, upper_bound=1.0)
 _GEN = cli.GenerationFlags("Sampling seed (random-init seed of presets: seed, seed+1).")
 _CTX = flags.DEFINE_integer("ctx_size", None, "Context: the longest sequence (prompt + n_predict) "
-                            "allowed; default: the target's max_seq_len.", lower_bound=1)
+                            "allowed, and the KV cache's size; default: what the run needs "
+                            "(within the target's max_seq_len).", lower_bound=1)
 _LOOP = flags.DEFINE_enum("loop", "device", ["device", "host"],
                           "device: one lax.while_loop; host: jitted phases timed one by one.")
 _BASELINE = flags.DEFINE_bool("baseline", True, "Also time target-only generation and print the speedup.")

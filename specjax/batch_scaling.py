@@ -47,6 +47,7 @@ import numpy as np
 
 from specjax import batch_scaling_report as report
 from specjax import bench, checkpoint, timing
+from specjax import kv_cache as kvc
 from specjax import config as config_lib
 from specjax import workdir as wd
 from specjax.backends import BACKENDS, llamacpp, pytorch
@@ -285,7 +286,7 @@ def _model_run(run: Run, spec: str, dtype: str, rng) -> None:
   backends = _make_backends(run, cfg, params)
   try:
     for depth in c.depths:
-      capacity = bench.capacity_for(depth + max_n)
+      capacity = kvc.round_capacity(depth + max_n)
       base = {"kind": "timing", "model": cfg.name, "model_spec": spec,
               "dtype": cfg.dtype, "depth": depth, "capacity": capacity,
               "vocab": cfg.vocab_size, "n_params": cfg.num_params()}

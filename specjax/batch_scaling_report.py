@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Sequence
 
-from specjax import bench, theory
+from specjax import bench
+from specjax import kv_cache as kvc, theory
 from specjax import workdir as wd
 from specjax.backends import BACKENDS
 
@@ -178,9 +179,10 @@ def summary_markdown(run: Run) -> str:
          f"back between calls). `xla` is one host-dispatched call per forward, like "
          f"torch and llama.cpp; `xla-loop` "
          f"runs {c.loop_k} forwards in one jitted loop (no dispatch) and reports the "
-         f"time per forward. XLA and torch-compile attend over the whole cache capacity "
-         f"(depth + max N, rounded up to {bench.CAPACITY_ROUND}); torch eager and llama.cpp "
-         f"over the depth + N filled slots. `CPU cores`: process CPU seconds per wall "
+         f"time per forward. XLA attends over whole blocks of the model's attn_block "
+         f"slots up to the used length (over the whole capacity, depth + max N rounded "
+         f"up to {kvc.CAPACITY_ROUND}, when it is one block or less); torch-compile over "
+         f"the whole capacity; torch eager and llama.cpp over the depth + N filled slots. `CPU cores`: process CPU seconds per wall "
          f"second during the timed calls at N = 1 (spinning threads count). The flat "
          f"region ends at the smallest N with T(N)/T(1) > {FLAT_LIMIT}; a cliff is a "
          f"step between measured N with T(N)/T(N_prev) > max({CLIFF_STEP}, N/N_prev) "

@@ -21,8 +21,11 @@ after `block_until_ready`):
 specjax.costs.)
 
 The cache capacity is fixed per model (the largest test plus a round-up), so
-each (shape, dtype) compiles once. Attention runs over the whole capacity, so
-the capacity is recorded with every result.
+each (shape, dtype) compiles once, and recorded with every result: attention
+reads whole blocks of cfg.attn_block slots up to the used length, or the
+whole capacity when it is one block or less (`attended_slots`).
+A third benchmark, `attention_scaling`, times decode against the capacity
+and the used length, blocked next to masked attention.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from specjax import workdir as wd
 from specjax.config import ModelConfig
 from specjax.errors import ConfigError
 
-CAPACITY_ROUND = 16  # cache capacities are rounded up to a multiple of this
 Record = dict[str, Any]
 
 # ----------------------------------------------------------------------------
@@ -77,11 +79,6 @@ def format_size(nbytes: int) -> str:
 def format_params(n: int) -> str:
   """Parameter count as llama-bench prints it: M below 1e9, else B."""
   return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
-
-
-def capacity_for(n_tokens: int) -> int:
-  """n_tokens rounded up to a multiple of CAPACITY_ROUND."""
-  return -(-int(n_tokens) // CAPACITY_ROUND) * CAPACITY_ROUND
 
 
 def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]],
@@ -169,7 +166,7 @@ def bench_model(m: steps.Runner, n_prompt: Sequence[int], n_gen: int,
   """
   tests = [BenchTest("pp", n, n_depth) for n in sorted(set(n_prompt))]
   tests += [BenchTest("tg", n_gen, n_depth)] if n_gen else []
-  capacity = capacity_for(n_depth + max(t.n for t in tests))
+  capacity = kvc.round_capacity(n_depth + max(t.n for t in tests))
   kvc.check_capacity([n_depth], max(t.n for t in tests), capacity)
   rng = np.random.RandomState(seed)
   holder = [costs.filled_cache(m, 1, capacity, n_depth, rng)]
@@ -276,6 +273,59 @@ def verify_curve_table(records: Sequence[Record]) -> str:
 
 
 # ----------------------------------------------------------------------------
+# Decode cost against the cache capacity and the used length.
+
+
+def attention_scaling(m: steps.Runner, points: Sequence[tuple[int, int]], n_gen: int,
+                      reps: int, seed: int = 0, masked: bool = True,
+                      on_record: Callable[[Record], None] | None = None) -> list[Record]:
+  """Decode ms/token (batch 1) at each (capacity, depth) point: n_gen decode
+  steps from a cache of `capacity` slots holding `depth` tokens.
+
+  Blocked attention (the model's cfg.attn_block) and, with `masked`, the same
+  weights with one masked pass over the capacity (attn_block 0), alternating
+  at every point so both see the same machine state.
+  """
+  if reps < 1 or n_gen < 1:
+    raise ConfigError(f"need reps >= 1 and n_gen >= 1, got {reps}, {n_gen}")
+  for cap, depth in points:
+    if depth < 1 or depth + n_gen > cap:
+      raise ConfigError(f"point (capacity {cap}, depth {depth}): need 1 <= depth and "
+                        f"depth + n_gen ({n_gen}) <= capacity")
+  variants = [("blocked", m)]
+  if masked and m.cfg.attn_block:
+    variants.append(("masked", steps.Runner(m.cfg.replace(attn_block=0), m.params)))
+  rng = np.random.RandomState(seed)
+  tok = costs.random_tokens(rng, m.cfg.vocab_size, 1, 1)
+  info, records = model_info(m.cfg, m.params), []
+  for cap, depth in points:
+    dep = np.full((1,), depth, np.int32)
+    for name, runner in variants:
+      holder = [costs.filled_cache(runner, 1, cap, depth, np.random.RandomState(seed))]
+      t = timing.measure(_tg_run(runner, holder, tok, dep, n_gen), reps=reps)
+      block = runner.cfg.attn_block
+      records.append({**info, "kind": "attention", "variant": name, "capacity": cap,
+                      "n_depth": depth, "n_tokens": n_gen, "attn_block": block,
+                      "attended_slots": attended_slots(runner.cfg, cap, depth + n_gen),
+                      **t.to_dict(), "ms_per_token": 1e3 * t.median / n_gen,
+                      "load_avg": wd.load_avg()})
+      if on_record:
+        on_record(records[-1])
+  return records
+
+
+def attention_table(records: Sequence[Record]) -> str:
+  """ms/token per (capacity, depth), one column per variant."""
+  variants = list(dict.fromkeys(r["variant"] for r in records))
+  cell = {(r["capacity"], r["n_depth"], r["variant"]): r["ms_per_token"] for r in records}
+  keys = list(dict.fromkeys((r["capacity"], r["n_depth"]) for r in records))
+  rows = [[str(c), str(d)] + [f"{cell[(c, d, v)]:.2f}" if (c, d, v) in cell else "-"
+                              for v in variants] for c, d in keys]
+  return markdown_table(["capacity", "depth"] + [f"{v} ms/token" for v in variants], rows,
+                        [True] * (2 + len(variants)))
+
+
+# ----------------------------------------------------------------------------
 # llama-batched-bench.
 
 
@@ -332,7 +382,7 @@ def run_batched_bench(m: steps.Runner, batches: Sequence[int],
   """
   if reps < 1:
     raise ConfigError(f"reps must be >= 1, got {reps}")
-  capacity = capacity_for(max(pps) + max(tgs))
+  capacity = kvc.round_capacity(max(pps) + max(tgs))
   if max(pps) + max(tgs) > m.cfg.max_seq_len:
     raise ConfigError(f"{m.cfg.name}: PP + TG = {max(pps) + max(tgs)} exceeds "
                       f"max_seq_len {m.cfg.max_seq_len}")
@@ -384,16 +434,25 @@ def device_bandwidth_gbs(device_kind: str) -> float | None:
   return None
 
 
-def decode_bytes(cfg: ModelConfig, param_bytes: int, capacity: int, batch: int = 1) -> int:
+def attended_slots(cfg: ModelConfig, capacity: int, length: int) -> int:
+  """Cache slots one decode step reads at `length` used slots: whole
+  attention blocks up to the used length (layers.attend_blocked), or the
+  whole capacity (attend_masked)."""
+  block = cfg.attn_block
+  if block and capacity > block:
+    return min(capacity, -(-int(length) // block) * block)
+  return capacity
+
+
+def decode_bytes(cfg: ModelConfig, param_bytes: int, kv_slots: int, batch: int = 1) -> int:
   """Bytes one decode step must read: every weight once, plus the K and V
-  cache of every layer over the whole capacity (attention is masked, not
-  truncated)."""
+  cache of every layer over `kv_slots` slots (attended_slots)."""
   item = np.dtype(cfg.jnp_dtype).itemsize
-  cache = 2 * cfg.n_layers * batch * capacity * cfg.n_kv_heads * cfg.d_head * item
+  cache = 2 * cfg.n_layers * batch * kv_slots * cfg.n_kv_heads * cfg.d_head * item
   return param_bytes + cache
 
 
-def roofline_fraction(cfg: ModelConfig, param_bytes: int, capacity: int, step_s: float,
+def roofline_fraction(cfg: ModelConfig, param_bytes: int, kv_slots: int, step_s: float,
                       bandwidth_gbs: float) -> float:
   """Achieved / peak bandwidth for a decode step of step_s seconds."""
-  return decode_bytes(cfg, param_bytes, capacity) / step_s / (bandwidth_gbs * 1e9)
+  return decode_bytes(cfg, param_bytes, kv_slots) / step_s / (bandwidth_gbs * 1e9)

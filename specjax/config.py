@@ -70,10 +70,14 @@ class ModelConfig:
   dtype: str = "float32"        # compute dtype
   param_dtype: str = "float32"  # storage dtype of the weights
   dot_dtype: str | None = None  # matmul operand dtype, accumulated in `dtype`; None = dtype
+  attn_block: int = 256         # KV slots per attention block (cost follows the used
+                                # length); 0 = one masked pass over the capacity
   bos_token_id: int | None = None
   eos_token_id: int | None = None
 
   def __post_init__(self):
+    if int(self.attn_block) < 0:
+      raise ConfigError(f"{self.name}: attn_block must be >= 0, got {self.attn_block}")
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
                   "ffn_dim", "max_seq_len"):
       if int(getattr(self, field)) <= 0:
@@ -184,10 +188,11 @@ _PRESETS: dict[str, ModelConfig] = {c.name: c for c in [
            bos_token_id=1, eos_token_id=2),
     _llama("cpu-draft", 32000, 512, 2, 8, 4, 1408, max_seq_len=1024,
            bos_token_id=1, eos_token_id=2),
-    # Tiny models for tests: compile in well under a second.
-    _llama("tiny", 256, 64, 2, 4, 2, 128, max_seq_len=128),
-    _llama("tiny-draft", 256, 32, 1, 2, 1, 64, max_seq_len=128),
-    _llama("tiny-mha", 256, 64, 2, 4, 4, 128, max_seq_len=128),
+    # Tiny models for tests: compile in well under a second. Attention blocks
+    # of 8 slots, so the tests' caches (16-128 slots) take the blocked path.
+    _llama("tiny", 256, 64, 2, 4, 2, 128, max_seq_len=128, attn_block=8),
+    _llama("tiny-draft", 256, 32, 1, 2, 1, 64, max_seq_len=128, attn_block=8),
+    _llama("tiny-mha", 256, 64, 2, 4, 4, 128, max_seq_len=128, attn_block=8),
 ]}
 
 

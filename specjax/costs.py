@@ -223,3 +223,64 @@ def measure_curve(probe_t: CostProbe, probe_d: CostProbe, gammas: Sequence[int],
   ns = sorted({1} | {g + 1 for g in gammas} | set(gammas))
   t_target = {n: t.median for n, t in probe_t.times(ns, reps).items()}
   return Curve(t_target, probe_d.times([1], reps)[1].median, probe_t.capacity, probe_t.depth)
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "k"), donate_argnames=("state",))
+def _repeat_phases(tparams, dparams, state: speculative.SpecState, key, accept_probs, *,
+                   sc: speculative.SpecConfig, k: int):
+  """k speculative steps' three phases (draft with its catch-up, verify,
+  accept) from the same state, in one jitted loop: the loop body without its
+  bookkeeping (keep_tokens, commit, records) and without the while loop."""
+  live = jnp.ones(state.n.shape, bool)
+  t_len, d_len = state.tcache.lengths, state.dcache.lengths
+
+  def body(i, carry):
+    st, acc = carry
+    kd, ka = jax.random.split(jax.random.fold_in(key, i))
+    d, dcache = speculative.draft_phase(dparams, st.dcache, st.tail, st.n, live, kd, sc)
+    p, tcache = speculative.verify_phase(tparams, st.tcache, st.tail, d.tokens, sc)
+    j = speculative.accept_phase(ka, accept_probs, p, d, st.tail, st.n, live, sc)
+    st = st.replace(tcache=kvc.rollback(tcache, t_len), dcache=kvc.rollback(dcache, d_len))
+    return st, acc + jnp.sum(j.n_acc) + jnp.sum(j.emitted)
+
+  state, acc = jax.lax.fori_loop(0, k, body, (state, jnp.int32(0)))
+  return acc, state
+
+
+def loop_overhead(target: steps.Runner, draft: steps.Runner, prompt: list[int], gamma: int,
+                  n_steps: int = 16, reps: int = 5) -> dict[str, Any]:
+  """What the device loop costs beyond its phases (batch 1, rule `always`).
+
+  loop_step_s: the device loop's seconds per step (speculative.generate,
+  n_steps steps, every one accepting all drafts, so every step but the first
+  feeds the draft its d_gamma first). phases_step_s: the three phases of one
+  such step, repeated in one jitted loop from a state that is behind by
+  d_gamma (the same catch-up). overhead_share = 1 - phases / loop: the while
+  loop, the bookkeeping, the records and the call itself.
+  """
+  n_predict = 1 + n_steps * (gamma + 1)
+  cap = len(prompt) + n_predict + gamma
+  run = lambda: speculative.generate(target, draft, [prompt], n_predict, gamma, rule="always",
+                                     capacity=cap)
+  # The state after one fully accepted step: the draft is behind by d_gamma.
+  first = speculative.generate(target, draft, [prompt], gamma + 2, gamma, rule="always",
+                               capacity=cap, keep_state=True)
+  sc = speculative.SpecConfig(target.cfg, draft.cfg, gamma, SamplingParams(), simulated=True)
+  holder = [first.state]
+  probs, key = jnp.ones((gamma,)), jax.random.PRNGKey(0)
+
+  def phases():
+    acc, holder[0] = _repeat_phases(target.params, draft.params, holder[0], key, probs,
+                                    sc=sc, k=n_steps)
+    return acc
+
+  run(), timing.block(phases())  # compile both
+  loop_s, phases_s = [], []
+  for _ in range(reps):  # alternating, so both see the same machine state
+    r = run()
+    loop_s.append(r.eval_s / r.stats.n_steps)
+    phases_s.append(timing.measure(phases, reps=1, warmup=0).median / n_steps)
+  loop_m, phases_m = float(np.median(loop_s)), float(np.median(phases_s))
+  return {"gamma": gamma, "n_steps": n_steps, "loop_step_s": loop_m,
+          "phases_step_s": phases_m, "overhead_share": 1 - phases_m / loop_m,
+          "loop_step_s_reps": loop_s, "phases_step_s_reps": phases_s}

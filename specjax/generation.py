@@ -36,9 +36,10 @@ def plan_capacity(cfg, prompt_len: int, n_predict: int, extra: int = 0,
   are exactly enough.
 
   Raises CacheOverflowError when the sequence does not fit the context
-  (`ctx_size`, default the model's max_seq_len). An explicit `capacity` is
-  used as is once checked (runs compared side by side share one capacity,
-  since attention cost grows with it).
+  (`ctx_size`, default the model's max_seq_len). The capacity is ctx_size +
+  extra when a context is given, else what the run needs rounded up
+  (kv_cache.round_capacity: fewer distinct shapes to compile); an explicit `capacity` is used as is once checked (runs
+  compared side by side share one capacity).
   """
   ctx = ctx_size or cfg.max_seq_len
   if n_predict <= 0:
@@ -53,7 +54,11 @@ def plan_capacity(cfg, prompt_len: int, n_predict: int, extra: int = 0,
           f"cache capacity {capacity} < prompt ({prompt_len}) + n_predict ({n_predict})"
           f" + gamma ({extra})")
     return capacity
-  return max(ctx + extra, steps.prefill_bucket(prompt_len))
+  # The prompt's padded bucket fits too, so prefill keeps its one shape.
+  if ctx_size:
+    return max(ctx_size + extra, steps.prefill_bucket(prompt_len))
+  return kvc.round_capacity(max(prompt_len + n_predict + extra,
+                                steps.prefill_bucket(prompt_len)))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sp", "n_predict", "eos_id"),

@@ -1,8 +1,9 @@
 """Preallocated KV cache: a plain pytree passed into the model and returned.
 
-Layout: one key and one value array per layer, each [B, S, K, D], plus
-`lengths[B]`, the number of valid positions in each row. Slot j of a row holds
-the token at absolute position j. Invariants:
+Layout: one key and one value array per layer, each [B, K, S, D] (kv heads
+before slots: attention is then a batched product over (B, K) with no
+transpose of the cache), plus `lengths[B]`, the number of valid positions in
+each row. Slot j of a row holds the token at absolute position j. Invariants:
   * a write of T new tokens lands at slots lengths[b] .. lengths[b] + T - 1;
   * a query at position p attends to slots <= p only, so nothing at or past a
     row's length is ever read before it is overwritten;
@@ -29,13 +30,13 @@ from specjax.errors import CacheOverflowError
 
 @struct.dataclass
 class KVCache:
-  k: tuple[jax.Array, ...]  # L x [B, S, K, D]
-  v: tuple[jax.Array, ...]  # L x [B, S, K, D]
+  k: tuple[jax.Array, ...]  # L x [B, K, S, D]
+  v: tuple[jax.Array, ...]  # L x [B, K, S, D]
   lengths: jax.Array        # [B] int32, valid positions per row
 
   @property
   def capacity(self) -> int:
-    return self.k[0].shape[1]
+    return self.k[0].shape[2]
 
   @property
   def batch(self) -> int:
@@ -52,9 +53,17 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int,
     raise CacheOverflowError(f"cache needs batch>0 and capacity>0, got "
                              f"batch={batch}, capacity={capacity}")
   dtype = dtype or cfg.jnp_dtype
-  shape = (batch, capacity, cfg.n_kv_heads, cfg.d_head)  # [B, S, K, D]
+  shape = (batch, cfg.n_kv_heads, capacity, cfg.d_head)  # [B, K, S, D]
   zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
   return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+CAPACITY_ROUND = 16  # capacities are rounded up to a multiple of this (fewer shapes)
+
+
+def round_capacity(n_slots: int) -> int:
+  """n_slots rounded up to a multiple of CAPACITY_ROUND."""
+  return -(-int(n_slots) // CAPACITY_ROUND) * CAPACITY_ROUND
 
 
 def rollback(cache: KVCache, lengths) -> KVCache:
@@ -77,9 +86,9 @@ def check_capacity(lengths, n_new: int, capacity: int) -> None:
 
 def write(cache_arr: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
   """Writes new[b] ([T, K, D]) at slots lengths[b].. of row b of cache_arr."""
-  # cache_arr [B, S, K, D], new [B, T, K, D], lengths [B]
-  new = new.astype(cache_arr.dtype)
+  # cache_arr [B, K, S, D], new [B, T, K, D], lengths [B]
+  new = jnp.swapaxes(new, 1, 2).astype(cache_arr.dtype)  # [B, K, T, D]: small
   if cache_arr.shape[0] == 1:  # one row: a plain in-place update slice
-    return jax.lax.dynamic_update_slice(cache_arr, new, (0, lengths[0], 0, 0))
-  upd = lambda c, n, l: jax.lax.dynamic_update_slice(c, n, (l, 0, 0))
+    return jax.lax.dynamic_update_slice(cache_arr, new, (0, 0, lengths[0], 0))
+  upd = lambda c, n, l: jax.lax.dynamic_update_slice(c, n, (0, l, 0))
   return jax.vmap(upd)(cache_arr, new, lengths)

@@ -53,8 +53,8 @@ def scan_params(params, cfg: ModelConfig):
 
 
 def init_scan_cache(cfg: ModelConfig, batch: int, capacity: int):
-  """(k, v, lengths): k and v [L, B, S, K, D], lengths [B]."""
-  shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.d_head)
+  """(k, v, lengths): k and v [L, B, K, S, D], lengths [B]."""
+  shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.d_head)
   return (jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype),
           jnp.zeros((batch,), jnp.int32))
 

@@ -94,17 +94,74 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def attend_masked(q, k_cache, v_cache, positions, dtype):
+  """Attention of q over every cache slot, masked to slots <= each position.
+
+  q [B, T, K, G, D]; k_cache, v_cache [B, K, S, D]; positions [B, T].
+  Returns [B, T, K, G, D]. Cost grows with the capacity S; differentiable.
+  """
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, k_cache,
+                      preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+  slots = jnp.arange(k_cache.shape[2])
+  mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  return jnp.einsum("bkgts,bksd->btkgd", probs, v_cache)
+
+
+def attend_blocked(q, k_cache, v_cache, positions, block: int, dtype):
+  """The same attention over KV blocks of `block` slots with an online
+  softmax, visiting only the blocks that hold used slots: a loop whose trip
+  count is ceil((max position + 1) / block), so the cost follows the longest
+  used length in the batch, not the capacity (fixed shapes, no recompile as
+  the length grows). Accumulates in f32. Forward only (a while loop).
+
+  q [B, T, K, G, D]; k_cache, v_cache [B, K, S, D]; positions [B, T].
+  """
+  b, t, k, g, d = q.shape
+  s_cap = k_cache.shape[2]
+  q = q.astype(jnp.float32) / math.sqrt(d)
+  n_blocks = (jnp.max(positions) + block) // block
+
+  def body(i, carry):
+    m, l, acc = carry  # [B,K,G,T], [B,K,G,T], [B,K,G,T,D]
+    # The last block may be cut by the capacity: read the slots before it
+    # again, masked out (they belong to the previous block).
+    start = jnp.minimum(i * block, s_cap - block)
+    kb = jax.lax.dynamic_slice_in_dim(k_cache, start, block, 2)  # [B, K, blk, D]
+    vb = jax.lax.dynamic_slice_in_dim(v_cache, start, block, 2)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, kb, preferred_element_type=jnp.float32)
+    slots = start + jnp.arange(block)
+    mask = (slots[None, None, :] <= positions[:, :, None]) & (slots >= i * block)[None, None]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, -1))
+    p = jnp.exp(scores - m_new[..., None])
+    scale = jnp.exp(m - m_new)
+    acc = acc * scale[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p, vb,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l * scale + jnp.sum(p, -1), acc
+
+  init = (jnp.full((b, k, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
+          jnp.zeros((b, k, g, t, d), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  return jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4)).astype(dtype)
+
+
 class Attention(nn.Module):
   """Grouped-query attention over a preallocated cache.
 
   The G = H // K query heads that share a kv head are grouped on their own
-  axis, so repeated kv heads are never materialised.
+  axis, so repeated kv heads are never materialised; the cache is laid out
+  [B, K, S, D], so scores and outputs are batched products over (B, K) that
+  read it in place. With cfg.attn_block (and a capacity larger than one
+  block) the cost follows the used length (attend_blocked); with 0, one
+  masked pass over the capacity (attend_masked: what training differentiates).
   """
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x, positions, k_cache, v_cache, lengths):
-    # x [B, T, E]; positions [B, T]; k_cache, v_cache [B, S, K, D]; lengths [B]
+    # x [B, T, E]; positions [B, T]; k_cache, v_cache [B, K, S, D]; lengths [B]
     cfg = self.cfg
     b, t, _ = x.shape
     h, k, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
@@ -120,13 +177,11 @@ class Attention(nn.Module):
     v_cache = kv_cache.write(v_cache, vv, lengths)
 
     q = q.reshape(b, t, k, h // k, d)  # [B, T, K, G, D]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache,
-                        preferred_element_type=jnp.float32) / math.sqrt(d)
-    slots = jnp.arange(k_cache.shape[1])
-    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.jnp_dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache)  # [B, T, K, G, D]
+    block = cfg.attn_block
+    if block and k_cache.shape[2] > block:
+      out = attend_blocked(q, k_cache, v_cache, positions, block, cfg.jnp_dtype)
+    else:
+      out = attend_masked(q, k_cache, v_cache, positions, cfg.jnp_dtype)
     out = dense(cfg, cfg.dim, "wo")(out.reshape(b, t, h * d))
     return out, k_cache, v_cache
 

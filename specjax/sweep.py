@@ -87,6 +87,25 @@ class Bench:
   probe_t: costs.CostProbe
   probe_d: costs.CostProbe
   cfg: Any
+  compiled: set = dataclasses.field(default_factory=set)  # programs already run once
+
+  def warm_up(self, p: Point, split: bool) -> float:
+    """Runs once, untimed, what this point needs and no earlier point has
+    compiled: the speculative loop (one program per gamma, rule kind and
+    sampling settings: a simulated rule's rate is traced), the target-only
+    loop (per sampling settings) and the host loop's phases. Returns the
+    compile seconds (0 when everything was warm)."""
+    kind = acceptance.parse_rule(p.accept_rule).simulated
+    runs = {("spec", p.gamma, kind, p.sp): lambda: self.spec(p),
+            ("base", p.sp): lambda: self.base(p)}
+    if split:
+      runs[("host", p.gamma, kind, p.sp)] = lambda: self.spec(p, "host")
+    compile_s = 0.0
+    for key, run in runs.items():
+      if key not in self.compiled:
+        compile_s += sum(r.compile_s for r in run())
+        self.compiled.add(key)
+    return compile_s
 
   def spec(self, p: Point, loop: str = "device") -> list[speculative.SpecResult]:
     c = self.cfg
@@ -128,8 +147,8 @@ def run_point(bench: Bench, p: Point) -> Record:
   """
   sc = speculative.SpecConfig(bench.target.cfg, bench.draft.cfg, p.gamma, p.sp,
                               acceptance.parse_rule(p.accept_rule).simulated)
-  compile_s = sum(r.compile_s for r in bench.spec(p) + bench.base(p))  # warm-up
-  _rep_costs(bench, p)  # compiles the probes at this point's sampling settings
+  split = bool(bench.cfg.measure_split)
+  compile_s = bench.warm_up(p, split)  # the probes warm up on their first call
   t_accept = costs.accept_cost(sc, int(bench.cfg.reps)).median
   reps = []
   for rep in range(int(bench.cfg.reps)):
@@ -165,12 +184,12 @@ def run_point(bench: Bench, p: Point) -> Record:
       c=step_costs.c, verify_ratio=step_costs.verify_ratio, **costs.predict(st, step_costs),
       efficiency=med("efficiency"), efficiency_reps=[r["efficiency"] for r in reps],
       compile_s=compile_s, geometric=stats_lib.geometric_check(st),
-      **(time_split(bench, p) if bench.cfg.measure_split else {}))
+      **(time_split(bench, p) if split else {}))
 
 
 def time_split(bench: Bench, p: Point) -> dict[str, float]:
-  """Shares of the step time per phase, from a run of the host loop."""
-  bench.spec(p, "host")  # compiles the phase functions
+  """Shares of the step time per phase, from a run of the host loop (its
+  phases compiled by Bench.warm_up)."""
   phase: dict[str, float] = {}
   for r in bench.spec(p, "host"):
     for k, v in r.stats.phase_s.items():

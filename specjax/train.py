@@ -88,7 +88,9 @@ def make_optimizer(tc) -> tuple[optax.GradientTransformation, Callable]:
 
 
 def logits_of(params, cfg: ModelConfig, tokens):
-  """[B, T] -> [B, T, V] float32 logits, through the inference forward."""
+  """[B, T] -> [B, T, V] float32 logits, through the inference forward (its
+  masked attention: the blocked one is a loop reverse mode cannot take)."""
+  cfg = cfg.replace(attn_block=0)
   cache = kvc.init_cache(cfg, tokens.shape[0], tokens.shape[1])
   logits, _ = model_lib.forward(params, tokens, cache, cfg)
   return logits

@@ -113,7 +113,7 @@ def test_units_and_flag_parsing():
   assert bench.format_params(162_420_000) == "162.42 M"
   assert bench.format_params(6_740_000_000) == "6.74 B"
   assert bench.parse_ints("1, 2,4") == [1, 2, 4] == bench.parse_ints(["1", "2", "4"])
-  assert bench.capacity_for(160) == 160 and bench.capacity_for(161) == 176
+  assert kv_cache.round_capacity(160) == 160 and kv_cache.round_capacity(161) == 176
   for bad in ("", "1,x", "0"):
     with pytest.raises(ConfigError):
       bench.parse_ints(bad)

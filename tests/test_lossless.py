@@ -356,7 +356,7 @@ def cache_mismatches(target, prompts, res) -> list[str]:
         continue
       for layer in range(target.cfg.n_layers):
         for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
-          if not np.allclose(got[b, :n], want[0, :n], atol=1e-5):
+          if not np.allclose(got[b, :, :n], want[0, :, :n], atol=1e-5):  # [B, K, S, D]
             bad.append(f"row {b} {name} layer {layer}")
   return bad
 
