@@ -1,6 +1,7 @@
 """The gamma x acceptance sweep.
 
-Default (random weights, no download; 30 minutes on a 2-core AVX2 machine, where the verify is costly):
+Default (random weights, no download; 14 minutes on a 2-core AVX-512 Xeon, about 30 on a 2-core
+AVX2-only machine, where every step is slower):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py --workdir=/tmp/specjax_sweep
 Quick (about 9 minutes on a 2-core AVX2 machine):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick --workdir=/tmp/specjax_quick
