@@ -10,7 +10,7 @@ about 5 minutes on one GPU).
    for N up to 64, where the flat region ends, and the FLOP rate reached at
    the largest N (what the curve implies about the ridge point).
 3. Attention over the used length: llama-160m decode at capacity 256 and 4096
-   with 128 used, and at 2048 used, blocked next to masked.
+   with 128 used, and at 2000 used, blocked next to masked.
 4. The sweep, llama-160m draft / llama-7b target, bf16
    (configs/sweep_gamma.py:gpu): measured speedup next to Leviathan's and
    the measured-cost prediction.
@@ -33,6 +33,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # noqa: E402
 from specjax import bench, checkpoint, cli, config, costs, steps, sweep
+from specjax.batch_scaling_report import FLAT_LIMIT, scaling_report
 from specjax import workdir as wd
 from specjax.errors import SpecjaxError
 
@@ -42,8 +43,6 @@ _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", None, "Peak memory bandwidth (G
                                 "looked up from the device kind.", lower_bound=1.0)
 _REPS = flags.DEFINE_integer("reps", 5, "Benchmark repetitions.", lower_bound=1)
 _SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: bench, attention, sweep, overhead.")
-
-FLAT_LIMIT = 1.25  # T(N)/T(1) above this: out of the flat region
 
 
 class Out:
@@ -64,7 +63,7 @@ def bench_part(models, dtype, n_prompt, n_gen, depth, reps, bandwidth, out) -> l
                             reps=reps, on_record=lambda r: out("bench", r))
   lines = ["## Decode and verify cost (batch 1, depth %d)" % depth, "",
            "| model | tg t/s | ms/token | roofline | " + " | ".join(
-               f"T({n})/T(1)" for n in n_prompt[1:]) + " | flat to N | TFLOP/s at N=%d |"
+               f"T({n})/T(1)" for n in n_prompt[1:]) + " | leaves flat at N | TFLOP/s at N=%d |"
            % max(n_prompt), "|---" * (6 + len(n_prompt) - 1) + "|"]
   for spec in models:
     cfg = config.get_preset(spec, dtype)
@@ -76,15 +75,14 @@ def bench_part(models, dtype, n_prompt, n_gen, depth, reps, bandwidth, out) -> l
     slots = bench.attended_slots(cfg, tg["capacity"], depth + n_gen)
     roof = (bench.roofline_fraction(cfg, tg["size_bytes"], slots, step_s, bandwidth)
             if bandwidth else None)
-    flat = max((n for n in sorted(ratio) if all(ratio[m] <= FLAT_LIMIT for m in ratio if m <= n)),
-               default=1)
+    leave, _ = scaling_report({n: r["median_s"] for n, r in pp.items()})
     n_max = max(pp)
     tflops = 2 * tg["n_params"] * n_max / pp[n_max]["median_s"] / 1e12
     lines.append(f"| {spec} | {1 / step_s:.1f} | {1e3 * step_s:.2f} | "
                  + (f"{100 * roof:.0f}% of {bandwidth:.0f} GB/s" if roof else "bandwidth unknown")
                  + " | " + " | ".join(f"{ratio.get(n, float('nan')):.2f}" for n in n_prompt[1:])
-                 + f" | {flat} | {tflops:.1f} |")
-  lines += ["", f"Flat to N: the largest N with every T(n)/T(1) <= {FLAT_LIMIT} up to it. "
+                 + f" | {leave or '-'} | {tflops:.1f} |")
+  lines += ["", f"Leaves flat at N: the smallest N with T(N)/T(1) > {FLAT_LIMIT} (- if none). "
             "TFLOP/s: 2 x params x N / T(N) at the largest N; past the ridge point the "
             "verify is compute-bound and T(N) grows with N."]
   return lines

@@ -38,8 +38,9 @@ def plan_capacity(cfg, prompt_len: int, n_predict: int, extra: int = 0,
   Raises CacheOverflowError when the sequence does not fit the context
   (`ctx_size`, default the model's max_seq_len). The capacity is ctx_size +
   extra when a context is given, else what the run needs rounded up
-  (kv_cache.round_capacity: fewer distinct shapes to compile); an explicit `capacity` is used as is once checked (runs
-  compared side by side share one capacity).
+  (kv_cache.round_capacity: fewer distinct shapes to compile); an explicit
+  `capacity` is used as is once checked (runs compared side by side share one
+  capacity).
   """
   ctx = ctx_size or cfg.max_seq_len
   if n_predict <= 0:
