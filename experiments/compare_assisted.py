@@ -57,7 +57,8 @@ def main(argv):
   torch = _torch()
   torch.set_num_threads(_THREADS.value)
   tcfg, tparams, tok = checkpoint.load_model(_TARGET.value, dtype=_DTYPE.value, seed=_SEED.value)
-  dcfg, dparams, _ = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1)
+  dcfg, dparams, _ = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1,
+                                           role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
   prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, tcfg.vocab_size)
   target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)

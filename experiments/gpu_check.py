@@ -116,7 +116,7 @@ def sweep_part(cfg, workdir) -> list[str]:
 
 def overhead_part(target, draft, dtype, gamma, reps, out) -> list[str]:
   tcfg, tparams, _ = checkpoint.load_model(target, dtype=dtype)
-  dcfg, dparams, _ = checkpoint.load_model(draft, dtype=dtype, seed=1)
+  dcfg, dparams, _ = checkpoint.load_model(draft, dtype=dtype, seed=1, role="draft")
   prompt = list(range(3, 35))
   rec = costs.loop_overhead(steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams), prompt,
                             gamma, n_steps=8, reps=reps)

@@ -31,7 +31,7 @@ def main(argv):
   del argv
   tcfg, tparams, _ = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value, seed=_SEED.value)
   dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE.value,
-                                           seed=_SEED.value + 1)
+                                           seed=_SEED.value + 1, role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
   prompt = costs.random_tokens(np.random.RandomState(_SEED.value),
                                tcfg.vocab_size, 1, _N_PROMPT.value)[0].tolist()

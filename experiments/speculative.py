@@ -50,7 +50,8 @@ def main(argv):
   gamma = _DRAFT.value
   rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
-  dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_GEN.dtype, seed=_GEN.seed + 1)
+  dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_GEN.dtype, seed=_GEN.seed + 1,
+                                           role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
   prompt = _GEN.prompt(tok, tcfg.vocab_size)
   sp = _GEN.sampling()

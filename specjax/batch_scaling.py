@@ -265,7 +265,7 @@ def _draft_cost(run: Run, dtype: str, depth: int, capacity: int) -> float | None
   c = run.c
   if c.c > 0 or not c.draft:
     return None
-  cfg, params, _ = checkpoint.load_model(c.draft, dtype=dtype, seed=c.seed + 1)
+  cfg, params, _ = checkpoint.load_model(c.draft, dtype=dtype, seed=c.seed + 1, role="draft")
   xla = xla_lib.XlaBackend(cfg, params)
   rng = np.random.RandomState(c.seed + 1)
   xla.prepare(rng.randint(0, cfg.vocab_size, (1, depth)), capacity, 1)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from specjax import hf
 from specjax import model as model_lib
+from specjax import sharding
 from specjax.config import ModelConfig, get_preset, preset_names
 from specjax.errors import CheckpointError, TokenizerError
 from specjax.tokenizer import FILES as TOKENIZER_FILES
@@ -82,13 +83,16 @@ def _one_line(e: Exception, limit: int = 400) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
-def abstract_params(cfg: ModelConfig):
-  """Shapes and dtypes of `Llama(cfg)` params, on the default device, without
-  allocating them (the restore target that tells orbax what to expect)."""
+def abstract_params(cfg: ModelConfig, shardings=None):
+  """Shapes and dtypes of `Llama(cfg)` params, without allocating them (the
+  restore target that tells orbax what to expect): on the default device, or
+  with `shardings` (a tree of NamedShardings: each device restores its shards)."""
   shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  if shardings is None:
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree_util.tree_map(lambda _: single, shapes)
   return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
 def _layout(tree) -> dict[str, tuple]:
@@ -113,11 +117,13 @@ def _check_layout(cfg: ModelConfig, tree, where: str) -> None:
                             f"{cfg.name!r} expects {want[name]} (shape, dtype)")
 
 
-def load(path: str | os.PathLike, dtype: str | None = None):
+def load(path: str | os.PathLike, dtype: str | None = None, role: str = "target"):
   """Restores (cfg, params) written by `save`.
 
   Args:
     dtype: if given, cast the params (and the config's dtypes) to it.
+    role: 'target' or 'draft': how the params are placed on the active mesh
+      (sharding.role_shardings; each device restores only its shards).
   Raises:
     CheckpointError: missing directory or files, or orbax cannot restore.
   """
@@ -138,13 +144,15 @@ def load(path: str | os.PathLike, dtype: str | None = None):
   _check_layout(cfg, getattr(stored, "item_metadata", stored), str(params_dir))
   try:
     with ocp.StandardCheckpointer() as ckptr:
-      params = ckptr.restore(params_dir, abstract_params(cfg))
+      shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
+      params = ckptr.restore(params_dir, abstract_params(
+          cfg, sharding.role_shardings(cfg, shapes, role)))
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(f"cannot restore {params_dir} for config "
                           f"{cfg.name!r}: {_one_line(e)}") from e
   if dtype:
     cfg = cfg.with_dtype(dtype)
-    params = jax.tree_util.tree_map(
+    params = jax.tree_util.tree_map(  # astype keeps each array's sharding
         lambda x: x.astype(cfg.jnp_param_dtype), params)
   return cfg, params
 
@@ -158,7 +166,7 @@ def _checked_tokenizer(path: Path, cfg: ModelConfig) -> Tokenizer | None:
   return tok
 
 
-def load_model(spec: str, dtype: str | None = None, seed: int = 0):
+def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "target"):
   """Resolves a `--model` value to (cfg, params, tokenizer or None).
 
   Args:
@@ -167,20 +175,26 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0):
       trained pair in specjax/assets), an HF directory (has config.json) or
       a specjax orbax directory (has specjax_config.json).
     dtype: compute and param dtype; default: the preset's / checkpoint's.
+    role: 'target' or 'draft'. On the active mesh (sharding.activate) a
+      target is split over the model axis, a draft is split or replicated
+      (--draft_sharding); every device reads or creates only its own shards.
   Raises:
     CheckpointError: `spec` is none of the three, or the checkpoint is bad.
+    ConfigError: the model axis does not divide the model's sizes.
   """
   if spec in preset_names():
     cfg = get_preset(spec, dtype)
-    return cfg, model_lib.init_params(cfg, seed), None
+    shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
+    return cfg, model_lib.init_params(
+        cfg, seed, sharding.role_shardings(cfg, shapes, role)), None
   path = SHIPPED.get(spec, Path(spec))
   if spec in SHIPPED and not (path / hf.CONFIG_FILE).is_file():
     raise CheckpointError(f"shipped model {spec!r} is missing from {path}; regenerate "
                           f"it with experiments/train.py (see README)")
   if is_orbax_dir(path):
-    cfg, params = load(path, dtype)
+    cfg, params = load(path, dtype, role)
   elif (path / hf.CONFIG_FILE).is_file():
-    cfg, params = hf.load_hf(path, dtype)
+    cfg, params = hf.load_hf(path, dtype, role)
   else:
     what = ("a directory with neither config.json nor specjax_config.json"
             if path.is_dir() else "not a preset name or an existing directory")

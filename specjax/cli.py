@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable
 
@@ -30,6 +31,39 @@ def _parse_flags(argv: list[str]) -> list[str]:
   return []
 
 
+# Every script that runs a model takes these (defined once, here).
+_MESH = flags.DEFINE_string(
+    "mesh", None, "Device mesh 'data:D,model:M' (batch rows x tensor parallel); "
+    "-1 = all remaining devices, e.g. 'model:-1'. Default: one device, no mesh.")
+_DRAFT_SHARDING = flags.DEFINE_enum(
+    "draft_sharding", "replicated", ["replicated", "model"],
+    "The draft on the mesh: a full copy on every device, or split over the "
+    "model axis like the target.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-process runs: host:port of process 0 "
+    "(or SPECJAX_COORDINATOR; python -m specjax.launch sets it).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Multi-process runs: number of processes.",
+                                      lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None,
+                                   "Multi-process runs: this process's index.", lower_bound=0)
+
+
+def setup_devices() -> None:
+  """jax.distributed (if asked for) and the --mesh, before the script runs.
+  Processes other than 0 print nothing on stdout and write no files."""
+  from specjax import sharding  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  multi = sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                          _PROCESS_ID.value)
+  if multi and jax.process_index() != 0:
+    sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
+  if _MESH.value is not None:
+    sharding.activate(sharding.make_mesh(_MESH.value), _DRAFT_SHARDING.value)
+  elif multi:  # several processes and no mesh: all devices on the model axis
+    sharding.activate(sharding.make_mesh("model:-1"), _DRAFT_SHARDING.value)
+
+
 def run(main: Callable[[list[str]], Any]) -> None:
   """absl's app.run, with bad input printed as one line and exit status 1."""
   def wrapped(argv):
@@ -37,6 +71,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
+      setup_devices()
       return main(argv)
     except SpecjaxError as e:
       fail(str(e))

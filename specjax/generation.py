@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache as kvc
-from specjax import model, sampling, steps
+from specjax import model, sampling, sharding, steps
 from specjax.errors import CacheOverflowError, ConfigError
 from specjax.sampling import SamplingParams
 from specjax.timing import CompileWatch, block
@@ -135,7 +135,7 @@ def generate(m: steps.Runner, prompts, n_predict: int, sp: SamplingParams = Samp
     else:
       out, step_s = _host_loop(m, logits, cache, key, sp, n_predict, eos)
     eval_s = time.perf_counter() - t0
-  rows = [trim_eos(r, eos) for r in np.asarray(out)]
+  rows = [trim_eos(r, eos) for r in sharding.to_host(out)]
   return GenerationResult(
       tokens=rows, n_prompt=sum(len(p) for p in prompts), prompt_s=prompt_s,
       eval_s=eval_s, n_eval=max(len(r) for r in rows) - 1,

@@ -21,10 +21,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from specjax import model as model_lib
+from specjax import sharding
 from specjax.config import ModelConfig, RopeScaling, canonical_dtype
 from specjax.errors import CheckpointError, ConfigError
 
@@ -212,13 +215,17 @@ def params_to_hf_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
 
 
 def hf_state_to_params(cfg: ModelConfig, state: Mapping[str, Any],
-                       source: str = "HF state"):
+                       source: str = "HF state", shardings=None):
   """{HF name: array} -> the `params` tree of `Llama(cfg)`, in cfg.param_dtype.
 
   Args:
     cfg: the model config the tensors must match.
     state: numpy (or numpy-convertible) arrays in torch layout.
     source: named in error messages (a file or directory).
+    shardings: a params tree of NamedShardings (sharding.role_shardings).
+      Then each device's block is read on its own (`state.read_block` when
+      the state has it, e.g. SafetensorsState: only that slice is read from
+      the file), and no process holds more than its own shards.
   Raises:
     CheckpointError: a tensor is missing, unexpected or of the wrong shape.
   """
@@ -226,16 +233,38 @@ def hf_state_to_params(cfg: ModelConfig, state: Mapping[str, Any],
   _check_names(cfg, [t.hf_name for t in tensors], state, source)
   params: dict[str, Any] = {}
   for t in tensors:
-    arr = np.asarray(state[t.hf_name])
-    if tuple(arr.shape) != t.hf_shape:
+    shape = (state.shape(t.hf_name) if hasattr(state, "shape")
+             else tuple(np.shape(state[t.hf_name])))
+    if tuple(shape) != t.hf_shape:
       raise CheckpointError(f"{source}: tensor {t.hf_name} has shape "
-                            f"{tuple(arr.shape)}, expected {t.hf_shape}")
+                            f"{tuple(shape)}, expected {t.hf_shape}")
     node = params
     for key in t.path[:-1]:
       node = node.setdefault(key, {})
-    node[t.path[-1]] = jnp.asarray(arr.T if t.transpose else arr,
-                                   dtype=cfg.jnp_param_dtype)
+    if shardings is None:
+      arr = np.asarray(state[t.hf_name])
+      node[t.path[-1]] = jnp.asarray(arr.T if t.transpose else arr,
+                                     dtype=cfg.jnp_param_dtype)
+      continue
+    sh = shardings
+    for key in t.path:
+      sh = sh[key]
+    node[t.path[-1]] = _sharded_tensor(state, t, sh, cfg.jnp_param_dtype)
   return params
+
+
+def _sharded_tensor(state, t, sharding, dtype):
+  """One param as a global array, each device's block read on its own."""
+  def read(index):  # index in specjax's layout; the file is in torch's
+    hf_index = tuple(reversed(index)) if t.transpose else tuple(index)
+    if hasattr(state, "read_block"):
+      block = state.read_block(t.hf_name, hf_index)
+    else:
+      block = np.asarray(state[t.hf_name])[hf_index]
+    return block.T if t.transpose else block
+  shape = tuple(reversed(t.hf_shape)) if t.transpose else t.hf_shape
+  return jax.make_array_from_callback(
+      shape, sharding, lambda idx: np.asarray(read(idx)).astype(dtype))
 
 # ---------------------------------------------------------------- safetensors
 
@@ -325,6 +354,36 @@ def _read_tensor(file: Path, name: str) -> np.ndarray:
       raise _corrupt(file, e) from first
 
 
+def _tensor_shape(file: Path, name: str) -> tuple[int, ...]:
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  try:
+    with safe_open(str(file), framework="np") as fh:
+      return tuple(fh.get_slice(name).get_shape())
+  except Exception as first:  # pylint: disable=broad-except
+    try:
+      return tuple(_raw_header(file)[2][name]["shape"])
+    except Exception as e:  # pylint: disable=broad-except
+      raise _corrupt(file, e) from first
+
+
+def _read_block(file: Path, name: str, index: tuple) -> np.ndarray:
+  """tensor[index] through safe_open(...).get_slice (only that block is read);
+  the hand parser's memory map where the numpy backend lacks the dtype."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  try:
+    with safe_open(str(file), framework="np") as fh:
+      return fh.get_slice(name)[index]
+  except Exception as first:  # pylint: disable=broad-except
+    try:
+      data, base, header = _raw_header(file)
+      info = header[name]
+      start, end = (base + o for o in info["data_offsets"])
+      view = data[start:end].view(np.dtype(_ST_DTYPES[info["dtype"]]))
+      return np.array(view.reshape(info["shape"])[index])
+    except Exception as e:  # pylint: disable=broad-except
+      raise _corrupt(file, e) from first
+
+
 class SafetensorsState(Mapping):
   """{HF name: numpy array} over safetensors files, each tensor read when it is
   accessed: loading then holds the params plus one tensor, not two copies of
@@ -339,6 +398,14 @@ class SafetensorsState(Mapping):
 
   def __getitem__(self, name: str) -> np.ndarray:
     return _read_tensor(self._file[name], name)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    """The tensor's shape, from the file header (nothing read)."""
+    return _tensor_shape(self._file[name], name)
+
+  def read_block(self, name: str, index: tuple) -> np.ndarray:
+    """tensor[index] (a tuple of slices), reading only that block."""
+    return _read_block(self._file[name], name, index)
 
   def __iter__(self):
     return iter(self._file)
@@ -403,12 +470,14 @@ def read_hf_config(path: str | os.PathLike, dtype: str | None = None) -> ModelCo
   return cfg.with_dtype(dtype) if dtype else cfg
 
 
-def load_hf(path: str | os.PathLike, dtype: str | None = None):
+def load_hf(path: str | os.PathLike, dtype: str | None = None, role: str = "target"):
   """Loads an HF LLaMA directory without torch.
 
   Args:
     path: directory with config.json and model.safetensors (or shards).
     dtype: compute and param dtype; default: the checkpoint's torch_dtype.
+    role: 'target' or 'draft': the placement on the active mesh
+      (sharding.role_shardings); each process reads only its devices' slices.
   Returns:
     (cfg, params) with params in cfg.param_dtype.
   Raises:
@@ -417,7 +486,11 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None):
   path = Path(path)
   cfg = read_hf_config(path, dtype)
   state = SafetensorsState(_weight_files(path))
-  return cfg, hf_state_to_params(cfg, state, source=str(path))
+  shardings = None
+  if sharding.current() is not None:
+    shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
+    shardings = sharding.role_shardings(cfg, shapes, role)
+  return cfg, hf_state_to_params(cfg, state, source=str(path), shardings=shardings)
 
 
 def save_hf(path: str | os.PathLike, cfg: ModelConfig, params,

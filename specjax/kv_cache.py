@@ -47,15 +47,24 @@ class KVCache:
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int,
-               dtype=None) -> KVCache:
-  """An empty cache of `capacity` slots per row, in the compute dtype."""
+               dtype=None, sharding=None) -> KVCache:
+  """An empty cache of `capacity` slots per row, in the compute dtype.
+
+  `sharding` (a NamedSharding of one [B, K, S, D] array, see
+  sharding.cache_sharding) allocates every device's shard in place, at the
+  full capacity; `lengths` are then replicated on the same mesh.
+  """
   if capacity <= 0 or batch <= 0:
     raise CacheOverflowError(f"cache needs batch>0 and capacity>0, got "
                              f"batch={batch}, capacity={capacity}")
   dtype = dtype or cfg.jnp_dtype
   shape = (batch, cfg.n_kv_heads, capacity, cfg.d_head)  # [B, K, S, D]
-  zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers))
-  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+  zeros = lambda: tuple(jnp.zeros(shape, dtype, device=sharding)
+                        for _ in range(cfg.n_layers))
+  lengths_sharding = (None if sharding is None else
+                      jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+  return KVCache(k=zeros(), v=zeros(),
+                 lengths=jnp.zeros((batch,), jnp.int32, device=lengths_sharding))
 
 
 CAPACITY_ROUND = 16  # capacities are rounded up to a multiple of this (fewer shapes)

@@ -57,20 +57,28 @@ class Llama(nn.Module):
     return logits.astype(jnp.float32), new_cache
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _random_params(cfg: ModelConfig, key):
   cache = kvc.init_cache(cfg, 1, 1)
   tokens = jnp.zeros((1, 1), jnp.int32)
   return Llama(cfg).init(key, tokens, tokens, cache)["params"]
 
 
-def init_params(cfg: ModelConfig, seed: int = 0):
+_random_params_plain = jax.jit(_random_params, static_argnums=0)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
   """Random parameters for `cfg` (normal(0.02) weights, unit norms).
 
   Jitted (once per config) so that only the final arrays are materialised,
-  which matters at 7B+.
+  which matters at 7B+; with `shardings` (a tree of NamedShardings, see
+  sharding.role_shardings) each device materialises only its own shards.
+  The values do not depend on the shardings.
   """
-  return _random_params(cfg, jax.random.PRNGKey(seed))
+  key = jax.random.PRNGKey(seed)
+  if shardings is None:
+    return _random_params_plain(cfg, key)
+  return jax.jit(functools.partial(_random_params, cfg), out_shardings=shardings)(key)
+
 
 
 def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,

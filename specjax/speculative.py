@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import acceptance, generation, model, sampling, steps
+from specjax import acceptance, generation, model, sampling, sharding, steps
 from specjax import kv_cache as kvc
 from specjax.acceptance import AcceptRule
 from specjax.config import ModelConfig
@@ -371,7 +371,8 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
       out, count, rec, st, phase = _host_loop(target.params, draft.params, st, out,
                                               step_key, accept_probs, sc, n_predict, eos)
     eval_s = time.perf_counter() - t0
-  out, count = np.asarray(out), np.asarray(count)
+  out, count = sharding.to_host(out), sharding.to_host(count)
+  rec = {k: sharding.to_host(v) for k, v in rec.items()}
   rows = [out[b, :count[b]].tolist() for b in range(len(prompts))]
   records = Records.from_arrays(rec)
   stats = SpecStats.compute(records, gamma=gamma, n_predict=int(count.sum()),

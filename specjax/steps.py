@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache as kvc
-from specjax import model
+from specjax import model, sharding
 from specjax.config import ModelConfig
 from specjax.errors import CacheOverflowError
 
@@ -56,7 +56,9 @@ class Runner:
   params: dict
 
   def new_cache(self, batch: int, capacity: int) -> kvc.KVCache:
-    return kvc.init_cache(self.cfg, batch, capacity)
+    """An empty cache, sharded like the params on the active mesh (if any)."""
+    return kvc.init_cache(self.cfg, batch, capacity,
+                          sharding=sharding.cache_sharding(self.params, batch))
 
   def prefill(self, prompts, cache: kvc.KVCache):
     """Prefills a list of B token lists (any lengths) at cache.lengths.
@@ -69,7 +71,7 @@ class Runner:
     if lens.min() <= 0:
       raise CacheOverflowError("empty prompt: every row needs at least one token")
     bucket = prefill_bucket(lens.max())
-    start = np.asarray(cache.lengths)
+    start = sharding.to_host(cache.lengths)
     if (start + lens).max() > cache.capacity:
       raise CacheOverflowError(
           f"prompt of {lens.max()} tokens does not fit in the KV cache: "

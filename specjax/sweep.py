@@ -211,7 +211,8 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   wd.write_config(workdir, cfg.to_dict(), env, schema=schema.SCHEMA_VERSION)
 
   tcfg, tparams, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, seed=int(cfg.seed))
-  dcfg, dparams, _ = checkpoint.load_model(cfg.draft, dtype=cfg.dtype, seed=int(cfg.seed) + 1)
+  dcfg, dparams, _ = checkpoint.load_model(cfg.draft, dtype=cfg.dtype, seed=int(cfg.seed) + 1,
+                                           role="draft")
   speculative.check_vocabularies(tcfg, dcfg)  # before any timing
   target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
   prompts = sweep_prompts(cfg, tok, tcfg.vocab_size)

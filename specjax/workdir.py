@@ -52,8 +52,17 @@ def _parent(path: str | os.PathLike) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
+def writes() -> bool:
+  """Only process 0 of a multi-process run writes outputs (every process
+  computes the same records)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.process_index() == 0
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> None:
   """Writes obj as indented JSON, creating the parent folder."""
+  if not writes():
+    return
   _parent(path)
   with open(path, "w") as f:
     json.dump(obj, f, indent=1, default=json_default)
@@ -67,6 +76,8 @@ def read_json(path: str | os.PathLike) -> Any:
 
 def append_jsonl(path: str | os.PathLike, records: Iterable[Record]) -> None:
   """Appends one JSON object per line (folder created), flushed at once."""
+  if not writes():
+    return
   _parent(path)
   with open(path, "a") as f:
     for r in records:
@@ -93,6 +104,8 @@ def read_jsonl(path: str | os.PathLike) -> list[Record]:
 
 def restart_jsonl(path: str | os.PathLike, records: Sequence[Record]) -> None:
   """Rewrites `path` with exactly `records` (whole lines only)."""
+  if not writes():
+    return
   _parent(path)
   with open(path, "w") as f:
     f.writelines(json.dumps(r, default=json_default) + "\n" for r in records)
@@ -118,6 +131,8 @@ def write_csv(path: str | os.PathLike, records: Sequence[Record],
               row: Callable[[Record], Record] | None = None) -> None:
   """One row per record under `columns` (missing fields empty, extra ones
   left out); `row` maps a record to its cells first (units, renames)."""
+  if not writes():
+    return
   _parent(path)
   with open(path, "w", newline="") as f:
     w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
@@ -205,10 +220,13 @@ def environment() -> Record:
   """What every record carries: versions, backend, device, CPU, host, load."""
   import jax  # pylint: disable=import-outside-toplevel
   import jaxlib  # pylint: disable=import-outside-toplevel
+  from specjax import sharding  # pylint: disable=import-outside-toplevel
   dev = jax.devices()[0]
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
           "backend": jax.default_backend(), "device_kind": dev.device_kind,
-          "n_devices": jax.device_count(), "host": platform.node(),
+          "n_devices": jax.device_count(), "n_processes": jax.process_count(),
+          "mesh": str(sharding.mesh_shape(sharding.current())),
+          "draft_sharding": sharding.draft_mode(), "host": platform.node(),
           "cpu": cpu_info(), "cpu_count": os.cpu_count(), "load_avg": load_avg(),
           "xla_flags": os.environ.get("XLA_FLAGS", ""), "git_commit": git_commit()}
 
@@ -232,6 +250,9 @@ def pyplot():
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> None:
   """Tight layout, written to `path`, closed."""
+  if not writes():
+    pyplot().close(fig)
+    return
   fig.tight_layout()
   _parent(path)
   fig.savefig(path, dpi=dpi)
