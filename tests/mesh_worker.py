@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import checkpoint, generation, hf, sharding, speculative, steps
+from specjax import checkpoint, generation, hf, mesh_plan, sharding, speculative, steps
 from specjax.errors import SpecjaxError
 from specjax.sampling import SamplingParams
 
@@ -45,6 +45,24 @@ def shard_fractions(tree) -> dict[str, float]:
   """{path: share of the array held by device 0's shard}."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {sharding.path_str(p): x.addressable_shards[0].data.size / x.size for p, x in flat}
+
+
+def device0_bytes(tree) -> int:
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def plan_report(tcfg, tparams, target, dcfg, dparams, mesh) -> dict:
+  """mesh_plan.plan from shapes next to the bytes really held by device 0."""
+  out = {"real": {"target_weight_bytes": device0_bytes(tparams),
+                  "target_cache_bytes": device0_bytes(target.new_cache(4, 48)),
+                  "draft_weight_bytes_model": device0_bytes(dparams)}}
+  for mode in ("model", "replicated"):
+    with sharding.use(mesh, mode):
+      rec = mesh_plan.plan(tcfg, dcfg, 4, 48, 4, n_predict=N_PREDICT)
+    out[mode] = {k: v for k, v in rec.items() if k.endswith("_bytes")}
+    out[mode]["spec_loop_argument_bytes"] = rec["programs"]["spec_loop"]["argument_bytes"]
+    out[mode]["decode_argument_bytes"] = rec["programs"]["decode"]["argument_bytes"]
+  return out
 
 
 def run_mesh(spec, ck: Path, report: dict) -> dict:
@@ -89,6 +107,7 @@ def run_mesh(spec, ck: Path, report: dict) -> dict:
         report["draft_split"] = {
             "fraction": shard_fractions(dparams2)["layers_0/attn/wq/kernel"],
             "spec4": speculative.generate(target, d2, PROMPTS, N_PREDICT, 4).tokens}
+      report["plan"] = plan_report(tcfg, tparams, target, dcfg2, dparams2, mesh)
       # orbax: save sharded, restore on another mesh
       checkpoint.save(ck / "orbax", tcfg, tparams)
     if spec == "data:2,model:4":

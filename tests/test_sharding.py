@@ -97,6 +97,23 @@ def test_decode_step_has_two_all_reduces_per_layer_and_no_gathers(report):
       assert all(n < limit for n in ops.get(op, [])), (step, op, ops)
 
 
+def test_memory_plan_from_shapes_matches_the_arrays(report):
+  plan = report["plan"]
+  real, split, rep = plan["real"], plan["model"], plan["replicated"]
+  # counted from shardings alone = what device 0 really holds
+  assert split["target_weight_bytes"] == real["target_weight_bytes"]
+  assert split["target_cache_bytes"] == real["target_cache_bytes"]
+  assert split["draft_weight_bytes"] == real["draft_weight_bytes_model"]
+  # a replicated draft costs ~8x its split on every device (norms aside)
+  assert 7.5 < rep["draft_weight_bytes"] / split["draft_weight_bytes"] <= 8
+  assert rep["draft_cache_bytes"] > 7 * split["draft_cache_bytes"]
+  # what XLA says the compiled programs take per device: the same bytes,
+  # plus the few small arguments (tokens, lengths, key)
+  for p in (split, rep):
+    assert 0 <= p["spec_loop_argument_bytes"] - p["weights_and_caches_bytes"] < 4096
+    assert 0 <= p["decode_argument_bytes"] - p["target_weight_bytes"] - p["target_cache_bytes"] < 64
+
+
 def test_checkpoint_reads_only_each_devices_slice(report):
   # q_proj [H*D, E] = [128, 128] split on its rows (specjax's columns) over 8
   assert report["slices"] and all(s == [16, 128] for s in report["slices"]), report["slices"]

@@ -1,0 +1,127 @@
+"""What a sharded run needs on each device, from shapes alone.
+
+`plan` lowers and compiles the decode step, the verify step and (with a
+draft) the whole speculative loop for abstract arguments
+(`jax.ShapeDtypeStruct`s carrying their NamedShardings), so a 70B target with
+a 7B draft on an 8-device mesh can be planned on a laptop: nothing is
+allocated. Each program's `memory_analysis()` gives the bytes of its
+arguments per device (weights and caches: what must fit), the bytes it
+aliases (the donated caches) and its temporaries. Next to them, the bytes of
+each device's shards counted from the shardings (`shard_shape`), which the
+argument bytes must equal.
+
+XLA:CPU has no bf16 matmul: it converts bf16 weights to f32 inside the
+program, so on the CPU a bf16 program's temporaries hold an f32 copy of the
+weights that a GPU program does not. `plan` therefore also compiles the
+float32 twin of the decode step and reports its temporaries (activations and
+workspace only) as `act_temp_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import acceptance, checkpoint, generation, sharding, speculative, steps
+from specjax import model as model_lib
+from specjax import kv_cache as kvc
+from specjax.config import ModelConfig
+from specjax.sampling import SamplingParams
+
+Record = dict[str, Any]
+
+
+def shard_bytes(tree) -> int:
+  """Bytes of the shard one device holds, summed over a tree of abstract
+  arrays with shardings (every device holds the same amount here)."""
+  total = 0
+  for x in jax.tree_util.tree_leaves(tree):
+    shape = x.sharding.shard_shape(x.shape)
+    total += math.prod(shape) * np.dtype(x.dtype).itemsize
+  return total
+
+
+def abstract_params(cfg: ModelConfig, role: str):
+  shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
+  return checkpoint.abstract_params(cfg, sharding.role_shardings(cfg, shapes, role))
+
+
+def abstract_cache(cfg: ModelConfig, params, batch: int, capacity: int) -> kvc.KVCache:
+  """The cache `steps.Runner.new_cache` would allocate, as shapes."""
+  cs = sharding.cache_sharding(params, batch)
+  rep = sharding.replicated()
+  shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, batch, capacity))
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cs if x.ndim == 4 else rep),
+      shapes)
+
+
+def _abstract(shape, dtype) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.replicated())
+
+
+def _memory(lowered) -> Record:
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  ma = compiled.memory_analysis()
+  return {"argument_bytes": int(ma.argument_size_in_bytes),
+          "alias_bytes": int(ma.alias_size_in_bytes),
+          "temp_bytes": int(ma.temp_size_in_bytes),
+          "output_bytes": int(ma.output_size_in_bytes),
+          "compile_s": compile_s}
+
+
+def plan(target: ModelConfig, draft: ModelConfig | None, batch: int, capacity: int,
+         gamma: int, n_predict: int = 128) -> Record:
+  """Per-device memory of the programs of a run on the active mesh (see the
+  module docstring). The mesh and the draft mode are `sharding.activate`'s.
+  """
+  mesh = sharding.current()
+  if mesh is None:
+    raise ValueError("plan needs an active mesh (sharding.activate / sharding.use)")
+  tp = abstract_params(target, "target")
+  tc = abstract_cache(target, tp, batch, capacity)
+  rec: Record = {
+      "target": target.name, "draft": draft.name if draft else None,
+      "precision": target.precision, "mesh": str(sharding.mesh_shape(mesh)),
+      "draft_sharding": sharding.draft_mode(), "batch": batch, "capacity": capacity,
+      "gamma": gamma, "platform": jax.devices()[0].platform,
+      "target_weight_bytes": shard_bytes(tp), "target_cache_bytes": shard_bytes(tc),
+      "programs": {}}
+  tokens = lambda n: _abstract((batch, n), jnp.int32)
+  rec["programs"]["decode"] = _memory(steps.forward_step.lower(tp, tokens(1), tc, cfg=target))
+  rec["programs"]["verify"] = _memory(
+      steps.forward_step.lower(tp, tokens(gamma + 1), tc, cfg=target))
+  if target.precision != "float32":
+    f32 = target.with_dtype("float32")
+    tp32 = abstract_params(f32, "target")
+    rec["act_temp_bytes"] = _memory(steps.forward_step.lower(
+        tp32, tokens(1), abstract_cache(f32, tp32, batch, capacity), cfg=f32))["temp_bytes"]
+  else:
+    rec["act_temp_bytes"] = rec["programs"]["decode"]["temp_bytes"]
+  if draft is not None:
+    dp = abstract_params(draft, "draft")
+    dc = abstract_cache(draft, dp, batch, capacity)
+    rec["draft_weight_bytes"] = shard_bytes(dp)
+    rec["draft_cache_bytes"] = shard_bytes(dc)
+    sc = speculative.SpecConfig(target, draft, gamma, SamplingParams())
+    state = speculative.SpecState(tcache=tc, dcache=dc, tail=_abstract((batch, 2), jnp.int32),
+                                  n=_abstract((batch,), jnp.int32))
+    out = _abstract((batch, n_predict + gamma + 1), jnp.int32)
+    key = _abstract((2,), jnp.uint32)
+    probs = _abstract(acceptance.position_probs(acceptance.parse_rule("always"),
+                                                gamma).shape, jnp.float32)
+    rec["programs"]["spec_loop"] = _memory(speculative.spec_loop.lower(
+        tp, dp, state, out, key, probs, sc=sc, n_predict=n_predict,
+        eos_id=generation.NO_EOS if target.eos_token_id is None
+        else target.eos_token_id))
+  rec["weights_and_caches_bytes"] = (
+      rec["target_weight_bytes"] + rec["target_cache_bytes"]
+      + rec.get("draft_weight_bytes", 0) + rec.get("draft_cache_bytes", 0))
+  return rec
