@@ -17,6 +17,9 @@ about 5 minutes on one GPU).
 5. Speculative decoding at batch > 1: not built yet (the batch issue); the
    summary says so.
 6. The loop overhead of the speculative device loop (gamma 4).
+7. With several local GPUs: llama-7b T(1) and T(5) on data:1,model:M for
+   M = 1, 2, 4, 8 up to the number of GPUs (tensor parallelism); with one,
+   the summary says so.
 
 Writes gpu_summary.md and gpu_check.jsonl (one record per measurement, each
 with the environment) to --workdir and prints both paths and the summary.
@@ -32,7 +35,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # noqa: E402
-from specjax import bench, checkpoint, cli, config, costs, steps, sweep
+from specjax import bench, checkpoint, cli, config, costs, mesh_plan, steps, sweep
 from specjax.batch_scaling_report import FLAT_LIMIT, scaling_report
 from specjax import workdir as wd
 from specjax.errors import SpecjaxError
@@ -42,7 +45,7 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny models on any backend: checks t
 _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", None, "Peak memory bandwidth (GB/s); default: "
                                 "looked up from the device kind.", lower_bound=1.0)
 _REPS = flags.DEFINE_integer("reps", 5, "Benchmark repetitions.", lower_bound=1)
-_SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: bench, attention, sweep, overhead.")
+_SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: bench, attention, sweep, overhead, mesh.")
 
 
 class Out:
@@ -127,6 +130,26 @@ def overhead_part(target, draft, dtype, gamma, reps, out) -> list[str]:
           f"{100 * rec['overhead_share']:.2f} % (goal <= 2 %)."]
 
 
+def mesh_part(model, dtype, reps, out) -> list[str]:
+  """T(1), T(5) on data:1,model:M over the local devices (M = 1, 2, 4, 8)."""
+  n = jax.local_device_count()
+  lines = [f"## Tensor parallelism over the local devices ({n})", ""]
+  if n < 2:
+    return lines + [f"One {jax.default_backend()} device: the model-axis figures need several "
+                    "(experiments/mesh_bench.py measures them on virtual CPU devices)."]
+  cfg = config.get_preset(model)
+  axes = [m for m in (1, 2, 4, 8) if m <= n and not (cfg.n_kv_heads % m or cfg.n_heads % m
+                                                    or cfg.ffn_dim % m or cfg.vocab_size % m)]
+  recs = mesh_plan.model_axis_costs(model, dtype, axes, 4, 256, 128, reps)
+  for r in recs:
+    out("mesh", r)
+  return lines + [f"{model} ({recs[0]['precision']}), batch 1, 128 of 256 slots used, medians "
+                  f"of {reps}:", "", bench.markdown_table(
+                      ["mesh", "T(1) ms", "T(5) ms", "T(5)/T(1)", "T(1) vs model:1"],
+                      [[r["mesh"], f"{1e3 * r['t1_s']:.2f}", f"{1e3 * r['tv_s']:.2f}",
+                        f"{r['verify_ratio']:.2f}", f"{r['t1_vs_first']:.2f}"] for r in recs])]
+
+
 def main(argv):
   del argv
   dev = jax.devices()[0]
@@ -156,6 +179,8 @@ def main(argv):
       ("sweep", lambda: sweep_part(scfg, _WORKDIR.value)),
       ("overhead", lambda: overhead_part(scfg.target, scfg.draft, scfg.dtype, 4 if not
                                          _SMOKE.value else 2, reps, out)),
+      ("mesh", lambda: mesh_part("tiny" if _SMOKE.value else "llama-7b", scfg.dtype, reps,
+                                 out)),
   ]
   for name, part in parts:
     if name in skip:

@@ -49,8 +49,8 @@ flags.DEFINE_integer("host_devices", 8, "CPU only: virtual devices (read before 
 _AXES = flags.DEFINE_list("model_axes", ["1", "2", "4"], "Model-axis sizes of the T(N) part.")
 _SPEC_AXIS = flags.DEFINE_integer("spec_axis", 4, "Model axis of the speculative-loop part.",
                                   lower_bound=1)
-_DRAFT_MODES = flags.DEFINE_list("draft_modes", list(sharding.DRAFT_MODES),
-                                 "Draft placements to compare.")
+_DRAFT_MODES = flags.DEFINE_list("draft_modes", ["replicated", "model"],
+                                 "Draft placements to compare (--draft_sharding values).")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length.", lower_bound=1, upper_bound=64)
 _DEPTH = flags.DEFINE_integer("depth", 128, "Tokens in the cache during T(N).", lower_bound=0)
 _CAPACITY = flags.DEFINE_integer("capacity", 256, "Cache slots during T(N).", lower_bound=16)
@@ -76,35 +76,10 @@ def _mesh(model_axis: int):
 
 
 def measure_costs(env) -> list[dict]:
-  """T(1), T(gamma+1) per model axis, alternating rounds."""
   axes = bench.parse_ints(_AXES.value, "--model_axes")
-  n = [1, _GAMMA.value + 1]
-  probes = {}
-  for m in axes:
-    mesh = _mesh(m)
-    with sharding.use(mesh):
-      cfg, params, _ = checkpoint.load_model(_MODEL.value, _DTYPE.value, _SEED.value)
-      probes[m] = (mesh, costs.CostProbe(steps.Runner(cfg, params), _CAPACITY.value,
-                                         _DEPTH.value, _SEED.value))
-      print(f"model:{m}: {cfg.name} loaded, compiling", file=sys.stderr, flush=True)
-      probes[m][1].times(n, reps=1)  # compile and warm
-  times = {m: {k: [] for k in n} for m in axes}
-  for r in range(_REPS.value):
-    for m in axes:
-      mesh, probe = probes[m]
-      with sharding.use(mesh):
-        for k, t in probe.times(n, reps=1).items():
-          times[m][k].append(t.median)
-    print(f"  T(N) round {r + 1}/{_REPS.value}", file=sys.stderr, flush=True)
-  base = float(np.median(times[axes[0]][1]))
-  out = []
-  for m in axes:
-    t1, tv = float(np.median(times[m][1])), float(np.median(times[m][n[1]]))
-    out.append({"part": "costs", "model": probes[m][1].m.cfg.name, "mesh": f"data:1,model:{m}",
-                "precision": probes[m][1].m.cfg.precision, "gamma": _GAMMA.value,
-                "t1_s": t1, "tv_s": tv, "verify_ratio": tv / t1, "t1_vs_one_device": t1 / base,
-                "times": {str(k): v for k, v in times[m].items()}, "env": env})
-  return out
+  return [{**r, "env": env} for r in mesh_plan.model_axis_costs(
+      _MODEL.value, _DTYPE.value, axes, _GAMMA.value, _CAPACITY.value, _DEPTH.value,
+      _REPS.value, _SEED.value)]
 
 
 def measure_loop(env) -> list[dict]:
@@ -176,9 +151,9 @@ def report(records: list[dict]) -> None:
     print(f"\nT(N) of {cost[0]['model']} ({cost[0]['precision']}), batch 1, "
           f"{_DEPTH.value} of {_CAPACITY.value} slots used, medians of {_REPS.value}:")
     print(bench.markdown_table(
-        ["mesh", "T(1) ms", f"T({cost[0]['gamma'] + 1}) ms", "T(g+1)/T(1)", "T(1) / 1 device"],
+        ["mesh", "T(1) ms", f"T({cost[0]['gamma'] + 1}) ms", "T(g+1)/T(1)", "T(1) / first mesh"],
         [[r["mesh"], f"{1e3 * r['t1_s']:.2f}", f"{1e3 * r['tv_s']:.2f}",
-          f"{r['verify_ratio']:.2f}", f"{r['t1_vs_one_device']:.2f}"] for r in cost]))
+          f"{r['verify_ratio']:.2f}", f"{r['t1_vs_first']:.2f}"] for r in cost]))
   loop = [r for r in records if r["part"] == "loop"]
   if loop:
     d = next(r["draft"] for r in loop if r["draft"])

@@ -36,9 +36,11 @@ _MESH = flags.DEFINE_string(
     "mesh", None, "Device mesh 'data:D,model:M' (batch rows x tensor parallel); "
     "-1 = all remaining devices, e.g. 'model:-1'. Default: one device, no mesh.")
 _DRAFT_SHARDING = flags.DEFINE_enum(
-    "draft_sharding", "replicated", ["replicated", "model"],
-    "The draft on the mesh: a full copy on every device, or split over the "
-    "model axis like the target.")
+    "draft_sharding", "auto", ["auto", "model", "replicated"],
+    "The draft on the mesh: split over the model axis like the target "
+    "('model'), a full copy on every device ('replicated'), or split when its "
+    "head, KV-head, FFN and vocabulary sizes allow it and replicated otherwise "
+    "('auto').")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-process runs: host:port of process 0 "
     "(or SPECJAX_COORDINATOR; python -m specjax.launch sets it).")

@@ -20,6 +20,7 @@ workspace only) as `act_temp_bytes`.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import acceptance, checkpoint, generation, sharding, speculative, steps
+from specjax import acceptance, checkpoint, costs, generation, sharding, speculative, steps
 from specjax import model as model_lib
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
@@ -108,6 +109,7 @@ def plan(target: ModelConfig, draft: ModelConfig | None, batch: int, capacity: i
   if draft is not None:
     dp = abstract_params(draft, "draft")
     dc = abstract_cache(draft, dp, batch, capacity)
+    rec["draft_split"] = sharding.model_axis_for("draft", draft) > 1
     rec["draft_weight_bytes"] = shard_bytes(dp)
     rec["draft_cache_bytes"] = shard_bytes(dc)
     sc = speculative.SpecConfig(target, draft, gamma, SamplingParams())
@@ -125,3 +127,38 @@ def plan(target: ModelConfig, draft: ModelConfig | None, batch: int, capacity: i
       rec["target_weight_bytes"] + rec["target_cache_bytes"]
       + rec.get("draft_weight_bytes", 0) + rec.get("draft_cache_bytes", 0))
   return rec
+
+
+def model_axis_costs(model: str, dtype: str | None, axes, gamma: int, capacity: int,
+                     depth: int, reps: int, seed: int = 0) -> list[Record]:
+  """T(1) and T(gamma+1) (batch 1, per forward: costs.CostProbe) of `model`
+  on meshes data:1,model:M for M in `axes`, repetitions alternating between
+  the meshes. One record per mesh; `t1_vs_first` is T(1) over the first mesh's."""
+  n = [1, gamma + 1]
+  probes = {}
+  for m in axes:
+    mesh = sharding.make_mesh(f"data:1,model:{m}")
+    with sharding.use(mesh):
+      cfg, params, _ = checkpoint.load_model(model, dtype, seed)
+      probes[m] = (mesh, costs.CostProbe(steps.Runner(cfg, params), capacity, depth, seed))
+      print(f"model:{m}: {cfg.name} loaded, compiling", file=sys.stderr, flush=True)
+      probes[m][1].times(n, reps=1)  # compile and warm
+  times = {m: {k: [] for k in n} for m in axes}
+  for r in range(reps):
+    for m in axes:
+      mesh, probe = probes[m]
+      with sharding.use(mesh):
+        for k, t in probe.times(n, reps=1).items():
+          times[m][k].append(t.median)
+    print(f"  T(N) round {r + 1}/{reps}", file=sys.stderr, flush=True)
+  base = float(np.median(times[axes[0]][1]))
+  out = []
+  for m in axes:
+    cfg = probes[m][1].m.cfg
+    t1, tv = float(np.median(times[m][1])), float(np.median(times[m][n[1]]))
+    out.append({"part": "costs", "model": cfg.name, "mesh": f"data:1,model:{m}",
+                "model_axis": m, "precision": cfg.precision, "gamma": gamma,
+                "capacity": capacity, "depth": depth, "t1_s": t1, "tv_s": tv,
+                "verify_ratio": tv / t1, "t1_vs_first": t1 / base,
+                "times": {str(k): v for k, v in times[m].items()}})
+  return out

@@ -20,8 +20,10 @@ needs no communication. GQA with fewer KV heads than the model axis is
 refused (`check_model`): the KV heads would have to be replicated, which
 multiplies the cache; the error names the sizes.
 
-The draft is replicated on every device by default (`draft_mode`), or split
-over the same `model` axis with the same table ('model').
+The draft is split over the same `model` axis with the same table when its
+sizes allow it and replicated on every device otherwise ('auto', the
+default: on 8 CPU devices a split draft was the faster, see the README), or
+always one of the two ('model', 'replicated').
 
 Multi-host: `initialize_distributed` (from flags or SPECJAX_* environment
 variables, which `python -m specjax.launch` sets) calls
@@ -48,7 +50,7 @@ from specjax.config import ModelConfig
 from specjax.errors import ConfigError
 
 AXES = ("data", "model")
-DRAFT_MODES = ("replicated", "model")
+DRAFT_MODES = ("auto", "model", "replicated")
 
 # Sampling draws the same bits whatever the sharding (and a prefix of the
 # rows draws the same bits as the whole batch): the partitionable threefry.
@@ -155,7 +157,7 @@ def check_model(cfg: ModelConfig, model_axis: int) -> None:
 @dataclasses.dataclass
 class _Active:
   mesh: Mesh | None = None
-  draft_mode: str = "replicated"
+  draft_mode: str = "auto"
 
 
 _ACTIVE = _Active()
@@ -170,7 +172,7 @@ def draft_mode() -> str:
   return _ACTIVE.draft_mode
 
 
-def activate(mesh: Mesh | None, draft: str = "replicated") -> None:
+def activate(mesh: Mesh | None, draft: str = "auto") -> None:
   """Makes `mesh` the one every model load and cache uses (and jax's
   context mesh). None goes back to single-device runs."""
   if draft not in DRAFT_MODES:
@@ -182,7 +184,7 @@ def activate(mesh: Mesh | None, draft: str = "replicated") -> None:
 
 
 @contextlib.contextmanager
-def use(mesh: Mesh | None, draft: str = "replicated"):
+def use(mesh: Mesh | None, draft: str = "auto"):
   """`activate` for a block (tests, notebooks)."""
   old = (_ACTIVE.mesh, _ACTIVE.draft_mode)
   _ACTIVE.mesh, _ACTIVE.draft_mode = mesh, draft
@@ -196,12 +198,27 @@ def use(mesh: Mesh | None, draft: str = "replicated"):
     _ACTIVE.mesh, _ACTIVE.draft_mode = old
 
 
-def model_axis_for(role: str) -> int:
-  """The model-axis size a model of this role ('target' or 'draft') is split over."""
+def divides(cfg: ModelConfig, model_axis: int) -> bool:
+  """True if `check_model(cfg, model_axis)` passes."""
+  try:
+    check_model(cfg, model_axis)
+  except ConfigError:
+    return False
+  return True
+
+
+def model_axis_for(role: str, cfg: ModelConfig | None = None) -> int:
+  """The model-axis size a model of this role ('target' or 'draft') is split
+  over. An 'auto' draft is split when `cfg` divides the axis."""
   mesh = current()
-  if mesh is None or (role == "draft" and draft_mode() == "replicated"):
+  if mesh is None:
     return 1
-  return mesh.shape["model"]
+  m = mesh.shape["model"]
+  if role == "draft":
+    mode = draft_mode()
+    if mode == "replicated" or (mode == "auto" and (cfg is None or not divides(cfg, m))):
+      return 1
+  return m
 
 
 # --------------------------------------------------------------- param layout
@@ -230,7 +247,7 @@ def role_shardings(cfg: ModelConfig, tree, role: str):
   mesh = current()
   if mesh is None:
     return None
-  m = model_axis_for(role)
+  m = model_axis_for(role, cfg)
   check_model(cfg, m)
   return param_shardings(tree, mesh, split=m > 1)
 

@@ -107,6 +107,11 @@ def run_mesh(spec, ck: Path, report: dict) -> dict:
         report["draft_split"] = {
             "fraction": shard_fractions(dparams2)["layers_0/attn/wq/kernel"],
             "spec4": speculative.generate(target, d2, PROMPTS, N_PREDICT, 4).tokens}
+      with sharding.use(mesh):  # the default draft placement, 'auto'
+        report["auto"] = {
+            name: shard_fractions(checkpoint.load_model(path, role="draft")[1])[
+                "layers_0/attn/wq/kernel"]
+            for name, path in (("tiny_draft", "tiny-draft"), ("draft_tp", str(ck / "draft_tp")))}
       report["plan"] = plan_report(tcfg, tparams, target, dcfg2, dparams2, mesh)
       # orbax: save sharded, restore on another mesh
       checkpoint.save(ck / "orbax", tcfg, tparams)

@@ -13,9 +13,10 @@ from specjax import checkpoint, config, model, schema
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(script, *args, timeout=300):
+def run(script, *args, timeout=300, env=None):
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args],
-                        capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                        env=None if env is None else {**os.environ, **env})
 
 
 def assert_one_line_error(proc, pattern):
@@ -107,11 +108,14 @@ def test_readme_quickstart_and_ci_agree():
 
 
 def test_gpu_check_smoke(tmp_path):
-  """The GPU script's whole path on tiny models (the real run needs a GPU)."""
-  proc = run("gpu_check.py", "--smoke", "--reps=1", f"--workdir={tmp_path}")
+  """The GPU script's whole path on tiny models (the real run needs a GPU),
+  on two virtual devices so that its tensor-parallel part runs too."""
+  proc = run("gpu_check.py", "--smoke", "--reps=1", f"--workdir={tmp_path}",
+             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = (tmp_path / "gpu_summary.md").read_text()
   assert "T(2)/T(1)" in summary and "| tiny |" in summary and "efficiency" in summary
+  assert "| data:1,model:2 |" in summary
   assert (tmp_path / "sweep" / "results.jsonl").exists()
 
 

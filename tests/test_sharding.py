@@ -97,6 +97,10 @@ def test_decode_step_has_two_all_reduces_per_layer_and_no_gathers(report):
       assert all(n < limit for n in ops.get(op, [])), (step, op, ops)
 
 
+def test_auto_draft_is_split_when_it_divides_and_replicated_otherwise(report):
+  assert report["auto"] == {"draft_tp": 1 / 8, "tiny_draft": 1.0}
+
+
 def test_memory_plan_from_shapes_matches_the_arrays(report):
   plan = report["plan"]
   real, split, rep = plan["real"], plan["model"], plan["replicated"]
