@@ -315,10 +315,17 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
   over gloo. Must run before any computation.
   """
   coordinator = coordinator or os.environ.get(ENV["coordinator"])
+
+  def env_int(name: str) -> int:
+    value = os.environ[ENV[name]]
+    try:
+      return int(value)
+    except ValueError:
+      raise ConfigError(f"{ENV[name]} must be an integer, got {value!r}") from None
   if num_processes is None and os.environ.get(ENV["num_processes"]):
-    num_processes = int(os.environ[ENV["num_processes"]])
+    num_processes = env_int("num_processes")
   if process_id is None and os.environ.get(ENV["process_id"]):
-    process_id = int(os.environ[ENV["process_id"]])
+    process_id = env_int("process_id")
   if not coordinator and num_processes in (None, 1):
     return False
   if not coordinator or num_processes is None or process_id is None:
