@@ -45,7 +45,28 @@ def dot_general(cfg: ModelConfig):
   return mixed
 
 
-def dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
+class QDense(nn.Module):
+  """Weight-only int8 projection: kernel_q int8 [in, out] and kernel_scale
+  float32 [out] (one scale per output channel, specjax/quant.py);
+  y = (x @ kernel_q.astype(dtype)) * scale. The int8 kernel is what lives in
+  device memory; XLA fuses the convert into the product where it can."""
+  features: int
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    kq = self.param("kernel_q", nn.initializers.zeros_init(),
+                    (x.shape[-1], self.features), jnp.int8)
+    scale = self.param("kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
+    dt = self.cfg.jnp_dtype
+    y = jax.lax.dot_general(x.astype(dt), kq.astype(dt), (((x.ndim - 1,), (0,)), ((), ())))
+    return y * scale.astype(dt)
+
+
+def dense(cfg: ModelConfig, features: int, name: str) -> nn.Module:
+  """A bias-free projection: nn.Dense, or QDense when cfg.quant is 'int8'."""
+  if cfg.quant:
+    return QDense(features, cfg, name=name)
   return nn.Dense(features, use_bias=False, dtype=cfg.jnp_dtype,
                   param_dtype=cfg.jnp_param_dtype, kernel_init=_init, name=name,
                   dot_general=dot_general(cfg))
