@@ -66,11 +66,13 @@ def open_reader(path: str | os.PathLike):
   path = Path(path)
   if not path.is_file():
     raise CheckpointError(f"GGUF file {path} does not exist")
+  with open(path, "rb") as fh:
+    if fh.read(4) != b"GGUF":
+      raise CheckpointError(f"not a GGUF file: {path} does not start with the GGUF magic")
   try:
     reader = gguf.GGUFReader(str(path))
   except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(f"corrupt, truncated or not a GGUF file {path}: "
-                          f"{_first_line(e)}") from None
+    raise CheckpointError(f"truncated or corrupt GGUF file {path}: {_first_line(e)}") from None
   size = path.stat().st_size
   for t in reader.tensors:
     if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
@@ -96,6 +98,12 @@ def field(reader, key: str, default: Any = None) -> Any:
   if f.types[0] == vt.STRING:
     return as_str(f.parts[f.data[0]])
   return f.parts[f.data[0]].tolist()[0]
+
+
+def _float(x) -> float:
+  """A float32 metadata value as the decimal it was written from (1e-05,
+  not 9.99999974e-06), so configs compare equal to their source."""
+  return float(str(np.float32(x)))
 
 
 def _tensor(reader, name: str):
@@ -157,7 +165,7 @@ def read_config(reader, source: str, name: str = "gguf") -> ModelConfig:
   if rot != d_head:
     raise ConfigError(f"{source}: partial RoPE (rope.dimension_count {rot} < "
                       f"head size {d_head}) is not supported")
-  theta = float(field(reader, "llama.rope.freq_base", 10000.0))
+  theta = _float(field(reader, "llama.rope.freq_base", 10000.0))
   tokens = field(reader, "tokenizer.ggml.tokens") or []
   vocab = _shape(embd)[0]
   if len(tokens) > vocab:
@@ -168,7 +176,7 @@ def read_config(reader, source: str, name: str = "gguf") -> ModelConfig:
       name=name, vocab_size=vocab, dim=dim, n_layers=int(need["block_count"]),
       n_heads=heads, n_kv_heads=int(field(reader, "llama.attention.head_count_kv", heads)),
       ffn_dim=int(need["feed_forward_length"]),
-      norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      norm_eps=_float(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
       rope_theta=theta, rope_scaling=_rope_scaling(reader, source, theta, d_head),
       max_seq_len=int(field(reader, "llama.context_length", 2048)),
       tie_embeddings=_tensor(reader, "output.weight") is None,
