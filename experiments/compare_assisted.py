@@ -22,8 +22,8 @@ from specjax import assisted, bench, checkpoint, cli, speculative, steps
 from specjax import workdir as wd
 from specjax.errors import ConfigError
 
-_TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset name, HF directory or orbax directory.")
-_DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset name, HF directory or orbax directory.")
+_TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset name, HF directory, orbax directory or GGUF file.")
+_DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset name, HF directory, orbax directory or GGUF file.")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft tokens per step (HF num_assistant_tokens, constant).",
                               lower_bound=1, upper_bound=64)
 _N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate (the first included).", lower_bound=1)
