@@ -24,7 +24,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 # pylint: disable=wrong-import-position
-from specjax import checkpoint, generation, gguf_file, hf, kv_cache, quant, sharding
+from specjax import checkpoint, costs, generation, gguf_file, hf, kv_cache, layers, quant
+from specjax import sampling, sharding
 from specjax import model as model_lib
 from specjax import speculative, steps
 from specjax.backends.llamacpp import GGUF_CONFIG, gguf_permute, gguf_tensors
@@ -230,6 +231,36 @@ def test_int8_params_have_partition_specs():
     for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
       spec = sharding.param_spec(sharding.path_str(path))
       assert len(spec) in (0, x.ndim), (path, spec)
+
+
+def test_int8_matmul_in_chunks_equals_one_product(monkeypatch):
+  monkeypatch.setattr(layers, "INT8_CHUNK", 1 << 10)
+  rs = np.random.RandomState(0)
+  for shape in ((64, 512), (512, 64)):  # split on out, split on in
+    assert layers._n_chunks(max(shape), 64 * 512) == 32  # pylint: disable=protected-access
+    kq = rs.randint(-127, 128, shape).astype(np.int8)
+    scale = rs.rand(shape[1]).astype(np.float32)
+    x = rs.randn(3, 5, shape[0]).astype(np.float32)
+    got = jax.jit(lambda x, k, s: layers.int8_matmul(x, k, s, jnp.float32))(x, kq, scale)
+    want = (x.astype(np.float64) @ kq.astype(np.float64)) * scale
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-3)
+
+
+def test_int8_decode_loop_holds_no_float_copy_of_the_kernels():
+  """The compiled k-step decode loop's temporaries stay far below the
+  kernels' float32 size: a convert hoisted out of the loop, or all converts
+  alive at once, would need all of it."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the chunked int8 product is the CPU path")
+  cfg = CFG.replace(vocab_size=8192, ffn_dim=1024).with_dtype("int8")
+  params = jax.eval_shape(lambda: model_lib.init_params(cfg))
+  cache = kv_cache.init_cache(cfg, 1, 64)
+  compiled = costs._repeat_forward.lower(  # pylint: disable=protected-access
+      params, jnp.zeros((1, 1), jnp.int32), cache, jax.random.PRNGKey(0), cfg=cfg, k=4,
+      sp=sampling.SamplingParams()).compile()
+  kernels = sum(x.size * 4 for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                if "kernel_q" in sharding.path_str(p))
+  assert compiled.memory_analysis().temp_size_in_bytes < 0.2 * kernels
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
