@@ -200,6 +200,44 @@ def test_qk_permutation_matters(tmp_path, params):
       raw[f"layers_{i}"]["attn"][w] = {"kernel": jnp.asarray(gguf_permute(k.T, heads).T)}
   assert np.abs(logits(CFG, raw, TOKS) - logits(CFG, got, TOKS)).max() > 0.1
 
+_MESH_WORKER = """
+import json, sys
+import numpy as np
+from specjax import checkpoint, kv_cache, model, sharding
+path, out = sys.argv[1], {}
+toks = np.arange(24).reshape(2, 12) * 7 % 256
+for spec in (None, "model:2", "data:2,model:2"):
+  for dtype in (None, "int8"):
+    with sharding.use(None if spec is None else sharding.make_mesh(spec)):
+      cfg, params, _ = checkpoint.load_model(path, dtype=dtype)
+      cache = kv_cache.init_cache(cfg, 2, 12)
+      frac = params["layers_0"]["attn"]["wq"]
+      leaf = frac["kernel"] if "kernel" in frac else frac["kernel_q"]
+      logits = model.forward(params, toks, cache, cfg)[0]
+      out[f"{spec}/{dtype}"] = {"logits": np.asarray(logits).tolist(),
+                                "share": leaf.addressable_shards[0].data.size / leaf.size}
+print(json.dumps(out))
+"""
+
+
+def test_sharded_load_equals_single_device(tmp_path, params):
+  """A Q8_0 file loaded on meshes of 4 virtual devices (each device reads and
+  dequantizes its own rows), float and int8: the single-device logits."""
+  import json  # pylint: disable=import-outside-toplevel
+  write_model(tmp_path / "q8.gguf", CFG, params, Q.Q8_0)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-c", _MESH_WORKER, str(tmp_path / "q8.gguf")],
+                        env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for dtype in ("None", "int8"):
+    ref = np.array(out[f"None/{dtype}"]["logits"])
+    for spec in ("model:2", "data:2,model:2"):
+      got = out[f"{spec}/{dtype}"]
+      np.testing.assert_allclose(np.array(got["logits"]), ref, atol=2e-5, err_msg=spec)
+      assert got["share"] == 0.5, (spec, dtype)
+
 # ------------------------------------------------------------ int8
 
 
@@ -468,6 +506,36 @@ def test_unsupported_rope_scaling_type(tmp_path, params):
   write_model(tmp_path / "m.gguf", CFG, params, tokenizer=tok)
   with pytest.raises(CheckpointError, match="rope scaling type 'yarn' is not supported"):
     gguf_file.load_gguf(tmp_path / "m.gguf")
+
+
+def llama3_factors(d_head, theta, factor=8.0, low=1.0, high=4.0, old_ctx=8192):
+  """rope_freqs as llama.cpp's convert_hf_to_gguf.py computes them."""
+  import math  # pylint: disable=import-outside-toplevel
+  freqs = 1.0 / (theta ** (np.arange(0, d_head, 2, dtype=np.float32) / d_head))
+  out = []
+  for f in freqs:
+    wavelen = 2 * math.pi / f
+    if wavelen < old_ctx / high:
+      out.append(1.0)
+    elif wavelen > old_ctx / low:
+      out.append(factor)
+    else:
+      smooth = (old_ctx / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.array(out, np.float32)
+
+
+def test_llama3_rope_freqs(tmp_path, params):
+  from specjax.config import RopeScaling  # pylint: disable=import-outside-toplevel
+  def add(factors):
+    return lambda t: t.update({"rope_freqs.weight": factors})
+  write_model(tmp_path / "l3.gguf", CFG, params, edit=add(llama3_factors(64, 1e4, factor=32.0)))
+  cfg, _, _ = gguf_file.load_gguf(tmp_path / "l3.gguf")
+  assert cfg.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+  write_model(tmp_path / "odd.gguf", CFG, params,
+              edit=add(llama3_factors(64, 1e4, factor=8.0, high=2.0)))
+  with pytest.raises(CheckpointError, match="rope_freqs.weight is not LLaMA-3 scaling"):
+    gguf_file.load_gguf(tmp_path / "odd.gguf")
 
 
 def run_script(*args):
