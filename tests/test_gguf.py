@@ -182,9 +182,10 @@ def test_gguf_equals_safetensors(tmp_path, params, tied):
   gcfg, gparams, tok = checkpoint.load_model(str(tmp_path / "m.gguf"))
   assert gcfg.tie_embeddings == tied and tok is not None
   assert gcfg == hcfg.replace(name=gcfg.name)
-  assert np.array_equal(logits(gcfg, gparams, TOKS), logits(hcfg, hparams, TOKS))
+  # Both run under hcfg (equal but for the name): one compilation.
+  assert np.array_equal(logits(hcfg, gparams, TOKS), logits(hcfg, hparams, TOKS))
   prompt = [[5, 17, 42, 9]]
-  assert (generation.generate(steps.Runner(gcfg, gparams), prompt, 16).tokens
+  assert (generation.generate(steps.Runner(hcfg, gparams), prompt, 16).tokens
           == generation.generate(steps.Runner(hcfg, hparams), prompt, 16).tokens)
 
 
@@ -301,8 +302,7 @@ def test_int8_decode_loop_holds_no_float_copy_of_the_kernels():
   assert compiled.memory_analysis().temp_size_in_bytes < 0.2 * kernels
 
 
-@pytest.mark.parametrize("gamma", [1, 4])
-def test_greedy_speculative_with_int8_draft_equals_target_only(gamma):
+def test_greedy_speculative_with_int8_draft_equals_target_only(gamma=3):
   cfg = get_preset("tiny")
   tparams = model_lib.init_params(cfg, 1)
   tparams = {**tparams, "lm_head": {"kernel": tparams["lm_head"]["kernel"] * 40.0}}
