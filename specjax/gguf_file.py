@@ -93,8 +93,12 @@ def open_reader(path: str | os.PathLike):
       raise CheckpointError(f"not a GGUF file: {path} does not start with the GGUF magic")
   try:
     reader = _reader_class()(str(path))
-  except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(f"truncated or corrupt GGUF file {path}: {_first_line(e)}") from None
+  except Exception:  # pylint: disable=broad-except
+    try:  # the package's own reader, in case its internals changed; its reason
+      reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(f"truncated or corrupt GGUF file {path}: "
+                            f"{_first_line(e)}") from None
   size = path.stat().st_size
   for t in reader.tensors:
     if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:

@@ -203,7 +203,13 @@ def params_to_hf_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   """Params -> {HF name: numpy array in torch layout}, in the params' dtype.
 
   With tied embeddings there is no `lm_head.weight` (as in HF's own files).
+
+  Raises:
+    ConfigError: quantized (int8) params, which have no HF layout.
   """
+  if cfg.quant:
+    raise ConfigError(f"{cfg.name}: {cfg.quant} params have no HF / GGUF / torch "
+                      f"layout; convert or compare the float model")
   state = {}
   for t in _tensor_map(cfg):
     node = params
