@@ -18,7 +18,7 @@ import os
 
 from absl import flags
 
-from specjax import assisted, bench, checkpoint, cli, speculative, steps
+from specjax import assisted, bench, checkpoint, cli, speculative, steps, tokenizer
 from specjax import workdir as wd
 from specjax.errors import ConfigError
 
@@ -57,9 +57,10 @@ def main(argv):
   torch = _torch()
   torch.set_num_threads(_THREADS.value)
   tcfg, tparams, tok = checkpoint.load_model(_TARGET.value, dtype=_DTYPE.value, seed=_SEED.value)
-  dcfg, dparams, _ = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1,
-                                           role="draft")
+  dcfg, dparams, dtok = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1,
+                                              role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
+  tokenizer.check_same_tokens(tok, dtok)
   prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, tcfg.vocab_size)
   target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
   pt_target, pt_draft = assisted.torch_models(target, draft, _HF_ATTN.value)

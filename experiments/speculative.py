@@ -20,7 +20,7 @@ import statistics
 
 from absl import flags
 
-from specjax import acceptance, checkpoint, cli, generation, schema, speculative, steps
+from specjax import acceptance, checkpoint, cli, generation, schema, speculative, steps, tokenizer
 from specjax import workdir as wd
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory, orbax "
@@ -55,9 +55,10 @@ def main(argv):
   gamma = _DRAFT.value
   rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
-  dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE_DRAFT.value or _GEN.dtype,
-                                           seed=_GEN.seed + 1, role="draft")
+  dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE_DRAFT.value or _GEN.dtype,
+                                              seed=_GEN.seed + 1, role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
+  tokenizer.check_same_tokens(tok, dtok)
   prompt = _GEN.prompt(tok, tcfg.vocab_size)
   sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)

@@ -456,6 +456,28 @@ def test_add_bos_false_and_eos_true(tmp_path, sp_dir):
   ids = tok.encode("Hello world")
   assert ids[0] != 1 and ids[-1] == 2
 
+def test_draft_and_target_tokens_must_agree(tmp_path, sp_dir):
+  """The same pieces from SentencePiece and from a GGUF agree; a vocabulary
+  of the same size with other strings is refused in one line."""
+  from specjax.errors import TokenizerError  # pylint: disable=import-outside-toplevel
+  from specjax.tokenizer import check_same_tokens, load_tokenizer  # pylint: disable=import-outside-toplevel
+  toks, scores, types = zip(*gguf.SentencePieceVocab(sp_dir).all_tokens())
+
+  def vocab(pieces):
+    def write(w):
+      w.add_tokenizer_model("llama")
+      w.add_token_list(pieces)
+      w.add_token_scores(list(scores))
+      w.add_token_types([int(t) for t in types])
+    return write
+  same = write_vocab_only(tmp_path / "a.gguf", vocab(list(toks)))
+  check_same_tokens(load_tokenizer(sp_dir), same)
+  other = list(toks)
+  other[300] = "\u2581renamed"
+  with pytest.raises(TokenizerError, match=r"vocabularies differ: token 300 is .* in the "
+                                           r"target .*'\u2581renamed' in the draft"):
+    check_same_tokens(same, write_vocab_only(tmp_path / "b.gguf", vocab(other)))
+
 # ------------------------------------------------------------ bad input
 
 
