@@ -184,9 +184,10 @@ def test_gguf_equals_safetensors(tmp_path, params, tied):
   assert gcfg == hcfg.replace(name=gcfg.name)
   # Both run under hcfg (equal but for the name): one compilation.
   assert np.array_equal(logits(hcfg, gparams, TOKS), logits(hcfg, hparams, TOKS))
-  prompt = [[5, 17, 42, 9]]
-  assert (generation.generate(steps.Runner(hcfg, gparams), prompt, 16).tokens
-          == generation.generate(steps.Runner(hcfg, hparams), prompt, 16).tokens)
+  if not tied:  # greedy tokens too (once: a compilation per config)
+    prompt = [[5, 17, 42, 9]]
+    assert (generation.generate(steps.Runner(hcfg, gparams), prompt, 16).tokens
+            == generation.generate(steps.Runner(hcfg, hparams), prompt, 16).tokens)
 
 
 def test_qk_permutation_matters(tmp_path, params):
@@ -207,7 +208,7 @@ import numpy as np
 from specjax import checkpoint, kv_cache, model, sharding
 path, out = sys.argv[1], {}
 toks = np.arange(24).reshape(2, 12) * 7 % 256
-for spec in (None, "model:2", "data:2,model:2"):
+for spec in (None, "data:2,model:2"):
   for dtype in (None, "int8"):
     with sharding.use(None if spec is None else sharding.make_mesh(spec)):
       cfg, params, _ = checkpoint.load_model(path, dtype=dtype)
@@ -234,7 +235,7 @@ def test_sharded_load_equals_single_device(tmp_path, params):
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   for dtype in ("None", "int8"):
     ref = np.array(out[f"None/{dtype}"]["logits"])
-    for spec in ("model:2", "data:2,model:2"):
+    for spec in ("data:2,model:2",):
       got = out[f"{spec}/{dtype}"]
       np.testing.assert_allclose(np.array(got["logits"]), ref, atol=2e-5, err_msg=spec)
       assert got["share"] == 0.5, (spec, dtype)
@@ -575,7 +576,8 @@ def one_line_error(proc, pattern):
 
 def test_scripts_on_gguf_files(tmp_path, params):
   """A GGUF target with an int8 GGUF draft runs; a GGUF draft of another
-  vocabulary and a truncated file are one line and exit 1."""
+  vocabulary is one line and exit 1 (the other bad files' lines are the
+  same CheckpointErrors, tested above)."""
   tiny = get_preset("tiny")
   write_model(tmp_path / "t.gguf", tiny, model_lib.init_params(tiny, 0))
   draft = get_preset("tiny-draft")
@@ -590,7 +592,3 @@ def test_scripts_on_gguf_files(tmp_path, params):
   one_line_error(run_script(f"--model={tmp_path / 't.gguf'}",
                             f"--model_draft={tmp_path / 'v300.gguf'}", "--n_predict=4"),
                  r"error: draft and target vocabularies differ")
-  data = (tmp_path / "t.gguf").read_bytes()
-  (tmp_path / "t.gguf").write_bytes(data[:len(data) // 2])
-  one_line_error(run_script(f"--model={tmp_path / 't.gguf'}", "--model_draft=tiny-draft",
-                            "--n_predict=4"), r"error: truncated or corrupt GGUF file")
