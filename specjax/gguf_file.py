@@ -35,9 +35,9 @@ from absl import logging
 
 from specjax import hf
 from specjax import model as model_lib
-from specjax import sharding
+from specjax import quant, sharding
 from specjax.backends.llamacpp import _GGUF_LAYER, _GGUF_TOP, gguf_permute
-from specjax.config import ModelConfig, RopeScaling
+from specjax.config import INT8, ModelConfig, RopeScaling, canonical_precision
 from specjax.errors import CheckpointError, ConfigError, TokenizerError
 from specjax.tokenizer import Tokenizer
 
@@ -296,12 +296,16 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None, role: str = "ta
 
   Args:
     dtype: compute and param dtype; default float32 (what every GGUF type
-      dequantizes to exactly, F16 and BF16 included).
+      dequantizes to exactly, F16 and BF16 included); 'int8' quantizes the
+      float32 weights per channel (quant.py).
     role: 'target' or 'draft': the placement on the active mesh.
   Raises:
     CheckpointError: one line: not GGUF, truncated, not llama, a missing or
       unexpected tensor, a tensor type gguf cannot dequantize.
   """
+  if dtype and canonical_precision(dtype) == INT8:  # float32, then quantized
+    cfg, params, tok = load_gguf(path, "float32", role)
+    return (*quant.quantize_model(cfg, params, role), tok)
   path = Path(path)
   reader = open_reader(path)
   source = str(path)

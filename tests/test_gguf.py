@@ -30,7 +30,7 @@ from specjax import model as model_lib
 from specjax import speculative, steps
 from specjax.backends.llamacpp import GGUF_CONFIG, gguf_permute, gguf_tensors
 from specjax.config import ModelConfig, get_preset
-from specjax.errors import CheckpointError, ConfigError
+from specjax.errors import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Q = gguf.GGMLQuantizationType
