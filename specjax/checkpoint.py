@@ -154,6 +154,9 @@ def load(path: str | os.PathLike, dtype: str | None = None, role: str = "target"
     if canonical_precision(dtype) != cfg.quant:
       raise CheckpointError(f"{path} holds {cfg.quant} weights; they load as "
                             f"--dtype={cfg.quant} only, not {dtype}")
+  elif dtype and canonical_precision(dtype) == INT8:
+    raise CheckpointError(f"{path} holds float weights; int8 goes through "
+                          f"load_model(..., dtype='int8')")
   elif dtype:
     cfg = cfg.with_dtype(dtype)
     params = jax.tree_util.tree_map(  # astype keeps each array's sharding
