@@ -28,7 +28,7 @@ ALL_BACKENDS = ("xla", "xla-loop", "torch", "torch-compile", "llama.cpp")
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.models = ("llama-160m", "cpu-target")  # shapes: presets (random weights), HF or orbax dirs
+  c.models = ("llama-160m", "cpu-target")  # shapes: presets (random weights), HF or orbax dirs, GGUF files
   c.dtypes = ("float32",)          # compute = param dtype, the same on every backend
   c.n_tokens = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 32, 64)  # N per forward at B = 1; includes 1
   c.depths = (128, 1024)           # tokens already in the KV cache before every call (n_depth)

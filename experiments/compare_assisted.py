@@ -18,12 +18,12 @@ import os
 
 from absl import flags
 
-from specjax import assisted, bench, checkpoint, cli, speculative, steps
+from specjax import assisted, bench, checkpoint, cli, speculative, steps, tokenizer
 from specjax import workdir as wd
 from specjax.errors import ConfigError
 
-_TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset name, HF directory or orbax directory.")
-_DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset name, HF directory or orbax directory.")
+_TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset name, HF directory, orbax directory or GGUF file.")
+_DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset name, HF directory, orbax directory or GGUF file.")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft tokens per step (HF num_assistant_tokens, constant).",
                               lower_bound=1, upper_bound=64)
 _N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate (the first included).", lower_bound=1)
@@ -57,9 +57,10 @@ def main(argv):
   torch = _torch()
   torch.set_num_threads(_THREADS.value)
   tcfg, tparams, tok = checkpoint.load_model(_TARGET.value, dtype=_DTYPE.value, seed=_SEED.value)
-  dcfg, dparams, _ = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1,
-                                           role="draft")
+  dcfg, dparams, dtok = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1,
+                                              role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
+  tokenizer.check_same_tokens(tok, dtok)
   prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, tcfg.vocab_size)
   target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
   pt_target, pt_draft = assisted.torch_models(target, draft, _HF_ATTN.value)

@@ -20,11 +20,13 @@ import statistics
 
 from absl import flags
 
-from specjax import acceptance, checkpoint, cli, generation, schema, speculative, steps
+from specjax import acceptance, checkpoint, cli, generation, schema, speculative, steps, tokenizer
 from specjax import workdir as wd
 
-_MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory or orbax directory.")
-_MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset name, HF directory or orbax directory.")
+_MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory, orbax "
+                             "directory or GGUF file.")
+_MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset name, HF directory, "
+                                   "orbax directory or GGUF file.")
 _N_PREDICT = flags.DEFINE_integer("n_predict", 128, "Tokens to generate.", lower_bound=1)
 _DRAFT = flags.DEFINE_integer("draft", 5, "gamma, the draft length: tokens drafted per step "
                               "(llama.cpp's --draft).", lower_bound=1, upper_bound=64)
@@ -33,6 +35,9 @@ _ACCEPT = flags.DEFINE_string("accept", "real", "Acceptance rule: real | always 
 _P_MIN = flags.DEFINE_float("p_min", 0.0, "Stop drafting when the draft's top probability is below this.",
                             lower_bound=0.0, upper_bound=1.0)
 _GEN = cli.GenerationFlags("Sampling seed (random-init seed of presets: seed, seed+1).")
+_DTYPE_DRAFT = flags.DEFINE_enum(
+    "dtype_draft", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16", "bf16-mixed",
+                          "int8"], "The draft's dtype (e.g. int8 for a cheap draft); default: --dtype.")
 _CTX = flags.DEFINE_integer("ctx_size", None, "Context: the longest sequence (prompt + n_predict) "
                             "allowed, and the KV cache's size; default: what the run needs "
                             "(within the target's max_seq_len).", lower_bound=1)
@@ -50,9 +55,10 @@ def main(argv):
   gamma = _DRAFT.value
   rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
-  dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_GEN.dtype, seed=_GEN.seed + 1,
-                                           role="draft")
+  dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE_DRAFT.value or _GEN.dtype,
+                                              seed=_GEN.seed + 1, role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
+  tokenizer.check_same_tokens(tok, dtok)
   prompt = _GEN.prompt(tok, tcfg.vocab_size)
   sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)

@@ -18,10 +18,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from specjax import hf
+from specjax import gguf_file, hf
 from specjax import model as model_lib
-from specjax import sharding
-from specjax.config import ModelConfig, get_preset, preset_names
+from specjax import quant, sharding
+from specjax.config import INT8, ModelConfig, canonical_precision, get_preset, preset_names
 from specjax.errors import CheckpointError, TokenizerError
 from specjax.tokenizer import FILES as TOKENIZER_FILES
 from specjax.tokenizer import Tokenizer, load_tokenizer
@@ -150,7 +150,14 @@ def load(path: str | os.PathLike, dtype: str | None = None, role: str = "target"
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(f"cannot restore {params_dir} for config "
                           f"{cfg.name!r}: {_one_line(e)}") from e
-  if dtype:
+  if dtype and cfg.quant:
+    if canonical_precision(dtype) != cfg.quant:
+      raise CheckpointError(f"{path} holds {cfg.quant} weights; they load as "
+                            f"--dtype={cfg.quant} only, not {dtype}")
+  elif dtype and canonical_precision(dtype) == INT8:
+    raise CheckpointError(f"{path} holds float weights; int8 goes through "
+                          f"load_model(..., dtype='int8')")
+  elif dtype:
     cfg = cfg.with_dtype(dtype)
     params = jax.tree_util.tree_map(  # astype keeps each array's sharding
         lambda x: x.astype(cfg.jnp_param_dtype), params)
@@ -173,8 +180,12 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
     spec: a preset name (random weights from `seed`: speed does not depend
       on the values), a shipped model (stdlib-target, stdlib-draft: the
       trained pair in specjax/assets), an HF directory (has config.json) or
-      a specjax orbax directory (has specjax_config.json).
+      a specjax orbax directory (has specjax_config.json), or a llama.cpp
+      GGUF file (*.gguf: any type gguf can dequantize; its tokenizer from the
+      metadata; gguf_file.load_gguf).
     dtype: compute and param dtype; default: the preset's / checkpoint's.
+      'int8' (weight-only, quant.py): a preset quantizes its random init,
+      a checkpoint is loaded in float32 and quantized.
     role: 'target' or 'draft'. On the active mesh (sharding.activate) a
       target is split over the model axis, a draft is split or replicated
       (--draft_sharding); every device reads or creates only its own shards.
@@ -188,6 +199,18 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
     return cfg, model_lib.init_params(
         cfg, seed, sharding.role_shardings(cfg, shapes, role)), None
   path = SHIPPED.get(spec, Path(spec))
+  stored_int8 = is_orbax_dir(path) and _read_config(path).quant == INT8
+  if dtype and canonical_precision(dtype) == INT8 and not stored_int8:
+    cfg, params, tok = _load_model(spec, "float32", role)
+    return (*quant.quantize_model(cfg, params, role), tok)
+  return _load_model(spec, dtype, role)
+
+
+def _load_model(spec: str, dtype: str | None, role: str):
+  """load_model for a GGUF file, shipped model, orbax or HF directory."""
+  if gguf_file.is_gguf_file(spec):
+    return gguf_file.load_gguf(spec, dtype, role)
+  path = SHIPPED.get(spec, Path(spec))
   if spec in SHIPPED and not (path / hf.CONFIG_FILE).is_file():
     raise CheckpointError(f"shipped model {spec!r} is missing from {path}; regenerate "
                           f"it with experiments/train.py (see README)")
@@ -197,10 +220,11 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
     cfg, params = hf.load_hf(path, dtype, role)
   else:
     what = ("a directory with neither config.json nor specjax_config.json"
-            if path.is_dir() else "not a preset name or an existing directory")
+            if path.is_dir() else "not a preset name, an existing directory or "
+            "an existing .gguf file")
     raise CheckpointError(
         f"--model {spec!r} is {what}; expected a preset name, an HF directory "
-        f"(with config.json + model.safetensors) or a specjax orbax directory "
-        f"(with {CONFIG_FILE}); shipped: {', '.join(SHIPPED)}; "
+        f"(with config.json + model.safetensors), a specjax orbax directory "
+        f"(with {CONFIG_FILE}) or a GGUF file; shipped: {', '.join(SHIPPED)}; "
         f"presets: {', '.join(preset_names())}")
   return cfg, params, _checked_tokenizer(path, cfg)

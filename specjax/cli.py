@@ -100,9 +100,11 @@ class GenerationFlags:
                                      lower_bound=1e-6, upper_bound=1.0)
     self._seed = flags.DEFINE_integer("seed", 0, seed_help)
     self._dtype = flags.DEFINE_enum(
-        "dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16", "bf16-mixed"],
+        "dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16", "bf16-mixed",
+                           "int8"],
         "Compute and parameter dtype (bf16-mixed: bf16 weights and matmul operands, f32 "
-        "accumulation and the rest in f32); default: the model's own.")
+        "accumulation and the rest in f32; int8: weight-only int8 projections with one "
+        "f32 scale per output channel, computed in f32); default: the model's own.")
 
   @property
   def seed(self) -> int:

@@ -26,11 +26,18 @@ DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "bf16": "bfloat16",
 # f32, everything else (norms, softmax, residual stream, cache) in f32.
 MIXED = "bf16-mixed"
 MIXED_ALIASES = ("mixed", "bf16-mixed", "bf16_mixed")
+# Weight-only int8: the q/k/v/o/gate/up/down projections and the lm_head as
+# int8 with one float32 scale per output channel, computed in float32
+# (layers.QDense, specjax/quant.py); embedding and norms float32.
+INT8 = "int8"
+QUANT_MODES = (INT8,)
 
 
 def canonical_precision(name: str) -> str:
-  """A dtype name (canonical_dtype) or the mixed mode 'bf16-mixed'."""
-  return MIXED if str(name).lower() in MIXED_ALIASES else canonical_dtype(name)
+  """A dtype name (canonical_dtype), the mixed mode 'bf16-mixed' or 'int8'."""
+  if str(name).lower() in MIXED_ALIASES:
+    return MIXED
+  return INT8 if str(name).lower() == INT8 else canonical_dtype(name)
 
 
 def canonical_dtype(name: str) -> str:
@@ -74,8 +81,12 @@ class ModelConfig:
                                 # length); 0 = one masked pass over the capacity
   bos_token_id: int | None = None
   eos_token_id: int | None = None
+  quant: str | None = None      # 'int8': weight-only int8 projections (see INT8)
 
   def __post_init__(self):
+    if self.quant not in (None,) + QUANT_MODES:
+      raise ConfigError(f"{self.name}: quant must be one of {QUANT_MODES} or None, "
+                        f"got {self.quant!r}")
     if int(self.attn_block) < 0:
       raise ConfigError(f"{self.name}: attn_block must be >= 0, got {self.attn_block}")
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
@@ -111,7 +122,9 @@ class ModelConfig:
 
   @property
   def precision(self) -> str:
-    """'float32', 'bfloat16', ... or 'bf16-mixed' (see MIXED)."""
+    """'float32', 'bfloat16', ..., 'bf16-mixed' (see MIXED) or 'int8'."""
+    if self.quant:
+      return self.quant
     if self.dot_dtype == "bfloat16" and self.param_dtype == "bfloat16" and \
         self.dtype == "float32":
       return MIXED
@@ -120,11 +133,15 @@ class ModelConfig:
   def with_dtype(self, dtype: str) -> "ModelConfig":
     """Same model with compute and parameter dtype both set to `dtype`, or
     the mixed mode ('bf16-mixed': bf16 weights and matmul operands, f32
-    accumulation and everything else in f32)."""
-    if canonical_precision(dtype) == MIXED:
-      return self.replace(dtype="float32", param_dtype="bfloat16", dot_dtype="bfloat16")
-    dtype = canonical_dtype(dtype)
-    return self.replace(dtype=dtype, param_dtype=dtype, dot_dtype=None)
+    accumulation and everything else in f32), or 'int8' (see INT8)."""
+    precision = canonical_precision(dtype)
+    if precision == MIXED:
+      return self.replace(dtype="float32", param_dtype="bfloat16", dot_dtype="bfloat16",
+                          quant=None)
+    if precision == INT8:
+      return self.replace(dtype="float32", param_dtype="float32", dot_dtype=None,
+                          quant=INT8)
+    return self.replace(dtype=precision, param_dtype=precision, dot_dtype=None, quant=None)
 
   def num_params(self) -> int:
     e, f, d = self.dim, self.ffn_dim, self.d_head

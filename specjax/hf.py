@@ -28,7 +28,7 @@ import numpy as np
 
 from specjax import model as model_lib
 from specjax import sharding
-from specjax.config import ModelConfig, RopeScaling, canonical_dtype
+from specjax.config import INT8, ModelConfig, RopeScaling, canonical_dtype, canonical_precision
 from specjax.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
@@ -203,7 +203,13 @@ def params_to_hf_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   """Params -> {HF name: numpy array in torch layout}, in the params' dtype.
 
   With tied embeddings there is no `lm_head.weight` (as in HF's own files).
+
+  Raises:
+    ConfigError: quantized (int8) params, which have no HF layout.
   """
+  if cfg.quant:
+    raise ConfigError(f"{cfg.name}: {cfg.quant} params have no HF / GGUF / torch "
+                      f"layout; convert or compare the float model")
   state = {}
   for t in _tensor_map(cfg):
     node = params
@@ -483,6 +489,9 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, role: str = "targ
   Raises:
     CheckpointError: one line naming what is missing, mis-shaped or corrupt.
   """
+  if dtype and canonical_precision(dtype) == INT8:
+    raise ConfigError("load_hf loads float weights; int8 goes through "
+                      "checkpoint.load_model(..., dtype='int8')")
   path = Path(path)
   cfg = read_hf_config(path, dtype)
   state = SafetensorsState(_weight_files(path))

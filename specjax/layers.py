@@ -45,7 +45,75 @@ def dot_general(cfg: ModelConfig):
   return mixed
 
 
-def dense(cfg: ModelConfig, features: int, name: str) -> nn.Dense:
+# On CPU an int8 kernel is converted and multiplied chunk by chunk (about
+# 512 KB of float32 each) in a rolled loop: XLA:CPU does not fuse the convert
+# into the product, so a whole-kernel convert writes and re-reads a float
+# copy of every kernel each step (and the scheduler keeps them all alive at
+# once); a chunk stays in cache between its convert and its product. Chunk
+# sizes of 2^16-2^18 elements decode llama-160m alike on a 2-core EPYC, 2^20
+# is slower (experiments/gguf_bench.py).
+INT8_CHUNK = 1 << 17
+
+
+def _n_chunks(n: int, size: int) -> int:
+  """The smallest divisor c of n with size / c <= INT8_CHUNK (else n)."""
+  for c in range(max(1, -(-size // INT8_CHUNK)), n + 1):
+    if n % c == 0:
+      return c
+  return n
+
+
+def int8_matmul(x, kq, scale, dtype):
+  """(x @ kq.astype(dtype)) * scale, x [..., in], kq int8 [in, out], scale [out].
+
+  On one CPU device, in chunks of the larger of in / out (INT8_CHUNK); else
+  one convert next to its product, which GPU backends fuse. The kernel is
+  tied to x (an optimization barrier): in a loop (the device decode and
+  speculative loops) XLA would otherwise hoist the loop-invariant convert
+  out of the loop and hold a float copy of every kernel for the whole call.
+  """
+  from specjax import sharding  # pylint: disable=import-outside-toplevel
+  x = x.astype(dtype)
+  n_in, n_out = kq.shape
+  axis = 1 if n_out >= n_in else 0
+  c = _n_chunks(kq.shape[axis], kq.size)
+  if c == 1 or jax.default_backend() != "cpu" or sharding.current() is not None:
+    x, kq = jax.lax.optimization_barrier((x, kq))
+    return jnp.matmul(x, kq.astype(dtype)) * scale.astype(dtype)
+  w = kq.shape[axis] // c
+  last = x.ndim - 1
+  if axis == 1:  # split the output columns (the lm_head, q/k/v, gate/up)
+    def body(i, y):
+      part = jnp.matmul(x, jax.lax.dynamic_slice_in_dim(kq, i * w, w, 1).astype(dtype))
+      return jax.lax.dynamic_update_slice_in_dim(y, part, i * w, last)
+  else:  # split the contraction (o, down): contiguous rows, partial sums
+    def body(i, y):
+      xi = jax.lax.dynamic_slice_in_dim(x, i * w, w, last)
+      return y + jnp.matmul(xi, jax.lax.dynamic_slice_in_dim(kq, i * w, w, 0).astype(dtype))
+  y = jax.lax.fori_loop(0, c, body, jnp.zeros(x.shape[:-1] + (n_out,), dtype))
+  return y * scale.astype(dtype)
+
+
+class QDense(nn.Module):
+  """Weight-only int8 projection: kernel_q int8 [in, out] and kernel_scale
+  float32 [out] (one scale per output channel, specjax/quant.py);
+  y = (x @ kernel_q) * scale in cfg.dtype (int8_matmul). The int8 kernel is
+  what lives in device memory; its float conversion is transient."""
+  features: int
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    kq = self.param("kernel_q", nn.initializers.zeros_init(),
+                    (x.shape[-1], self.features), jnp.int8)
+    scale = self.param("kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
+    return int8_matmul(x, kq, scale, self.cfg.jnp_dtype)
+
+
+def dense(cfg: ModelConfig, features: int, name: str) -> nn.Module:
+  """A bias-free projection: nn.Dense, or QDense when cfg.quant is 'int8'."""
+  if cfg.quant:
+    return QDense(features, cfg, name=name)
   return nn.Dense(features, use_bias=False, dtype=cfg.jnp_dtype,
                   param_dtype=cfg.jnp_param_dtype, kernel_init=_init, name=name,
                   dot_general=dot_general(cfg))

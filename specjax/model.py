@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from specjax import kv_cache as kvc
 from specjax.config import ModelConfig
-from specjax.layers import Block, RMSNorm, _init, dot_general
+from specjax import quant
+from specjax.layers import Block, RMSNorm, _init, dense, dot_general
 
 
 class Llama(nn.Module):
@@ -49,15 +50,15 @@ class Llama(nn.Module):
       logits = dot_general(cfg)(x.astype(cfg.jnp_dtype), table,
                                 (((x.ndim - 1,), (1,)), ((), ())))
     else:
-      logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.jnp_dtype,
-                        param_dtype=cfg.jnp_param_dtype, kernel_init=_init,
-                        name="lm_head", dot_general=dot_general(cfg))(x)
+      logits = dense(cfg, cfg.vocab_size, "lm_head")(x)
     t = tokens.shape[1]
     new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
     return logits.astype(jnp.float32), new_cache
 
 
 def _random_params(cfg: ModelConfig, key):
+  if cfg.quant:  # the float model's random weights, quantized
+    return quant.quantize_params(_random_params(cfg.replace(quant=None), key))
   cache = kvc.init_cache(cfg, 1, 1)
   tokens = jnp.zeros((1, 1), jnp.int32)
   return Llama(cfg).init(key, tokens, tokens, cache)["params"]

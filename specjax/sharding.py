@@ -65,6 +65,18 @@ PARAM_SPECS: tuple[tuple[str, P], ...] = (
     (r"/mlp/w_down/kernel$", P("model", None)),              # [F, E]: rows
     (r"(^|/)lm_head/kernel$", P(None, "model")),             # [E, V]: vocab
     (r"(^|/|_)norm/scale$", P()),                            # norms: replicated
+    # --dtype=int8 (quant.py): int8 kernels split as the float ones, and
+    # each per-output-channel scale as the kernel's output columns.
+    (r"/attn/w[qkv]/kernel_q$", P(None, "model")),
+    (r"/attn/w[qkv]/kernel_scale$", P("model")),
+    (r"/attn/wo/kernel_q$", P("model", None)),
+    (r"/attn/wo/kernel_scale$", P()),
+    (r"/mlp/w_(gate|up)/kernel_q$", P(None, "model")),
+    (r"/mlp/w_(gate|up)/kernel_scale$", P("model")),
+    (r"/mlp/w_down/kernel_q$", P("model", None)),
+    (r"/mlp/w_down/kernel_scale$", P()),
+    (r"(^|/)lm_head/kernel_q$", P(None, "model")),
+    (r"(^|/)lm_head/kernel_scale$", P("model")),
 )
 
 
@@ -280,7 +292,8 @@ def from_slices(shape, dtype, sharding: NamedSharding,
 
 def is_split(params) -> bool:
   """True if `params` are split over a model axis (read from a k kernel)."""
-  leaf = params["layers_0"]["attn"]["wk"]["kernel"]
+  wk = params["layers_0"]["attn"]["wk"]
+  leaf = wk["kernel"] if "kernel" in wk else wk["kernel_q"]
   spec = getattr(getattr(leaf, "sharding", None), "spec", None)
   return bool(spec) and "model" in tuple(spec)
 

@@ -79,6 +79,13 @@ class Tokenizer:
       return self._backend.decode(ids, skip_special_tokens=skip_special)
     return self._backend.decode(ids)
 
+  def tokens(self) -> list[str]:
+    """Every token's string, by id."""
+    if self.kind == "hf":
+      by_id = {i: t for t, i in self._backend.get_vocab(with_added_tokens=True).items()}
+      return [by_id.get(i, "") for i in range(max(by_id, default=-1) + 1)]
+    return [self._backend.id_to_piece(i) for i in range(self._backend.get_piece_size())]
+
   def __repr__(self) -> str:
     return (f"Tokenizer({self.kind}, vocab={self.vocab_size}, bos={self.bos_id}, "
             f"eos={self.eos_id}, source={self.source!r})")
@@ -162,3 +169,21 @@ def load_tokenizer(directory: str | os.PathLike, bos_id: int | None = None,
   if (directory / SP_FILE).is_file():
     return _load_sp(directory / SP_FILE, bos_id, eos_id)
   return None
+
+
+def check_same_tokens(target: Tokenizer | None, draft: Tokenizer | None) -> None:
+  """Speculative decoding compares token ids, so an id must be the same text
+  for both models (llama.cpp checks the same). Tokens both tokenizers have
+  are compared; a model without a tokenizer is not checked.
+
+  Raises:
+    TokenizerError: the first id whose string differs.
+  """
+  if target is None or draft is None:
+    return
+  a, b = target.tokens(), draft.tokens()
+  for i, (x, y) in enumerate(zip(a, b)):
+    if x != y:
+      raise TokenizerError(f"draft and target vocabularies differ: token {i} is {x!r} "
+                           f"in the target ({target.source}), {y!r} in the draft "
+                           f"({draft.source})")

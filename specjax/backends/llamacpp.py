@@ -225,25 +225,37 @@ GGUF_CONFIG = (
 )
 
 
-def write_gguf(path: str | os.PathLike, cfg: ModelConfig, params) -> Path:
+def write_gguf(path: str | os.PathLike, cfg: ModelConfig, params,
+               tensor_type: str | None = None) -> Path:
   """Writes `params` as a llama.cpp GGUF file (llama architecture): weights
   in cfg.param_dtype (norms f32, as llama.cpp's converter keeps them).
 
+  Args:
+    tensor_type: a gguf type name for the 2-D weights instead ('Q8_0',
+      'Q4_0', ...: any type gguf.quants can quantize), by gguf.quants.quantize.
   Raises:
-    ConfigError: a feature this writer does not map (llama3 RoPE scaling).
+    ConfigError: a feature this writer does not map (llama3 RoPE scaling),
+      or a type gguf cannot quantize.
   """
   import gguf  # pylint: disable=import-outside-toplevel
   if cfg.rope_scaling is not None:
     raise ConfigError(f"{cfg.name}: write_gguf does not map llama3 RoPE scaling")
+  qtype = None
+  if tensor_type is not None:
+    try:
+      qtype = gguf.GGMLQuantizationType[tensor_type.upper()]
+    except KeyError:
+      raise ConfigError(f"unknown GGUF tensor type {tensor_type!r}") from None
   path = Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   w = gguf.GGUFWriter(str(path), "llama")
   w.add_name(cfg.name)
   for method, field in GGUF_CONFIG:
     getattr(w, method)(getattr(cfg, field))
-  w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32,
-                   "float16": gguf.LlamaFileType.MOSTLY_F16,
-                   "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[cfg.param_dtype])
+  if qtype is None:
+    w.add_file_type({"float32": gguf.LlamaFileType.ALL_F32,
+                     "float16": gguf.LlamaFileType.MOSTLY_F16,
+                     "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[cfg.param_dtype])
   toks, scores, types = _gguf_vocab(cfg.vocab_size)
   w.add_tokenizer_model("llama")
   w.add_token_list(toks)
@@ -253,14 +265,17 @@ def write_gguf(path: str | os.PathLike, cfg: ModelConfig, params) -> Path:
   w.add_bos_token_id(1 if cfg.bos_token_id is None else cfg.bos_token_id)
   w.add_eos_token_id(2 if cfg.eos_token_id is None else cfg.eos_token_id)
   for name, arr in gguf_tensors(cfg, params).items():
-    if arr.ndim == 1 or cfg.param_dtype == "float32":
+    if arr.ndim == 1 or (qtype is None and cfg.param_dtype == "float32"):
       w.add_tensor(name, np.asarray(arr, np.float32))
-    elif cfg.param_dtype == "float16":
+    elif qtype is None and cfg.param_dtype == "float16":
       w.add_tensor(name, np.asarray(arr, np.float16))
-    else:  # bf16: raw bytes, which gguf's own quantize lays out
-      q = gguf.GGMLQuantizationType.BF16
-      w.add_tensor(name, gguf.quants.quantize(np.asarray(arr, np.float32), q),
-                   raw_dtype=q)
+    else:  # bf16 or a quantized type: raw bytes, laid out by gguf's quantize
+      q = qtype if qtype is not None else gguf.GGMLQuantizationType.BF16
+      try:
+        raw = gguf.quants.quantize(np.asarray(arr, np.float32), q)
+      except (NotImplementedError, gguf.quants.QuantError) as e:
+        raise ConfigError(f"{name}: {e}") from None
+      w.add_tensor(name, raw, raw_dtype=q)
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
