@@ -2,8 +2,9 @@
 split weight and of the cache per device, the Megatron collective count, and
 two processes joined by jax.distributed giving one process's tokens.
 
-The 8-device checks run in one subprocess (tests/mesh_worker.py: XLA's device
-count is fixed when jax starts); these tests read its report.
+The 8-device checks run in two concurrent subprocesses (tests/mesh_worker.py:
+XLA's device count is fixed when jax starts); these tests read their merged
+report.
 """
 
 import json
@@ -44,10 +45,22 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(ckpts):
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "mesh_worker.py"), str(ckpts)],
-                        env=_env(8), capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads((ckpts / "report.json").read_text())
+  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mesh_worker.py"), str(ckpts),
+                             part], env=_env(8), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for part in "ab"]
+  try:
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, err in zip(procs, errs):
+    assert p.returncode == 0, err[-3000:]
+  report = {"meshes": {}}
+  for part in "ab":
+    got = json.loads((ckpts / f"report_{part}.json").read_text())
+    report["meshes"].update(got.pop("meshes"))
+    report.update(got)
+  return report
 
 
 def test_logits_agree_on_every_mesh(report):
@@ -61,8 +74,10 @@ def test_logits_agree_on_every_mesh(report):
                                   "script"])
 def test_tokens_identical_on_every_mesh(report, what):
   ref = report["meshes"]["None"][what]
-  for spec, out in report["meshes"].items():
-    assert out[what] == ref, f"{what} on mesh {spec}"
+  checked = [spec for spec, out in report["meshes"].items() if what in out]
+  assert len(checked) >= (2 if what == "script" else 5), checked
+  for spec in checked:
+    assert report["meshes"][spec][what] == ref, f"{what} on mesh {spec}"
 
 
 def test_greedy_speculative_equals_target_only_on_meshes(report):
