@@ -2,8 +2,9 @@
 
   python experiments/batch_scaling.py --config=configs/batch_scaling.py:quick --workdir=/tmp/specjax_scaling_quick
 
-Same model, same weights (converted from the specjax params), same dtype and
-thread count, same machine, one run; a parity check of the logits first.
+Same model, same weights (converted from the specjax params; a GGUF model
+file is run by llama.cpp as it is), same dtype and thread count, same
+machine, one run; a parity check of the logits first.
 Writes results.jsonl, results.csv, config.json, parity.json, scaling.png,
 decode.png and summary.md into --workdir, and prints the summary.
 """

@@ -17,6 +17,11 @@ backend's logits for the timed call are checked against xla's; a mismatch
 stops the run (`ParityError`). The tables, plots and summary are
 specjax.batch_scaling_report's.
 
+A model given as a GGUF file is run by llama.cpp from that very file (its
+own weight type, quantized or not), by the others from its dequantization;
+the llama.cpp parity tolerance then allows for llama.cpp's matmuls on that
+type (backends.llamacpp.file_parity_tolerance).
+
 Definitions (the one place):
   ratio(N)    T(N) / T(1), same backend, model, dtype, depth and B.
   tps         B N / T(N), tokens per second of the call.
@@ -46,7 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specjax import batch_scaling_report as report
-from specjax import bench, checkpoint, timing
+from specjax import bench, checkpoint, gguf_file, timing
 from specjax import kv_cache as kvc
 from specjax import config as config_lib
 from specjax import workdir as wd
@@ -126,9 +131,11 @@ class Run:
     wd.append_jsonl(os.path.join(self.workdir, wd.RESULTS), [r])
 
 
-def _make_backends(run: Run, cfg: ModelConfig, params) -> list[Backend]:
+def _make_backends(run: Run, cfg: ModelConfig, params,
+                   gguf_path: str | None = None) -> list[Backend]:
   """The configured backends for one model and dtype, xla first;
-  unavailable ones become notes."""
+  unavailable ones become notes. llama.cpp runs `gguf_path`, the file the
+  model was loaded from, when there is one (else a file written from params)."""
   c, out = run.c, []
   xla = xla_lib.XlaBackend(cfg, params)
   eager: list[pytorch.TorchBackend] = []  # torch-compile shares its model
@@ -141,7 +148,7 @@ def _make_backends(run: Run, cfg: ModelConfig, params) -> list[Backend]:
           cfg, params, run.threads, c.torch_attention, dynamic,
           eager[0].model if eager else None),
       "llama.cpp": lambda: llamacpp.LlamaCppBackend(cfg, params, run.threads,
-                                                    c.llamacpp_flash_attn),
+                                                    c.llamacpp_flash_attn, gguf_path),
   }
   for name in sorted(c.backends, key=BACKENDS.index):
     if run.notes.get(name, "").startswith(("unavailable", "skipped")):
@@ -151,7 +158,8 @@ def _make_backends(run: Run, cfg: ModelConfig, params) -> list[Backend]:
       out.append(makers[name]())
       if name == "torch":
         eager.append(out[-1])
-      run.log(f"{name}: ready for {cfg.name} {cfg.dtype} "
+      on = f" on {gguf_path}" if name == "llama.cpp" and gguf_path else ""
+      run.log(f"{name}: ready for {cfg.name} {cfg.dtype}{on} "
               f"({time.perf_counter() - t0:.1f} s setup)")
     except Unavailable as e:
       run.note(name, f"unavailable ({e})")
@@ -187,7 +195,7 @@ def _parity(run: Run, backends: list[Backend], live: list[Backend],
     except Exception as e:  # pylint: disable=broad-except
       _drop(run, backends, b, e, "on its first call")
       continue
-    tol = parity_tolerance(b.name, base["dtype"])
+    tol = max(parity_tolerance(b.name, base["dtype"]), getattr(b, "parity_tol", 0.0))
     what = (f"{b.name} vs xla, {base['model']} {base['dtype']}, depth "
             f"{base['depth']}, batch {base['batch']}, N {tokens.shape[1]}")
     try:
@@ -283,7 +291,8 @@ def _model_run(run: Run, spec: str, dtype: str, rng) -> None:
     raise ConfigError(f"{cfg.name}: depth + largest N = "
                       f"{max(c.depths) + max_n} exceeds max_seq_len "
                       f"{cfg.max_seq_len}")
-  backends = _make_backends(run, cfg, params)
+  backends = _make_backends(run, cfg, params,
+                            spec if gguf_file.is_gguf_file(spec) else None)
   try:
     for depth in c.depths:
       capacity = kvc.round_capacity(depth + max_n)

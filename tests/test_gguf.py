@@ -592,3 +592,128 @@ def test_scripts_on_gguf_files(tmp_path, params):
   one_line_error(run_script(f"--model={tmp_path / 't.gguf'}",
                             f"--model_draft={tmp_path / 'v300.gguf'}", "--n_predict=4"),
                  r"error: draft and target vocabularies differ")
+
+# ------------------------------------------------------------ llama.cpp on the same file
+
+# specjax against llama.cpp on the very same GGUF file: the shipped trained
+# stdlib-draft (dim 192, 2 layers, head size 32, vocabulary 4096: every row a
+# whole number of Q8_0 blocks) written as F16 and as Q8_0, real code prompts
+# (its tokenizer, cut to 8 tokens), 16 greedy tokens each.
+#
+# Logits: max |specjax - llama.cpp| over the vocabulary at every step,
+# relative to the std of specjax's logits there. Both run the same weights
+# (specjax dequantizes the file exactly, to float32, and computes in f32);
+# what differs is llama.cpp's matmuls: F16 weights meet activations rounded to
+# F16 (2^-11 relative), Q8_0 weights meet activations quantized to Q8_0 per
+# block of 32 (its vec_dot_q8_0_q8_0: 2^-8 of each block's max), so Q8_0's
+# error is some 30x F16's. Measured (dev machine, AVX2, llama-cpp-python
+# 0.3.36): F16 1.6e-3, Q8_0 4.5e-2 at worst; the tolerances are about 3x that.
+#
+# Tokens: equal from the first on, except that they may part at a near-tie:
+# a step where specjax's logit of llama.cpp's token is within 2 x tolerance
+# of specjax's top logit (the tolerance admits the flip); that prompt is
+# compared no further. At least 90% of all steps must be compared; measured:
+# all 16 tokens of every prompt equal for both files, although the smallest
+# top-2 gap (7e-3 std) is below the Q8_0 tolerance (the errors of the top
+# two logits are close): the rule is for other CPUs or prompts.
+LLAMA_CPP_TOL = {"F16": 5e-3, "Q8_0": 0.15}
+LLAMA_CPP_TEXTS = ("import os\nimport sys\nimport re\n", "def main(argv):\n    parser = ",
+                   "class Parser(object):\n    def __init__(self",
+                   "for i in range(len(items)):\n", "if __name__ == '__main__':\n")
+N_GREEDY = 16
+LLAMA_CPP_PROMPT = 8  # prompt tokens
+
+
+@pytest.fixture(scope="module")
+def llama_cpp():
+  return pytest.importorskip("llama_cpp", reason="llama.cpp tests need the optional "
+                             "extra: pip install -e '.[llamacpp]'")
+
+
+def llama_cpp_greedy(backend, prompt, n):
+  """llama.cpp's own greedy continuation of `prompt` on its file: n tokens
+  and, for each, the logits [V] it is the argmax of. All but the prompt's
+  last token fill the cache; then one llama_decode per token, the cache kept
+  (the backend's depth moved past each decoded token)."""
+  backend.prepare(np.array([prompt[:-1]]), len(prompt) + n, 1)
+  tok, toks, rows = prompt[-1], [], []
+  for _ in range(n):
+    rows.append(backend.logits(np.array([[tok]]))[0, 0])
+    tok = int(rows[-1].argmax())
+    toks.append(tok)
+    backend.depth += 1
+  return toks, np.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["F16", "Q8_0"])
+def test_greedy_and_logits_equal_llama_cpp_on_the_same_file(llama_cpp, tmp_path, name):
+  """specjax on a GGUF file (checkpoint.load_model) and llama.cpp on that same
+  file (LlamaCppBackend with gguf_path, as batch_scaling runs a GGUF model):
+  greedy tokens and logits agree as stated above; batch_scaling's parity
+  metric is within the backend's tolerance for the file."""
+  from specjax.backends import base, llamacpp  # pylint: disable=import-outside-toplevel
+  del llama_cpp
+  cfg0, params0, tok = checkpoint.load_model("stdlib-draft", "float32")
+  path = llamacpp.write_gguf(tmp_path / f"stdlib-draft-{name}.gguf", cfg0, params0,
+                             tensor_type=name)
+  cfg, params, _ = checkpoint.load_model(str(path))
+  prompts = [tok.encode(t)[:LLAMA_CPP_PROMPT] for t in LLAMA_CPP_TEXTS]
+  want = generation.generate(steps.Runner(cfg, params), prompts, N_GREEDY).tokens
+  ref = logits(cfg, params, np.array([p + t for p, t in zip(prompts, want)]))[:, LLAMA_CPP_PROMPT - 1:][:, :N_GREEDY]
+  try:
+    ll = llamacpp.LlamaCppBackend(cfg, params, threads=2, gguf_path=path)
+  except base.Unavailable as e:
+    pytest.skip(f"llama.cpp: {e}")
+  tol, compared, errs, gaps = LLAMA_CPP_TOL[name], 0, [], []
+  try:
+    assert ll.path == path and ll.parity_tol > 0
+    for i, prompt in enumerate(prompts):
+      toks, rows = llama_cpp_greedy(ll, prompt, N_GREEDY)
+      n = next((t for t in range(N_GREEDY) if toks[t] != want[i][t]), N_GREEDY)
+      m = min(n + 1, N_GREEDY)  # steps run on the same prefix
+      std = ref[i, :m].std(-1, keepdims=True)
+      errs.append(float((np.abs(rows[:m] - ref[i, :m]) / std).max()))
+      top2 = np.sort(ref[i, :m], -1)[:, -2:]
+      gaps.append(float(((top2[:, 1] - top2[:, 0]) / std[:, 0]).min()))
+      assert errs[-1] < tol, (name, i, errs[-1], tol)
+      base.check_parity(ref[i, :m], rows[:m], max(base.parity_tolerance(ll.name, cfg.dtype),
+                                                  ll.parity_tol), f"{name} prompt {i}")
+      if n < N_GREEDY:  # parted: only where the tolerance admits the flip
+        gap = (ref[i, n, want[i][n]] - ref[i, n, toks[n]]) / std[n, 0]
+        assert gap < 2 * tol, (name, i, n, toks, want[i], gap)
+      compared += n
+  finally:
+    ll.close()
+  assert path.is_file()  # a given file is never removed
+  print(f"{name}: {compared}/{len(prompts) * N_GREEDY} greedy tokens equal; max "
+        f"|dlogit| / std {max(errs):.2e} (tolerance {tol:g}); min top-2 gap / std "
+        f"{min(gaps):.2e}")
+  assert compared >= 0.9 * len(prompts) * N_GREEDY
+
+
+def test_batch_scaling_runs_llama_cpp_on_the_given_file(llama_cpp, tmp_path, monkeypatch):
+  """batch_scaling on a Q8_0 GGUF model: llama.cpp is given that file (not
+  one written from the dequantized params) and passes the parity check
+  under the file's tolerance (measured 4.5e-3 to 7e-3 of max |logit|)."""
+  sys.path.insert(0, ROOT)
+  import configs.batch_scaling as bs_config  # pylint: disable=import-outside-toplevel
+  from specjax import batch_scaling  # pylint: disable=import-outside-toplevel
+  from specjax.backends import llamacpp  # pylint: disable=import-outside-toplevel
+  del llama_cpp
+  cfg, params, _ = checkpoint.load_model("stdlib-draft", "float32")
+  path = llamacpp.write_gguf(tmp_path / "sd-Q8_0.gguf", cfg, params, tensor_type="Q8_0")
+  given = []
+  real = llamacpp.LlamaCppBackend
+  monkeypatch.setattr(llamacpp, "LlamaCppBackend",
+                      lambda *a, **k: given.append(a[4:]) or real(*a, **k))
+  monkeypatch.setattr(llamacpp, "write_gguf", None)  # nothing may be written
+  c = bs_config.get_config("tiny")
+  c.models, c.backends, c.draft = (str(path),), ("xla", "llama.cpp"), ""
+  c.batches, c.rounds = (1,), 1
+  batch_scaling.run_batch_scaling(c, str(tmp_path / "w"), log=lambda s: None)
+  assert given == [(str(path),)]  # (gguf_path,) after cfg, params, threads, flash_attn
+  import json  # pylint: disable=import-outside-toplevel
+  parity = json.loads((tmp_path / "w" / "parity.json").read_text())
+  assert [(p["backend"], p["tolerance"]) for p in parity] == [
+      ("llama.cpp", llamacpp.PARITY_TOL_QUANTIZED)]
+  assert parity[0]["parity_error"] < llamacpp.PARITY_TOL_QUANTIZED

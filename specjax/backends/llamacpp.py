@@ -1,6 +1,8 @@
 """llama.cpp backend: llama-cpp-python's C API over a GGUF file written from
-the same params (`write_gguf`, the GGUF writer). llama_cpp and gguf are
-imported on first use: this module imports without them."""
+the same params (`write_gguf`, the GGUF writer), or over the GGUF file the
+model was loaded from (`gguf_path`: llama.cpp then runs exactly that file,
+quantized or not). llama_cpp and gguf are imported on first use: this module
+imports without them."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ _LOG_CALLBACK = None  # keeps llama.cpp's (silencing) log callback alive
 # The C API LlamaCppBackend drives (llama.cpp of late 2025 and after).
 _LLAMA_API = ("llama_model_load_from_file", "llama_init_from_model",
               "llama_get_memory", "llama_memory_seq_rm", "llama_batch_init",
-              "llama_decode", "llama_get_logits", "llama_model_free")
+              "llama_decode", "llama_get_logits", "llama_model_free",
+              "llama_model_get_vocab", "llama_vocab_n_tokens")
 
 
 def _llama_cpp():
@@ -57,11 +60,16 @@ FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 class LlamaCppBackend(Backend):
   """llama.cpp (through llama-cpp-python's C API) over a GGUF file of the
   same params: one llama_decode of B x N tokens, every logit requested, the
-  KV cache (in the model's dtype) cut back to depth before every call."""
+  KV cache (in the model's dtype) cut back to depth before every call.
+
+  With `gguf_path` (the file `cfg, params` were loaded from) llama.cpp runs
+  that file as it is, nothing is written, and `parity_tol` widens to what
+  llama.cpp's matmuls on its weight type allow (`file_parity_tolerance`)."""
   name = "llama.cpp"
+  parity_tol = 0.0  # a floor on base.parity_tolerance for this backend
 
   def __init__(self, cfg: ModelConfig, params, threads: int,
-               flash_attn: str = "off"):
+               flash_attn: str = "off", gguf_path: str | os.PathLike | None = None):
     if flash_attn not in FLASH_ATTN:
       raise ConfigError(f"llama.cpp flash_attn must be one of "
                         f"{', '.join(FLASH_ATTN)}, got {flash_attn!r}")
@@ -72,15 +80,23 @@ class LlamaCppBackend(Backend):
                         f"runs on {jax.default_backend()}")
     self.cfg, self.threads = cfg, threads
     self.model, self.ctx, self.batches = None, None, []
-    self.folder = tempfile.mkdtemp(prefix="specjax_gguf_")
+    self.folder = None if gguf_path else tempfile.mkdtemp(prefix="specjax_gguf_")
     try:
-      self.path = write_gguf(Path(self.folder) / f"{cfg.name}-{cfg.dtype}.gguf",
-                             cfg, params)
+      if gguf_path:
+        self.path = Path(gguf_path)
+        self.parity_tol = file_parity_tolerance(self.path)
+      else:
+        self.path = write_gguf(Path(self.folder) / f"{cfg.name}-{cfg.dtype}.gguf",
+                               cfg, params)
       mp = ll.llama_model_default_params()
       mp.n_gpu_layers = -1 if jax.default_backend() != "cpu" else 0
       self.model = ll.llama_model_load_from_file(str(self.path).encode(), mp)
       if not self.model:
         raise Unavailable(f"llama.cpp could not load {self.path}")
+      n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
+      if n_vocab != cfg.vocab_size:
+        raise ConfigError(f"llama.cpp: {self.path} has {n_vocab} tokens, the model "
+                          f"{cfg.vocab_size}: not the file the model was loaded from")
     except BaseException:
       self.close()
       raise
@@ -157,7 +173,27 @@ class LlamaCppBackend(Backend):
     if self.model:
       self.ll.llama_model_free(self.model)
       self.model = None
-    shutil.rmtree(self.folder, ignore_errors=True)
+    if self.folder:  # only the file written here; never a given one
+      shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# max |logit - xla logit| / max |xla logit| that llama.cpp's CPU matmuls allow
+# on a file's weight type, whatever the compute dtype: F16 / BF16 weights meet
+# activations rounded to F16 / BF16, quantized ones activations quantized to
+# 8 bits per block (Q8_0, Q8_1 or Q8_K: about BF16's precision). Measured on
+# the tiny models of tests/test_gguf.py: F16 2.5e-4 (trained) to 8.7e-4
+# (random weights), Q8_0 7.8e-3 (trained) to 2.5e-2 (random weights).
+PARITY_TOL_FILE = {"F32": 0.0, "F16": 1e-2, "BF16": 5e-2}
+PARITY_TOL_QUANTIZED = 5e-2
+
+
+def file_parity_tolerance(path: str | os.PathLike) -> float:
+  """The parity tolerance floor of llama.cpp running GGUF file `path`: that
+  of its least precise 2-D weight type (PARITY_TOL_FILE, else quantized)."""
+  from specjax import gguf_file  # pylint: disable=import-outside-toplevel
+  reader = gguf_file.open_reader(path)
+  types = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+  return max((PARITY_TOL_FILE.get(t, PARITY_TOL_QUANTIZED) for t in types), default=0.0)
 
 # ---------------------------------------------------------------- GGUF
 
