@@ -35,7 +35,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # noqa: E402
-from specjax import bench, checkpoint, cli, config, costs, mesh_plan, steps, sweep
+from specjax import bench, checkpoint, cli, config, costs, mesh_plan, sharding, steps, sweep
 from specjax.batch_scaling_report import FLAT_LIMIT, scaling_report
 from specjax import workdir as wd
 from specjax.errors import SpecjaxError
@@ -138,8 +138,7 @@ def mesh_part(model, dtype, reps, out) -> list[str]:
     return lines + [f"One {jax.default_backend()} device: the model-axis figures need several "
                     "(experiments/mesh_bench.py measures them on virtual CPU devices)."]
   cfg = config.get_preset(model)
-  axes = [m for m in (1, 2, 4, 8) if m <= n and not (cfg.n_kv_heads % m or cfg.n_heads % m
-                                                    or cfg.ffn_dim % m or cfg.vocab_size % m)]
+  axes = [m for m in (1, 2, 4, 8) if m <= n and sharding.divides(cfg, m)]
   recs = mesh_plan.model_axis_costs(model, dtype, axes, 4, 256, 128, reps)
   for r in recs:
     out("mesh", r)

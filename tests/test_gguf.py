@@ -367,25 +367,31 @@ def write_vocab_only(path, write):
   return gguf_file.gguf_tokenizer(gguf_file.open_reader(path), str(path))
 
 
-def test_llama_tokenizer_matches_sentencepiece(tmp_path, sp_dir):
-  """Vocabulary written as llama.cpp's converter does (gguf.SentencePieceVocab:
-  pieces, scores, types); ids equal SentencePiece's with BOS (LLaMA)."""
-  import sentencepiece as spm  # pylint: disable=import-outside-toplevel
-  sp = spm.SentencePieceProcessor(model_file=str(sp_dir / "tokenizer.model"))
-  vocab = gguf.SentencePieceVocab(sp_dir)
-  toks, scores, types = zip(*vocab.all_tokens())
+def sp_vocab_writer(sp_dir, add_bos: bool, add_eos: bool, unk: int | None = None):
+  """Writes a SentencePiece vocabulary as llama.cpp's converter does
+  (gguf.SentencePieceVocab: pieces, scores, types), BOS 1, EOS 2."""
+  toks, scores, types = zip(*gguf.SentencePieceVocab(sp_dir).all_tokens())
 
   def write(w):
     w.add_tokenizer_model("llama")
     w.add_token_list(list(toks))
     w.add_token_scores(list(scores))
     w.add_token_types([int(t) for t in types])
-    w.add_unk_token_id(0)
+    if unk is not None:
+      w.add_unk_token_id(unk)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-  tok = write_vocab_only(tmp_path / "sp.gguf", write)
+    w.add_add_bos_token(add_bos)
+    w.add_add_eos_token(add_eos)
+  return write
+
+
+def test_llama_tokenizer_matches_sentencepiece(tmp_path, sp_dir):
+  """Vocabulary written as llama.cpp's converter does (gguf.SentencePieceVocab:
+  pieces, scores, types); ids equal SentencePiece's with BOS (LLaMA)."""
+  import sentencepiece as spm  # pylint: disable=import-outside-toplevel
+  sp = spm.SentencePieceProcessor(model_file=str(sp_dir / "tokenizer.model"))
+  tok = write_vocab_only(tmp_path / "sp.gguf", sp_vocab_writer(sp_dir, True, False, unk=0))
   assert tok.vocab_size == sp.get_piece_size()
   for text in TEXTS:
     want = [1] + sp.encode(text)
@@ -441,19 +447,7 @@ def test_gpt2_tokenizer_matches_tokenizers(tmp_path, bpe_json):
 
 
 def test_add_bos_false_and_eos_true(tmp_path, sp_dir):
-  vocab = gguf.SentencePieceVocab(sp_dir)
-  toks, scores, types = zip(*vocab.all_tokens())
-
-  def write(w):
-    w.add_tokenizer_model("llama")
-    w.add_token_list(list(toks))
-    w.add_token_scores(list(scores))
-    w.add_token_types([int(t) for t in types])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_add_eos_token(True)
-  tok = write_vocab_only(tmp_path / "sp.gguf", write)
+  tok = write_vocab_only(tmp_path / "sp.gguf", sp_vocab_writer(sp_dir, False, True))
   ids = tok.encode("Hello world")
   assert ids[0] != 1 and ids[-1] == 2
 
