@@ -174,6 +174,71 @@ def heldout_prompts(files: Sequence[Path], tokenizer, n: int, n_tokens: int,
   return out
 
 
+EDIT_INSTRUCTIONS = (
+    "# The same function, rewritten with type hints:",
+    "# The same function, with a docstring:",
+    "# The same function, with clearer variable names:",
+    "# The same function, refactored for readability:",
+)
+
+
+def function_blocks(text: str) -> list[tuple[int, str]]:
+  """(line number, dedented source) of every complete `def` in a file: the
+  def line, and each following line that is blank or indented deeper."""
+  lines = text.splitlines(keepends=True)
+  out = []
+  for i, line in enumerate(lines):
+    if not line.lstrip().startswith("def "):
+      continue
+    indent = len(line) - len(line.lstrip())
+    j = i + 1
+    while j < len(lines) and (not lines[j].strip()
+                              or len(lines[j]) - len(lines[j].lstrip()) > indent):
+      j += 1
+    body = lines[i:j]
+    while body and not body[-1].strip():
+      body.pop()
+    if len(body) < 3 or not body[0].rstrip().endswith(":"):  # one-liners, multi-line headers
+      continue
+    out.append((i + 1, "".join(l[indent:] if l.strip() else "\n" for l in body)))
+  return out
+
+
+def editing_prompts(files: Sequence[Path], tokenizer, n: int, max_tokens: int,
+                    root: Path | None = None) -> list[dict]:
+  """n code-editing prompts: a complete held-out function, an instruction
+  comment asking for a rewrite, and the function's def line again.
+
+  A model continuing such a prompt repeats much of the function: the case
+  where prompt lookup (the `ngram` drafter) finds long matches, next to the
+  plain continuation prompts of `heldout_prompts`. One function per file,
+  the one nearest the file's middle that fits in `max_tokens`; the
+  instruction cycles through EDIT_INSTRUCTIONS.
+  """
+  root = stdlib_root() if root is None else Path(root)
+  out = []
+  for p in files:
+    try:
+      text = p.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+      continue
+    blocks = function_blocks(text)
+    mid = len(blocks) // 2
+    for k in sorted(range(len(blocks)), key=lambda k: abs(k - mid)):
+      line, src = blocks[k]
+      head = src.splitlines(keepends=True)[0]
+      instruction = EDIT_INSTRUCTIONS[len(out) % len(EDIT_INSTRUCTIONS)]
+      prompt = f"{src}\n\n{instruction}\n{head}"
+      n_tok = len(tokenizer.encode(prompt, add_special=False))
+      if max_tokens // 3 <= n_tok <= max_tokens:
+        out.append({"file": p.relative_to(root).as_posix(), "line": line, "text": prompt,
+                    "kind": "editing"})
+        break
+    if len(out) == n:
+      break
+  return out
+
+
 def describe(train_files: Sequence[Path], held_files: Sequence[Path], n_train_tokens: int,
              n_held_tokens: int, vocab_size: int, heldout_per_mille: int) -> dict:
   """What the README states about the corpus."""

@@ -39,12 +39,19 @@ from specjax.sampling import SamplingParams
 from specjax.tokenizer import load_tokenizer
 
 PROMPTS_FILE = "heldout_prompts.json"
+EDITING_FILE = "editing_prompts.json"
+EDITING_PROMPT_TOKENS = 200  # longest editing prompt (tokens)
+PROMPT_FILES = {"continuation": PROMPTS_FILE, "editing": EDITING_FILE}
 SUMMARY_FILE = "training.json"
 
 
-def shipped_prompts(n: int | None = None) -> list[str]:
-  """Held-out prompt texts shipped with the pair (the sweep's `real` prompts)."""
-  file = SHIPPED["stdlib-target"] / PROMPTS_FILE
+def shipped_prompts(n: int | None = None, kind: str = "continuation") -> list[str]:
+  """Held-out prompt texts shipped with the pair: `continuation` (code cut at
+  a line end; the sweep's `real` prompts) or `editing` (a function, an
+  instruction to rewrite it and its def line again; corpus.editing_prompts)."""
+  if kind not in PROMPT_FILES:
+    raise ConfigError(f"unknown prompt set {kind!r}; valid: {', '.join(PROMPT_FILES)}")
+  file = SHIPPED["stdlib-target"] / PROMPT_FILES[kind]
   if not file.is_file():
     raise ConfigError(f"{file} is missing: the shipped pair is not installed; "
                       "regenerate it with experiments/train.py (see README)")
@@ -84,6 +91,8 @@ def _stage_corpus(c, work: Path, log) -> dict[str, Any]:
   np.save(work / "train.npy", train_stream)
   np.save(work / "heldout.npy", held_stream)
   wd.write_json(work / PROMPTS_FILE, prompts)
+  wd.write_json(work / EDITING_FILE, corpus.editing_prompts(
+      held_files, tok, int(c.alpha_prompts_saved), EDITING_PROMPT_TOKENS))
   meta = corpus.describe(train_files, held_files, len(train_stream), len(held_stream),
                          tok.vocab_size, int(c.heldout_per_mille))
   meta["seconds"] = time.perf_counter() - t0
@@ -196,7 +205,9 @@ def export(work: Path, out: Path, tcfg: ModelConfig, tparams, dcfg: ModelConfig,
     hf.save_hf(d, cfg.with_dtype(dtype), cast, tokenizer_json=work / "tokenizer.json")
     shutil.copyfile(work / "tokenizer_config.json", d / "tokenizer_config.json")
     wd.write_json(d / SUMMARY_FILE, summary)
-  shutil.copyfile(work / PROMPTS_FILE, out / "stdlib-target" / PROMPTS_FILE)
+  for name in (PROMPTS_FILE, EDITING_FILE):
+    if (work / name).is_file():  # workdirs from before the editing set lack it
+      shutil.copyfile(work / name, out / "stdlib-target" / name)
 
 
 def plot_training(work: Path, path: Path) -> None:

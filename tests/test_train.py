@@ -188,3 +188,44 @@ def test_shipped_pair_loads_into_transformers_unchanged(shipped):
     ref = hf_model(torch.tensor([ids])).logits.numpy()
   ours = np.asarray(train.logits_of(t.params, t.cfg, jnp.asarray([ids])))
   np.testing.assert_allclose(ours, ref, atol=2e-4, rtol=0)
+
+
+def test_editing_prompts_repeat_a_whole_function(tmp_path):
+  src = ("import os\n\n"
+         "class A:\n"
+         "    def one(self, x):\n"
+         "        if x:\n"
+         "\n"
+         "            return x + 1\n"
+         "        return 0\n"
+         "\n"
+         "    def two(self): return 2\n"
+         "\n"
+         "def three(a,\n"
+         "          b):\n"
+         "    return a\n")
+  blocks = corpus.function_blocks(src)
+  # `one` whole and dedented (its blank line kept); the one-liner and the
+  # multi-line header are skipped
+  assert blocks == [(4, "def one(self, x):\n    if x:\n\n        return x + 1\n    return 0\n")]
+  (tmp_path / "m.py").write_text(src)
+
+  class Chars:  # a tokenizer of one token per character
+    encode = staticmethod(lambda text, add_special=False: list(text))
+
+  got = corpus.editing_prompts([tmp_path / "m.py"], Chars, n=4, max_tokens=200, root=tmp_path)
+  assert len(got) == 1 and got[0]["file"] == "m.py" and got[0]["line"] == 4
+  text = got[0]["text"]
+  assert text.startswith(blocks[0][1]) and text.endswith("\ndef one(self, x):\n")
+  assert corpus.EDIT_INSTRUCTIONS[0] in text
+  assert corpus.editing_prompts([tmp_path / "m.py"], Chars, n=4, max_tokens=20,
+                                root=tmp_path) == []
+
+
+def test_shipped_prompt_sets():
+  cont, edit = pair.shipped_prompts(kind="continuation"), pair.shipped_prompts(kind="editing")
+  assert len(cont) >= 16 and len(edit) >= 12
+  for text in edit:  # the def line of the function comes again at the end
+    assert text.splitlines()[-1] == text.splitlines()[0]
+  with pytest.raises(ConfigError, match="prompt set"):
+    pair.shipped_prompts(kind="poetry")
