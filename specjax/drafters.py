@@ -196,7 +196,11 @@ class LayerSkipDrafter(Drafter):
 
   @property
   def spec(self) -> str:
-    return f"layerskip:{len(self.layers) if self.prefix else _ranges(self.layers)}"
+    if self.prefix:
+      return f"layerskip:{len(self.layers)}"
+    if len(self.layers) == 1:  # 'layerskip:K' alone would mean the first K layers
+      return f"layerskip:{self.layers[0]}-{self.layers[0]}"
+    return f"layerskip:{_ranges(self.layers)}"
 
   def draft_config(self, target, draft):
     if self.layers[-1] >= target.n_layers:
