@@ -91,9 +91,13 @@ def test_layerskip_with_every_layer_is_the_target(target):
 # ---------------------------------------------------------------- n-gram lookup
 
 
+_ngram_jit = jax.jit(drafters.ngram_propose, static_argnums=(2, 3, 4))
+
+
 def _propose(hist, n, gamma, n_min=1, n_max=3):
-  tokens, n_drafted = drafters.ngram_propose(jnp.asarray([hist + [0] * 4], jnp.int32),
-                                             jnp.asarray([n]), gamma, n_min, n_max)
+  """(proposed tokens, all gamma token slots) for one history padded to 16."""
+  hist = jnp.asarray([hist + [0] * (16 - len(hist))], jnp.int32)
+  tokens, n_drafted = _ngram_jit(hist, jnp.asarray([n]), gamma, n_min, n_max)
   return tokens[0, :int(n_drafted[0])].tolist(), tokens[0].tolist()
 
 
@@ -110,9 +114,7 @@ def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
   # nothing repeats: nothing proposed (tokens 0)
   assert _propose([1, 2, 3, 4], 4, 4) == ([], [0, 0, 0, 0])
   # slots past the row's length are not history (a stale match there is ignored)
-  tokens, n_drafted = drafters.ngram_propose(jnp.asarray([[3, 4, 5, 6, 4, 5]]),
-                                             jnp.asarray([4]), 2, 1, 3)
-  assert int(n_drafted[0]) == 0
+  assert _propose([3, 4, 5, 6, 4, 5], 4, 4) == ([], [0, 0, 0, 0])
 
 
 def test_ngram_without_a_match_still_emits_the_target_token(target):
