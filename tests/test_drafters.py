@@ -47,12 +47,23 @@ def base(target):
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_greedy_ragged_batch_equals_target_only(target, base, drafter):
-  res = speculative.generate(target, None, PROMPTS, N, 4, drafter=drafter)
+  """... and the target's cache ends equal to a full forward over the output:
+  whatever a drafter wrote into it (layerskip:N's shared layers) was rewritten."""
+  res = speculative.generate(target, None, PROMPTS, N, 4, drafter=drafter, keep_state=True)
   assert res.tokens == base
   st = res.stats
   assert 0 < st.n_accept < st.n_drafted <= 4 * st.n_steps  # the drafts are real guesses
   if drafter == "ngram":
     assert st.n_drafted < 4 * st.n_steps  # some steps found no match or a short one
+  cache = res.state.tcache
+  for b, (prompt, out) in enumerate(zip(PROMPTS, res.tokens)):
+    seq = prompt + out[:-1]  # the last token is the next verify's input
+    ref = lossless._full_forward_kv(target, seq)
+    assert int(cache.lengths[b]) == len(seq) - 1
+    for layer in range(CFG3.n_layers):
+      for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
+        np.testing.assert_allclose(got[b, :, :len(seq) - 1], want[0, :, :len(seq) - 1],
+                                   atol=1e-5, err_msg=f"row {b} layer {layer}")
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
@@ -189,10 +200,15 @@ def ngram_accept_law(target, drafter: drafters.NgramDrafter):
 
 @pytest.fixture(scope="module")
 def v6(init_params):
-  """The lossless test's vocabulary of 6, three layers."""
+  """The lossless test's vocabulary of 6, three layers whose kernels are
+  doubled (at init the layers barely move the residual stream, and any layer
+  subset drafts like the whole model): the one-layer draft then accepts all
+  4 drafts in 53-64% of first steps and none in 10-15%."""
   cfg = config.ModelConfig(name="v6x3", vocab_size=lossless.V, dim=32, n_layers=3, n_heads=2,
                            n_kv_heads=1, ffn_dim=64, max_seq_len=32)
-  return lossless._sharpen(steps.Runner(cfg, init_params(cfg, 11)), 4.0)
+  params = {k: jax.tree_util.tree_map(lambda x: 2 * x if x.ndim == 2 else x, v)
+               if k.startswith("layers_") else v for k, v in init_params(cfg, 11).items()}
+  return lossless._sharpen(steps.Runner(cfg, params), 4.0)
 
 
 def _layerskip_runner(target, spec):
@@ -226,8 +242,9 @@ def test_ngram_law_sees_matches_and_misses(v6):
   drafted = [len(_ref_ngram(p + [t], 4, 1, 2)) > 0 for p in lossless.PROMPTS
              for t in range(lossless.V)]
   assert 0.2 < np.mean(drafted) < 0.8, drafted
-  law = ngram_accept_law(v6, d)(lossless.PROMPTS[2], SamplingParams(1.0), 4)
-  assert law[1:].sum() > 0.1 and law[:, 1].sum() > 0.1, law
+  for prompt in lossless.PROMPTS:  # accepted drafts in either step: > 45 of 1500 rows expected
+    law = ngram_accept_law(v6, d)(prompt, SamplingParams(1.0), 4)
+    assert law[1:].sum() > 0.03 and law[:, 1].sum() > 0.03, law
 
 # ---------------------------------------------------------------- specs
 
@@ -263,3 +280,13 @@ def test_bad_settings_against_the_models(target):
   with pytest.raises(ConfigError, match="needs a draft model"):
     speculative.generate(target, None, [[1, 2]], 4, 2)
   assert speculative.SpecConfig(target.cfg, None, 4, drafter="layerskip:3").draft.n_layers == 3
+
+
+def test_ngram_cost_probe_times_a_proposal(target):
+  """costs.ProposeProbe: T_draft(1) of the n-gram drafter (its proposal / gamma)."""
+  from specjax import costs  # pylint: disable=import-outside-toplevel
+  probe = costs.ProposeProbe(drafters.parse("ngram"), target.cfg, 4, 64, 20, k=2)
+  t = probe.times([1], reps=2)[1]
+  assert len(t.times) == 2 and 0 < t.median < 0.1
+  with pytest.raises(ValueError):
+    probe.times([2])
