@@ -19,6 +19,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.target = "cpu-target"        # target: preset, HF directory or orbax directory
   c.draft = "cpu-draft"          # draft: same forms; must share the target's vocabulary
+  c.drafter = "model"            # model (c.draft) | ngram[:A-B] | layerskip:N | layerskip:LIST
   c.dtype = ""                   # compute/param dtype of both ("" = the models' own)
   c.gammas = (1, 2, 3, 4, 8)     # draft lengths
   c.accepts = ("bernoulli:0.6", "bernoulli:0.8", "fraction:0.8", "always", "real")  # rules

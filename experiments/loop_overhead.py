@@ -1,6 +1,7 @@
 """What the speculative device loop costs beyond its own phases.
 
   python experiments/loop_overhead.py --model=cpu-target --model_draft=cpu-draft --gamma=4
+  python experiments/loop_overhead.py --model=cpu-target --drafter=ngram --gamma=4
 
 The device loop (one lax.while_loop: draft scan, verify, accept, and the
 bookkeeping that keeps tokens, rolls the caches back and records statistics)
@@ -14,10 +15,12 @@ while loop, the bookkeeping, the records and the call itself.
 import numpy as np
 from absl import flags
 
-from specjax import checkpoint, cli, costs, speculative, steps
+from specjax import checkpoint, cli, costs, drafters, speculative, steps
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory or orbax directory.")
-_MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset name, HF directory or orbax directory.")
+_MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset name, HF directory or "
+                                   "orbax directory (--drafter=model only).")
+_DRAFTER = cli.define_drafter_flag()
 _DTYPE = flags.DEFINE_string("dtype", None, "Compute dtype of both (float32, bfloat16, bf16-mixed); default: the models' own.")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length.", lower_bound=1, upper_bound=64)
 _N_STEPS = flags.DEFINE_integer("n_steps", 16, "Speculative steps per timed run.", lower_bound=2)
@@ -29,16 +32,22 @@ _OUT = cli.RecordFlags("measurement")
 
 def main(argv):
   del argv
+  drafter = drafters.parse(_DRAFTER.value)
   tcfg, tparams, _ = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value, seed=_SEED.value)
-  dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE.value,
-                                           seed=_SEED.value + 1, role="draft")
-  speculative.check_vocabularies(tcfg, dcfg)
+  draft = None
+  if drafter.needs_draft_model:
+    dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE.value,
+                                             seed=_SEED.value + 1, role="draft")
+    speculative.check_vocabularies(tcfg, dcfg)
+    draft = steps.Runner(dcfg, dparams)
+  dname = draft.cfg.name if draft is not None else drafter.spec
   prompt = costs.random_tokens(np.random.RandomState(_SEED.value),
                                tcfg.vocab_size, 1, _N_PROMPT.value)[0].tolist()
-  rec = costs.loop_overhead(steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams), prompt,
-                            _GAMMA.value, _N_STEPS.value, _REPS.value)
-  rec.update(target=tcfg.name, draft=dcfg.name, precision=tcfg.precision, n_prompt=len(prompt))
-  print(f"{tcfg.name} / {dcfg.name} ({tcfg.precision}), gamma {rec['gamma']}, "
+  rec = costs.loop_overhead(steps.Runner(tcfg, tparams), draft, prompt,
+                            _GAMMA.value, _N_STEPS.value, _REPS.value, drafter=drafter)
+  rec.update(target=tcfg.name, draft=dname, drafter=drafter.spec, precision=tcfg.precision,
+             n_prompt=len(prompt))
+  print(f"{tcfg.name} / {dname} ({tcfg.precision}), gamma {rec['gamma']}, "
         f"{rec['n_steps']} steps, medians of {_REPS.value}:")
   print(f"  device loop      {1e3 * rec['loop_step_s']:8.3f} ms/step")
   print(f"  its phases alone {1e3 * rec['phases_step_s']:8.3f} ms/step")

@@ -3,6 +3,11 @@
 Built-in defaults (random weights at the CPU pair's real shapes, no download):
   python experiments/speculative.py --draft=4 --accept=bernoulli:0.8
 
+Drafters beyond a second model (--drafter):
+  --drafter=ngram            prompt lookup (no draft model; ngram:2-4 for sizes 2..4)
+  --drafter=layerskip:6      the target's first 6 layers as its own draft
+  --drafter=layerskip:0-5,9  the listed target layers
+
 The seed thread's experiments as settings:
   --accept=real              the real rule (greedy at --temp=0, exact sampling otherwise)
   --accept=bernoulli:0.8     accept each draft with probability 0.8 until the first miss
@@ -20,13 +25,15 @@ import statistics
 
 from absl import flags
 
-from specjax import acceptance, checkpoint, cli, generation, schema, speculative, steps, tokenizer
+from specjax import acceptance, checkpoint, cli, drafters, generation, schema, speculative, steps
+from specjax import tokenizer
 from specjax import workdir as wd
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory, orbax "
                              "directory or GGUF file.")
 _MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset name, HF directory, "
-                                   "orbax directory or GGUF file.")
+                                   "orbax directory or GGUF file (--drafter=model only).")
+_DRAFTER = cli.define_drafter_flag()
 _N_PREDICT = flags.DEFINE_integer("n_predict", 128, "Tokens to generate.", lower_bound=1)
 _DRAFT = flags.DEFINE_integer("draft", 5, "gamma, the draft length: tokens drafted per step "
                               "(llama.cpp's --draft).", lower_bound=1, upper_bound=64)
@@ -54,21 +61,29 @@ def main(argv):
   del argv
   gamma = _DRAFT.value
   rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
+  drafter = drafters.parse(_DRAFTER.value)
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
-  dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE_DRAFT.value or _GEN.dtype,
-                                              seed=_GEN.seed + 1, role="draft")
-  speculative.check_vocabularies(tcfg, dcfg)
-  tokenizer.check_same_tokens(tok, dtok)
+  draft = None
+  if drafter.needs_draft_model:
+    dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value,
+                                                dtype=_DTYPE_DRAFT.value or _GEN.dtype,
+                                                seed=_GEN.seed + 1, role="draft")
+    speculative.check_vocabularies(tcfg, dcfg)
+    tokenizer.check_same_tokens(tok, dtok)
+    draft = steps.Runner(dcfg, dparams)
+  # the config the drafter runs (a layer subset of the target, None for ngram)
+  dcfg = speculative.SpecConfig(tcfg, draft and draft.cfg, gamma, drafter=drafter).draft
   prompt = _GEN.prompt(tok, tcfg.vocab_size)
   sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)
-  target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
+  target = steps.Runner(tcfg, tparams)
   # One capacity for both sides: attention cost grows with it.
   capacity = generation.plan_capacity(tcfg, len(prompt), _N_PREDICT.value, extra=gamma,
                                       ctx_size=_CTX.value)
   kw = dict(seed=_GEN.seed, eos_id=eos, loop=_LOOP.value, capacity=capacity)
   spec = lambda: speculative.generate(target, draft, [prompt], _N_PREDICT.value, gamma,
-                                      sp=sp, rule=rule, p_min=_P_MIN.value, **kw)
+                                      sp=sp, rule=rule, p_min=_P_MIN.value, drafter=drafter,
+                                      **kw)
   base = lambda: generation.generate(target, [prompt], _N_PREDICT.value, sp, **kw)
   compile_s = spec().compile_s + (base().compile_s if _BASELINE.value else 0.0)  # warm-up
   spec_tps, base_tps = [], []
@@ -78,12 +93,13 @@ def main(argv):
       base_tps.append(b.n_eval / b.eval_s)
     res = spec()
     spec_tps.append(res.stats.tokens_per_s)
-  _report(tcfg, dcfg, tok, prompt, rule, res, b if _BASELINE.value else None,
+  _report(tcfg, dcfg, drafter, tok, prompt, rule, res, b if _BASELINE.value else None,
           statistics.median(spec_tps), statistics.median(base_tps) if base_tps else None,
           capacity, compile_s)
 
 
-def _report(tcfg, dcfg, tok, prompt, rule, res, base, spec_tps, base_tps, capacity, compile_s):
+def _report(tcfg, dcfg, drafter, tok, prompt, rule, res, base, spec_tps, base_tps, capacity,
+            compile_s):
   st = res.stats
   print(cli.detokenize(tok, prompt) + cli.detokenize(tok, res.tokens[0]), flush=True)
   print()
@@ -94,13 +110,16 @@ def _report(tcfg, dcfg, tok, prompt, rule, res, base, spec_tps, base_tps, capaci
   print()
   print("\n".join(st.summary_lines()))
   print()
-  print(f"target: {tcfg.name} ({tcfg.num_params() / 1e6:.1f} M params), draft: {dcfg.name} "
-        f"({dcfg.num_params() / 1e6:.1f} M params), {tcfg.precision}, accept rule {rule}, "
-        f"loop={_LOOP.value}, cache capacity {capacity}")
+  draft = (f"draft: {dcfg.name} ({dcfg.num_params() / 1e6:.1f} M params)" if dcfg is not None
+           else "no draft model")
+  print(f"target: {tcfg.name} ({tcfg.num_params() / 1e6:.1f} M params), drafter {drafter}, "
+        f"{draft}, {tcfg.precision}, accept rule {rule}, loop={_LOOP.value}, cache capacity "
+        f"{capacity}")
   print(f"{'compile time':>18} = {1e3 * compile_s:10.2f} ms (excluded from all timings)")
   sp = _GEN.sampling()
   out = schema.run_record(
-      st, target=tcfg.name, draft=dcfg.name, precision=tcfg.precision, accept_rule=str(rule),
+      st, target=tcfg.name, draft=dcfg.name if dcfg is not None else None,
+      drafter=drafter.spec, precision=tcfg.precision, accept_rule=str(rule),
       temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, p_min=_P_MIN.value,
       seed=_GEN.seed, loop=_LOOP.value, capacity=capacity, reps=_REPS.value,
       prompt_tokens=prompt, tokens=res.tokens[0], spec_tps=spec_tps, prompt_s=res.prompt_s,

@@ -51,6 +51,18 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None,
                                    "Multi-process runs: this process's index.", lower_bound=0)
 
 
+DRAFTER_HELP = ("What proposes the drafts: model (the --model_draft model) | ngram[:A-B] "
+                "(prompt lookup over the prompt and output, n-gram sizes B down to A; "
+                "default 1-4) | layerskip:N (the target's first N layers, sharing its "
+                "cache) | layerskip:LIST (listed target layers, e.g. 0-9,12,15) | eagle "
+                "(reserved, not available yet).")
+
+
+def define_drafter_flag():
+  """--drafter (see specjax.drafters.parse); call at import time of a script."""
+  return flags.DEFINE_string("drafter", "model", DRAFTER_HELP)
+
+
 def setup_devices() -> None:
   """jax.distributed (if asked for) and the --mesh, before the script runs.
   Processes other than 0 print nothing on stdout and write no files."""

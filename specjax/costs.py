@@ -6,7 +6,10 @@ Costs are measured the way the device loop pays them, with no host dispatch:
                consumed as the run consumes them (argmax when greedy; the
                sampling distribution and a draw otherwise). n = 1 is a
                target-only decode step; n = gamma + 1 is the verify.
-  T_draft(1)   the same for the draft model.
+  T_draft(1)   the same for the draft model (a layer-skip draft: the target's
+               layer subset). A drafter that proposes all gamma tokens in one
+               call without a model (n-gram lookup): its propose time divided
+               by gamma (`ProposeProbe`), so gamma T_draft(1) is that cost.
   T_accept     one accept phase plus the step's bookkeeping (keep_tokens,
                commit), for the point's rule kind (real or simulated), gamma
                and sampling settings.
@@ -113,6 +116,51 @@ class CostProbe:
       t = timing.measure(run, reps=reps, warmup=1 if first else 0)
       out[n] = dataclasses.replace(t, times=[x / self.k for x in t.times])
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "k"))
+def _repeat_propose(dparams, dstate, tail, n, key, *, sc, k: int):
+  """k proposals (batch of n's rows) on device; each iteration's lengths
+  differ (n - i % 2), so XLA cannot hoist the proposal out of the loop."""
+  live = jnp.ones(n.shape, bool)
+
+  def body(i, acc):
+    d, _, _ = sc.drafter.propose(dparams, dstate, None, tail, n - i % 2, live,
+                                 jax.random.fold_in(key, i), sc)
+    return acc + jnp.sum(d.tokens) + jnp.sum(d.n_drafted)
+
+  return jax.lax.fori_loop(0, k, body, jnp.int32(0))
+
+
+class ProposeProbe:
+  """T_draft(1) of a model-free drafter (n-gram lookup): the time of one
+  proposal of gamma tokens (batch 1, a history of `depth` random tokens in
+  `capacity` slots), divided by gamma; k proposals per timed repetition in
+  one jitted loop. The same `times` interface as CostProbe (n must be 1)."""
+
+  def __init__(self, drafter, target_cfg, gamma: int, capacity: int, depth: int, seed: int = 0,
+               k: int = REPEATS):
+    self.sc = speculative.SpecConfig(target_cfg, None, gamma, drafter=drafter, simulated=True)
+    self.k, self.capacity, self.depth = k, capacity, depth
+    rng = np.random.RandomState(seed)
+    prompt = rng.randint(0, target_cfg.vocab_size, depth - 1).tolist()
+    self.dstate = self.sc.drafter.init(self.sc, None, None, [prompt], capacity,
+                                       jnp.asarray([prompt[-1]]))
+    self.tail = jnp.asarray([[prompt[-1], prompt[-1]]], jnp.int32)
+    self.n = jnp.asarray([depth], jnp.int32)
+    self.warm = False
+
+  def times(self, ns: Sequence[int], reps: int = 1,
+            sp: SamplingParams = SamplingParams()) -> dict[int, timing.Timing]:
+    del sp  # a deterministic proposal does not depend on the sampling settings
+    if set(ns) != {1}:
+      raise ValueError(f"ProposeProbe times T_draft(1) only, asked for {sorted(set(ns))}")
+    run = lambda: _repeat_propose(None, self.dstate, self.tail, self.n, jax.random.PRNGKey(0),
+                                  sc=self.sc, k=self.k)
+    t = timing.measure(run, reps=reps, warmup=0 if self.warm else 1)
+    self.warm = True
+    per = self.k * self.sc.gamma
+    return {1: dataclasses.replace(t, times=[x / per for x in t.times])}
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "k"))
@@ -232,23 +280,29 @@ def _repeat_phases(tparams, dparams, state: speculative.SpecState, key, accept_p
   accept) from the same state, in one jitted loop: the loop body without its
   bookkeeping (keep_tokens, commit, records) and without the while loop."""
   live = jnp.ones(state.n.shape, bool)
-  t_len, d_len = state.tcache.lengths, state.dcache.lengths
+  t_len = state.tcache.lengths
+  # a draft cache is rolled back (no copy); other drafter states (the n-gram
+  # history, layerskip:N's nothing) are not changed by a proposal
+  reset = ((lambda c: kvc.rollback(c, state.dcache.lengths))
+           if isinstance(state.dcache, kvc.KVCache) else (lambda c: c))
 
   def body(i, carry):
     st, acc = carry
     kd, ka = jax.random.split(jax.random.fold_in(key, i))
-    d, dcache = speculative.draft_phase(dparams, st.dcache, st.tail, st.n, live, kd, sc)
-    p, tcache = speculative.verify_phase(tparams, st.tcache, st.tail, d.tokens, sc)
+    d, dcache, tcache = sc.drafter.propose(dparams, st.dcache, st.tcache, st.tail, st.n, live,
+                                           kd, sc)
+    p, tcache = speculative.verify_phase(tparams, tcache, st.tail, d.tokens, sc)[:2]
     j = speculative.accept_phase(ka, accept_probs, p, d, st.tail, st.n, live, sc)
-    st = st.replace(tcache=kvc.rollback(tcache, t_len), dcache=kvc.rollback(dcache, d_len))
+    st = st.replace(tcache=kvc.rollback(tcache, t_len), dcache=reset(dcache))
     return st, acc + jnp.sum(j.n_acc) + jnp.sum(j.emitted)
 
   state, acc = jax.lax.fori_loop(0, k, body, (state, jnp.int32(0)))
   return acc, state
 
 
-def loop_overhead(target: steps.Runner, draft: steps.Runner, prompt: list[int], gamma: int,
-                  n_steps: int = 16, reps: int = 5) -> dict[str, Any]:
+def loop_overhead(target: steps.Runner, draft: steps.Runner | None, prompt: list[int],
+                  gamma: int, n_steps: int = 16, reps: int = 5,
+                  drafter: str = "model") -> dict[str, Any]:
   """What the device loop costs beyond its phases (batch 1, rule `always`).
 
   loop_step_s: the device loop's seconds per step (speculative.generate,
@@ -256,21 +310,23 @@ def loop_overhead(target: steps.Runner, draft: steps.Runner, prompt: list[int], 
   feeds the draft its d_gamma first). phases_step_s: the three phases of one
   such step, repeated in one jitted loop from a state that is behind by
   d_gamma (the same catch-up). overhead_share = 1 - phases / loop: the while
-  loop, the bookkeeping, the records and the call itself.
+  loop, the bookkeeping, the records and the call itself. Another `drafter`
+  (specjax.drafters) runs the same way; `always` then accepts what it drafted.
   """
   n_predict = 1 + n_steps * (gamma + 1)
   cap = len(prompt) + n_predict + gamma
-  run = lambda: speculative.generate(target, draft, [prompt], n_predict, gamma, rule="always",
-                                     capacity=cap)
+  kw = dict(rule="always", capacity=cap, drafter=drafter)
+  run = lambda: speculative.generate(target, draft, [prompt], n_predict, gamma, **kw)
   # The state after one fully accepted step: the draft is behind by d_gamma.
-  first = speculative.generate(target, draft, [prompt], gamma + 2, gamma, rule="always",
-                               capacity=cap, keep_state=True)
-  sc = speculative.SpecConfig(target.cfg, draft.cfg, gamma, SamplingParams(), simulated=True)
+  first = speculative.generate(target, draft, [prompt], gamma + 2, gamma, keep_state=True, **kw)
+  sc = speculative.SpecConfig(target.cfg, draft.cfg if draft is not None else None, gamma,
+                              SamplingParams(), simulated=True, drafter=drafter)
+  dparams = sc.drafter.draft_params(target.params, draft)
   holder = [first.state]
   probs, key = jnp.ones((gamma,)), jax.random.PRNGKey(0)
 
   def phases():
-    acc, holder[0] = _repeat_phases(target.params, draft.params, holder[0], key, probs,
+    acc, holder[0] = _repeat_phases(target.params, dparams, holder[0], key, probs,
                                     sc=sc, k=n_steps)
     return acc
 

@@ -28,9 +28,12 @@ class Llama(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, positions, cache: kvc.KVCache, logit_index=None):
+  def __call__(self, tokens, positions, cache: kvc.KVCache, logit_index=None,
+               return_hidden=False):
     # tokens, positions [B, T] -> logits [B, T, V] (f32), or [B, 1, V] at
     # logit_index [B] (prefill needs only the last real token's logits).
+    # return_hidden: also the final-normed hidden states [B, T, E] (the LM
+    # head's input; the features a feature-level drafter reads).
     cfg = self.cfg
     embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
                      param_dtype=cfg.jnp_param_dtype, embedding_init=_init,
@@ -53,6 +56,8 @@ class Llama(nn.Module):
       logits = dense(cfg, cfg.vocab_size, "lm_head")(x)
     t = tokens.shape[1]
     new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
+    if return_hidden:
+      return logits.astype(jnp.float32), new_cache, x
     return logits.astype(jnp.float32), new_cache
 
 
@@ -83,7 +88,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
 
 
 def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,
-            logit_index=None):
+            logit_index=None, return_hidden=False):
   """Runs T new tokens per row against the cache.
 
   Args:
@@ -93,13 +98,15 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
     cfg: the model config (static under jit).
     positions: [B, T] absolute positions; defaults to lengths[:, None] + arange(T).
     logit_index: optional [B] index into T; then only those logits are computed.
+    return_hidden: also return the final-normed hidden states [B, T, E].
   Returns:
-    (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T).
+    (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T), and
+    the hidden states third when `return_hidden`.
   """
   if positions is None:
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
   return Llama(cfg).apply({"params": params}, tokens, positions, cache,
-                          logit_index)
+                          logit_index, return_hidden)
 
 
 def param_count(params) -> int:

@@ -23,7 +23,8 @@ _STATS = {f.name: "stats.SpecStats (see its docstring)" for f in dataclasses.fie
 FIELDS: dict[str, str] = {
     # what ran
     "target": "target model name",
-    "draft": "draft model name",
+    "draft": "draft model name (the model the drafter runs; none for ngram)",
+    "drafter": "what drafted: model | ngram:A-B | layerskip:N | layerskip:LIST (drafters.parse)",
     "precision": "compute precision of both models: float32, bfloat16, bf16-mixed, ...",
     "accept_rule": "acceptance rule: real | always | bernoulli:P | fraction:F | mean_length:L",
     "temperature": "sampling temperature of both models (0 = greedy)",

@@ -32,7 +32,7 @@ import statistics
 import time
 from typing import Any
 
-from specjax import acceptance, checkpoint, cli, costs, generation, schema, speculative
+from specjax import acceptance, checkpoint, cli, costs, drafters, generation, schema, speculative
 from specjax import stats as stats_lib
 from specjax import steps, workdir as wd
 from specjax.errors import ConfigError, SpecjaxError
@@ -48,6 +48,7 @@ def validate(cfg) -> None:
     raise ConfigError(f"config.gammas must be integers in [1, 64], got {list(cfg.gammas)}")
   if not cfg.accepts:
     raise ConfigError("config.accepts is empty")
+  drafters.parse(cfg.get("drafter", "model"))
   for a in cfg.accepts:
     for g in cfg.gammas:
       acceptance.parse_rule(a).resolve(int(g))
@@ -81,13 +82,14 @@ def point_key(rec: Record) -> tuple:
 class Bench:
   """What every point of a sweep shares: models, prompts, capacity, probes."""
   target: steps.Runner
-  draft: steps.Runner
+  draft: steps.Runner | None  # the draft model (drafter `model`), else None
   prompts: list[list[int]]
   capacity: int
   probe_t: costs.CostProbe
-  probe_d: costs.CostProbe
+  probe_d: costs.CostProbe | costs.ProposeProbe
   cfg: Any
   compiled: set = dataclasses.field(default_factory=set)  # programs already run once
+  drafter: drafters.Drafter = drafters.MODEL
 
   def warm_up(self, p: Point, split: bool) -> float:
     """Runs once, untimed, what this point needs and no earlier point has
@@ -111,7 +113,7 @@ class Bench:
     c = self.cfg
     return [speculative.generate(self.target, self.draft, [prompt], int(c.n_predict), p.gamma,
                                  sp=p.sp, rule=p.accept_rule, seed=int(c.seed),
-                                 capacity=self.capacity, loop=loop)
+                                 capacity=self.capacity, loop=loop, drafter=self.drafter)
             for prompt in self.prompts]
 
   def base(self, p: Point) -> list[generation.GenerationResult]:
@@ -145,8 +147,9 @@ def run_point(bench: Bench, p: Point) -> Record:
   of each (speed and costs too). Tokens/s pool all prompts; so do the
   acceptance statistics (identical in every repetition: same seed).
   """
-  sc = speculative.SpecConfig(bench.target.cfg, bench.draft.cfg, p.gamma, p.sp,
-                              acceptance.parse_rule(p.accept_rule).simulated)
+  sc = speculative.SpecConfig(bench.target.cfg, bench.draft and bench.draft.cfg, p.gamma, p.sp,
+                              acceptance.parse_rule(p.accept_rule).simulated,
+                              drafter=bench.drafter)
   split = bool(bench.cfg.measure_split)
   compile_s = bench.warm_up(p, split)  # the probes warm up on their first call
   t_accept = costs.accept_cost(sc, int(bench.cfg.reps)).median
@@ -210,19 +213,30 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   env = wd.environment()
   wd.write_config(workdir, cfg.to_dict(), env, schema=schema.SCHEMA_VERSION)
 
+  drafter = drafters.parse(cfg.get("drafter", "model"))
   tcfg, tparams, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, seed=int(cfg.seed))
-  dcfg, dparams, _ = checkpoint.load_model(cfg.draft, dtype=cfg.dtype, seed=int(cfg.seed) + 1,
-                                           role="draft")
-  speculative.check_vocabularies(tcfg, dcfg)  # before any timing
-  target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
+  target, draft = steps.Runner(tcfg, tparams), None
+  if drafter.needs_draft_model:
+    dcfg, dparams, _ = checkpoint.load_model(cfg.draft, dtype=cfg.dtype, seed=int(cfg.seed) + 1,
+                                             role="draft")
+    speculative.check_vocabularies(tcfg, dcfg)  # before any timing
+    draft = steps.Runner(dcfg, dparams)
+  # the model the drafter runs (the draft, a layer subset of the target, or none)
+  dcfg = drafter.draft_config(tcfg, draft and draft.cfg)
   prompts = sweep_prompts(cfg, tok, tcfg.vocab_size)
   depth = max(len(p) for p in prompts)
   gammas = sorted(int(g) for g in cfg.gammas)
   capacity = generation.plan_capacity(tcfg, depth, int(cfg.n_predict),
                                       extra=max(gammas), ctx_size=int(cfg.ctx_size))
+  if dcfg is not None:
+    probe_d = costs.CostProbe(steps.Runner(dcfg, drafter.draft_params(tparams, draft)), capacity,
+                              depth, k=costs.PROBE_REPEATS)
+  else:  # a model-free drafter: its proposal's time / gamma
+    probe_d = costs.ProposeProbe(drafter, tcfg, max(gammas), capacity, depth,
+                                 k=costs.PROBE_REPEATS)
   bench = Bench(target, draft, prompts, capacity,
-                costs.CostProbe(target, capacity, depth, k=costs.PROBE_REPEATS),
-                costs.CostProbe(draft, capacity, depth, k=costs.PROBE_REPEATS), cfg)
+                costs.CostProbe(target, capacity, depth, k=costs.PROBE_REPEATS), probe_d, cfg,
+                drafter=drafter)
   points = [Point(g, a, SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p)))
             for t in cfg.temps for g in gammas for a in cfg.accepts]
   finished = {point_key(r) for r in done}
@@ -235,7 +249,8 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   t_start = time.perf_counter()
   for i, p in enumerate(todo):
     rec = run_point(bench, p)
-    rec.update(target=tcfg.name, draft=dcfg.name, precision=tcfg.precision, env=env)
+    rec.update(target=tcfg.name, draft=dcfg.name if dcfg is not None else None,
+               drafter=drafter.spec, precision=tcfg.precision, env=env)
     wd.append_jsonl(jsonl, [rec])
     records.append(rec)
     wd.write_csv(os.path.join(workdir, wd.CSV_FILE), records, schema.CSV_COLUMNS)
@@ -282,6 +297,7 @@ def _check_same_sweep(workdir: str, cfg) -> None:
                       f"schema {saved.get('schema', 1)}, now {schema.SCHEMA_VERSION}); "
                       f"use another --workdir")
   old, new = saved.get("config") or {}, wd.normalised(cfg.to_dict())
+  old.setdefault("drafter", "model")  # sweeps from before drafters drafted with the model
   diff = sorted(k for k in set(old) | set(new)
                 if k not in _POINT_FIELDS and old.get(k) != new.get(k))
   if diff:

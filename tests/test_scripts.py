@@ -80,6 +80,8 @@ def test_speculative_writes_json(tmp_path):
     ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--accept=sometimes"],
      r"error: .*acceptance rule"),
     ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--draft=0"], r"draft"),
+    ("speculative.py", ["--model=tiny", "--drafter=layerskip:0,5"], r"error: .*out of range"),
+    ("loop_overhead.py", ["--model=tiny", "--drafter=eagle"], r"error: .*not available"),
 ])
 def test_bad_input_is_one_line(script, args, pattern):
   assert_one_line_error(run(script, *args), pattern)
