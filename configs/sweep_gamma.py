@@ -7,6 +7,8 @@ Quick (about 9 minutes on a 2-core AVX2 machine):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick --workdir=/tmp/specjax_quick
 Real acceptance with the shipped trained pair (held-out stdlib prompts, T=0 and 1):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:real --workdir=/tmp/specjax_real
+The batch x gamma surface (batches 1..32, auto gamma; see the README for its time):
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:batch --workdir=/tmp/specjax_batch
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
       --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
@@ -34,6 +36,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.reps = 3                     # repetitions; target-only and speculative alternate (medians)
   c.seed = 0                     # sampling and random-init seed (draft uses seed + 1)
   c.measure_split = True         # one host-loop run per point for the draft/verify/rest split
+  c.batches = (1,)               # rows per run (ragged prompts); > 1 value: the batch outputs
+  c.auto_gamma = False           # also points whose gamma is chosen at run time from gammas
+  c.auto_every = 8               # ... re-chosen every this many steps
   if arg == "quick":
     c.gammas = (1, 2, 4, 8)
     c.accepts = ("bernoulli:0.8", "always")
@@ -55,6 +60,26 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.temps = (0.0, 1.0)
     c.heldout_prompts = 8
     c.ctx_size = 256
+  elif arg in ("batch", "batch_quick"):  # the batch x gamma surface, with auto gamma
+    # The shipped pair's shapes (8M / 1.6M params): every (B, gamma) compiles a loop, and
+    # compiling is most of the time; simulated acceptance, so the weights do not matter.
+    c.target, c.draft = "stdlib-target", "stdlib-draft"
+    c.gammas = (1, 2, 4, 8)
+    c.accepts = ("bernoulli:0.8", "always")
+    c.dtype = "float32"
+    c.batches = (1, 2, 4, 8, 16, 32)
+    c.auto_gamma = True
+    c.n_predict = 32
+    c.ctx_size = 96
+    c.reps = 2
+    c.measure_split = False
+    if arg == "batch_quick":  # tests / CI: tiny models, seconds
+      c.target, c.draft = "tiny", "tiny-draft"
+      c.batches = (1, 4)
+      c.gammas = (1, 4)
+      c.accepts = ("bernoulli:0.8",)
+      c.n_predict, c.ctx_size, c.reps = 16, 64, 1
   elif arg != "default":
-    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real or gpu")
+    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, batch or "
+                     f"batch_quick")
   return c

@@ -15,19 +15,29 @@ The seed thread's experiments as settings:
   --accept=always            accept every draft
   --accept=mean_length:3     a per-token probability giving 3 accepted per step
 
+Batches and gamma chosen at run time:
+  --prompt_file=prompts.txt  one prompt per line (text with a tokenizer, else comma-separated ids)
+  --n_parallel=4             each prompt repeated 4 times (rows of one batch)
+  --gamma_auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps from costs
+                             measured at start (or --auto_costs=<sweep workdir>/costs.json)
+
 Each run also times target-only generation on the same prompt and the same
 cache capacity (--baseline), the two alternating over --reps repetitions, and
 prints the median speedup. --draft is gamma, the draft length (llama.cpp's
 name for the flag).
 """
 
+import json
 import statistics
 
+import numpy as np
 from absl import flags
 
-from specjax import acceptance, checkpoint, cli, drafters, generation, schema, speculative, steps
+from specjax import acceptance, autogamma, checkpoint, cli, drafters, generation, schema
+from specjax import speculative, steps
 from specjax import tokenizer
 from specjax import workdir as wd
+from specjax.errors import ConfigError
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory, orbax "
                              "directory or GGUF file.")
@@ -55,12 +65,59 @@ _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions; target-only and spec
                              "medians reported.", lower_bound=1)
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", True, "Do not stop at end-of-sequence (fixed-length runs).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, statistics and timings as one JSON object.")
+_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "One prompt per line (text; comma-separated "
+                                   "ids for a model without a tokenizer): the rows of one batch.")
+_N_PARALLEL = flags.DEFINE_integer("n_parallel", 1, "Rows per prompt: each prompt repeated this "
+                                   "many times in the batch.", lower_bound=1)
+_GAMMA_AUTO = flags.DEFINE_bool("gamma_auto", False, "Choose gamma at run time from --auto_set "
+                                "(measured costs, acceptance so far); --draft is then unused.")
+_AUTO_SET = flags.DEFINE_string("auto_set", "1,2,4,8", "The gammas --gamma_auto chooses from.")
+_AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY, "Steps between gamma choices.",
+                                   lower_bound=1)
+_AUTO_COSTS = flags.DEFINE_string("auto_costs", None, "A sweep's costs.json to take the costs at "
+                                  "this batch from, instead of measuring them at start.")
+
+
+def read_prompt_file(path: str, tok, vocab_size: int) -> list[list[int]]:
+  """One prompt per line; an empty line is an error (it would be an empty row)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = f.read().splitlines()
+  except OSError as e:
+    raise ConfigError(f"cannot read --prompt_file {path}: {e.strerror}") from None
+  if not lines:
+    raise ConfigError(f"--prompt_file {path} holds no prompt")
+  prompts = []
+  for i, line in enumerate(lines, 1):
+    if not line.strip():
+      raise ConfigError(f"--prompt_file {path}: line {i} is empty (one prompt per line)")
+    prompts.append(cli.parse_prompt(line, None, tok, vocab_size) if tok is not None
+                   else cli.parse_prompt(None, line, None, vocab_size))
+  return prompts
+
+
+def auto_costs(target, draft, batch, capacity, depth, gammas, sp, rule, drafter):
+  """The chooser's costs at this batch: from --auto_costs or measured now."""
+  if _AUTO_COSTS.value:
+    try:
+      with open(_AUTO_COSTS.value) as f:
+        d = json.load(f)["batches"][str(batch)]
+    except (OSError, KeyError, ValueError):
+      raise ConfigError(f"--auto_costs {_AUTO_COSTS.value} holds no costs at batch {batch} "
+                        f"(a batch sweep's costs.json has them)") from None
+    return autogamma.BatchCosts.from_dict(d)
+  return autogamma.measure_costs(target, draft, batch, capacity, depth, gammas, sp, rule,
+                                 drafter=drafter)
 
 
 def main(argv):
   del argv
-  gamma = _DRAFT.value
-  rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
+  auto = autogamma.parse_set(_AUTO_SET.value) if _GAMMA_AUTO.value else None
+  gamma = max(auto) if auto else _DRAFT.value
+  rule = acceptance.parse_rule(_ACCEPT.value)
+  for g in auto or (gamma,):
+    rule.resolve(g)
+  rule = rule if auto else rule.resolve(gamma)
   drafter = drafters.parse(_DRAFTER.value)
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
   draft = None
@@ -73,43 +130,85 @@ def main(argv):
     draft = steps.Runner(dcfg, dparams)
   # the config the drafter runs (a layer subset of the target, None for ngram)
   dcfg = speculative.SpecConfig(tcfg, draft and draft.cfg, gamma, drafter=drafter).draft
-  prompt = _GEN.prompt(tok, tcfg.vocab_size)
+  prompts = (read_prompt_file(_PROMPT_FILE.value, tok, tcfg.vocab_size) if _PROMPT_FILE.value
+             else [_GEN.prompt(tok, tcfg.vocab_size)])
+  prompts = [p for p in prompts for _ in range(_N_PARALLEL.value)]
+  prompt = prompts[0]
   sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)
   target = steps.Runner(tcfg, tparams)
   # One capacity for both sides: attention cost grows with it.
-  capacity = generation.plan_capacity(tcfg, len(prompt), _N_PREDICT.value, extra=gamma,
+  depth = max(len(p) for p in prompts)
+  capacity = generation.plan_capacity(tcfg, depth, _N_PREDICT.value, extra=gamma,
                                       ctx_size=_CTX.value)
-  kw = dict(seed=_GEN.seed, eos_id=eos, loop=_LOOP.value, capacity=capacity)
-  spec = lambda: speculative.generate(target, draft, [prompt], _N_PREDICT.value, gamma,
-                                      sp=sp, rule=rule, p_min=_P_MIN.value, drafter=drafter,
-                                      **kw)
-  base = lambda: generation.generate(target, [prompt], _N_PREDICT.value, sp, **kw)
-  compile_s = spec().compile_s + (base().compile_s if _BASELINE.value else 0.0)  # warm-up
+  kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)
+  if auto:
+    if _LOOP.value != "device" or _P_MIN.value:
+      raise ConfigError("--gamma_auto runs the device loop in chunks: no --loop=host, no --p_min")
+    cost = auto_costs(target, draft, len(prompts), capacity, depth, auto, sp, rule, drafter)
+    akw = dict(sp=sp, rule=rule, every=_AUTO_EVERY.value, drafter=drafter, **kw)
+    spec = lambda: autogamma.generate(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
+    compile_s = autogamma.warm_up(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
+  else:
+    spec = lambda: speculative.generate(target, draft, prompts, _N_PREDICT.value, gamma,
+                                        sp=sp, rule=rule, p_min=_P_MIN.value, loop=_LOOP.value,
+                                        drafter=drafter, **kw)
+    compile_s = spec().compile_s
+  base = lambda: generation.generate(target, prompts, _N_PREDICT.value, sp, loop=_LOOP.value,
+                                     **kw)
+  compile_s += base().compile_s if _BASELINE.value else 0.0  # warm-up
   spec_tps, base_tps = [], []
   for _ in range(_REPS.value):  # alternating, so both sides see the same machine state
     if _BASELINE.value:
       b = base()
-      base_tps.append(b.n_eval / b.eval_s)
+      base_tps.append(b.n_eval * len(prompts) / b.eval_s)
     res = spec()
     spec_tps.append(res.stats.tokens_per_s)
-  _report(tcfg, dcfg, drafter, tok, prompt, rule, res, b if _BASELINE.value else None,
+  _report(tcfg, dcfg, drafter, tok, prompts, rule, res, b if _BASELINE.value else None,
           statistics.median(spec_tps), statistics.median(base_tps) if base_tps else None,
           capacity, compile_s)
 
 
-def _report(tcfg, dcfg, drafter, tok, prompt, rule, res, base, spec_tps, base_tps, capacity,
+def row_lines(res) -> list[str]:
+  """Per-row statistics of a batch run, then the loop's steps (a batch runs
+  until its slowest row is done)."""
+  rec = res.records
+  lines = ["row | out tokens | steps | accepted | drafted | accept % | tokens/step"]
+  for r in range(len(res.tokens)):
+    sel = rec.row == r
+    n_acc, n_dr = int(rec.n_acc[sel].sum()), int(rec.n_drafted[sel].sum())
+    steps_r, kept = int(sel.sum()), int(rec.kept[sel].sum())
+    lines.append(f"{r:3d} | {len(res.tokens[r]):10d} | {steps_r:5d} | {n_acc:8d} | {n_dr:7d} | "
+                 f"{100 * n_acc / max(n_dr, 1):8.1f} | {kept / max(steps_r, 1):11.3f}")
+  loop = int(rec.step.max()) + 1 if rec.step.size else 0
+  lines.append(f"total: {len(res.tokens)} rows, {loop} loop steps (the slowest row), "
+               f"{rec.step.size} row-steps, mean {rec.step.size / max(len(res.tokens), 1):.2f} per row")
+  if getattr(res, "gammas_used", None):
+    used = np.bincount(res.gammas_used)
+    lines.append("auto gamma: steps per gamma " + ", ".join(
+        f"{g}: {n}" for g, n in enumerate(used) if n) + "; alpha estimates " + ", ".join(
+            f"{a:.2f}" for a in res.alphas))
+  return lines
+
+
+def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_tps, capacity,
             compile_s):
   st = res.stats
-  print(cli.detokenize(tok, prompt) + cli.detokenize(tok, res.tokens[0]), flush=True)
-  print()
-  print(f"encoded {len(prompt):4d} tokens in {res.prompt_s:8.3f} seconds, speed: "
-        f"{len(prompt) / res.prompt_s:9.3f} t/s")
+  prompt = prompts[0]
+  for p, out in zip(prompts, res.tokens):
+    print(cli.detokenize(tok, p) + cli.detokenize(tok, out), flush=True)
+    print()
+  n_prompt = sum(len(p) for p in prompts)
+  print(f"encoded {n_prompt:4d} tokens in {res.prompt_s:8.3f} seconds, speed: "
+        f"{n_prompt / res.prompt_s:9.3f} t/s")
   print(f"decoded {st.n_kept:4d} tokens in {res.eval_s:8.3f} seconds, speed: "
         f"{st.tokens_per_s:9.3f} t/s (last repetition)")
   print()
   print("\n".join(st.summary_lines()))
   print()
+  if len(prompts) > 1 or getattr(res, "gammas_used", None):
+    print("\n".join(row_lines(res)))
+    print()
   draft = (f"draft: {dcfg.name} ({dcfg.num_params() / 1e6:.1f} M params)" if dcfg is not None
            else "no draft model")
   print(f"target: {tcfg.name} ({tcfg.num_params() / 1e6:.1f} M params), drafter {drafter}, "
@@ -122,14 +221,19 @@ def _report(tcfg, dcfg, drafter, tok, prompt, rule, res, base, spec_tps, base_tp
       drafter=drafter.spec, precision=tcfg.precision, accept_rule=str(rule),
       temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, p_min=_P_MIN.value,
       seed=_GEN.seed, loop=_LOOP.value, capacity=capacity, reps=_REPS.value,
-      prompt_tokens=prompt, tokens=res.tokens[0], spec_tps=spec_tps, prompt_s=res.prompt_s,
-      compile_s=compile_s, env=wd.environment())
+      spec_tps=spec_tps, prompt_s=res.prompt_s, compile_s=compile_s, env=wd.environment(),
+      batch=len(prompts),
+      **({"prompt_tokens": prompt, "tokens": res.tokens[0]} if len(prompts) == 1 else {}),
+      **({"auto_set": sorted(set(res.gammas_used)), "auto_every": _AUTO_EVERY.value}
+         if getattr(res, "gammas_used", None) else {}))
   print(f"{'speculative':>18} = {spec_tps:9.3f} tokens per second (median of {_REPS.value})")
   if base is not None:
     print(f"{'target-only':>18} = {base_tps:9.3f} tokens per second (median of {_REPS.value}, "
           f"alternating)")
     print(f"{'speedup':>18} = {spec_tps / base_tps:.3f}x (speculative t/s / target-only t/s)")
-    out.update(baseline_tps=base_tps, speedup=spec_tps / base_tps, baseline_tokens=base.tokens[0])
+    out.update(baseline_tps=base_tps, speedup=spec_tps / base_tps)
+    if len(prompts) == 1:
+      out.update(baseline_tokens=base.tokens[0])
   if _JSON_OUT.value:
     wd.write_json(_JSON_OUT.value, out)
 

@@ -79,8 +79,9 @@ def filled_cache(m: steps.Runner, batch: int, capacity: int, depth: int,
 
 
 class CostProbe:
-  """Measures T(n) of one model: a forward over n new tokens (batch 1)
-  against a cache of `capacity` slots already holding `depth` tokens.
+  """Measures T(n) of one model: a forward over n new tokens per row (batch
+  `batch`, 1 by default) against a cache of `capacity` slots already holding
+  `depth` tokens per row.
 
   Each repetition runs k forwards inside one jitted loop and reports the time
   per forward, so host dispatch (which the on-device loop never pays) stays
@@ -89,10 +90,10 @@ class CostProbe:
   """
 
   def __init__(self, m: steps.Runner, capacity: int, depth: int, seed: int = 0,
-               k: int = REPEATS):
-    self.m, self.k, self.capacity, self.depth = m, k, capacity, depth
+               k: int = REPEATS, batch: int = 1):
+    self.m, self.k, self.capacity, self.depth, self.batch = m, k, capacity, depth, batch
     self.rng = np.random.RandomState(seed)
-    self.holder = [filled_cache(m, 1, capacity, depth, self.rng)]
+    self.holder = [filled_cache(m, batch, capacity, depth, self.rng)]
     self.tokens: dict[int, jax.Array] = {}
     self.warm: set[tuple[int, SamplingParams]] = set()
 
@@ -103,7 +104,7 @@ class CostProbe:
     out = {}
     for n in sorted(set(ns)):
       if n not in self.tokens:
-        self.tokens[n] = random_tokens(self.rng, self.m.cfg.vocab_size, 1, n)
+        self.tokens[n] = random_tokens(self.rng, self.m.cfg.vocab_size, self.batch, n)
       key = jax.random.PRNGKey(n)
 
       def run(tokens=self.tokens[n], key=key):
@@ -182,19 +183,20 @@ def _repeat_accept(key, accept_probs, p, drafted, tail, n, out, *, sc, k: int):
 
 
 def accept_cost(sc: speculative.SpecConfig, reps: int, seed: int = 0,
-                k: int = REPEATS) -> timing.Timing:
-  """Time of one accept phase and its bookkeeping (batch 1) for `sc`'s rule
-  kind, gamma and sampling settings, on random distributions; per phase."""
-  v, gamma = sc.target.vocab_size, sc.gamma
+                k: int = REPEATS, batch: int = 1) -> timing.Timing:
+  """Time of one accept phase and its bookkeeping (batch `batch`, 1 by
+  default) for `sc`'s rule kind, gamma and sampling settings, on random
+  distributions; per phase."""
+  v, gamma, b = sc.target.vocab_size, sc.gamma, batch
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  p = jax.nn.softmax(4 * jax.random.normal(keys[0], (1, gamma + 1, v)), -1)
-  q = jax.nn.softmax(4 * jax.random.normal(keys[1], (1, gamma, v)), -1)
+  p = jax.nn.softmax(4 * jax.random.normal(keys[0], (b, gamma + 1, v)), -1)
+  q = jax.nn.softmax(4 * jax.random.normal(keys[1], (b, gamma, v)), -1)
   drafted = speculative.Drafted(
-      tokens=jax.random.randint(keys[2], (1, gamma), 0, v),
-      q=q if sc.needs_q else q[..., :0], n_drafted=jnp.full((1,), gamma, jnp.int32),
-      caught_up=jnp.zeros((1,), bool))
-  tail, n = jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 8, jnp.int32)
-  out = jnp.zeros((1, 4 * (gamma + 1)), jnp.int32)
+      tokens=jax.random.randint(keys[2], (b, gamma), 0, v),
+      q=q if sc.needs_q else q[..., :0], n_drafted=jnp.full((b,), gamma, jnp.int32),
+      caught_up=jnp.zeros((b,), bool))
+  tail, n = jnp.zeros((b, 2), jnp.int32), jnp.full((b,), 8, jnp.int32)
+  out = jnp.zeros((b, 4 * (gamma + 1)), jnp.int32)
   probs = jnp.full((gamma,), 0.5)
   run = lambda: _repeat_accept(keys[3], probs, p, drafted, tail, n, out, sc=sc, k=k)
   t = timing.measure(run, reps=max(reps, 5))

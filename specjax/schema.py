@@ -70,6 +70,20 @@ FIELDS: dict[str, str] = {
     "rest_share": "... elsewhere (bookkeeping, dispatch)",
     "geometric": "accepted lengths against the capped geometric law (stats.geometric_check)",
     "env": "workdir.environment(): versions, device, CPU model and flags, load, commit",
+    # batches (the sweep's `batches`; absent = 1) and the tail effect
+    "batch": "rows per generate call (ragged prompts, sweep.batch_prompts); speeds sum the rows",
+    "loop_steps": "loop steps, summed over the point's runs (a batch runs until its slowest row is done)",
+    "steps_measured": "loop steps per run, measured",
+    "steps_predicted": "loop steps per run, the tail model's expectation "
+                       "(theory.expected_batch_steps at the rule's law / the measured alpha)",
+    "catchup_any_share": "share of loop steps whose draft phase fed some row's d_gamma first",
+    "predicted_tail": "the measured-cost model with the tail model's expected steps",
+    "efficiency_tail": "speedup / predicted_tail (median over repetitions)",
+    # gamma chosen at run time (autogamma; gamma = 'auto')
+    "auto_set": "the gammas an auto point chooses from",
+    "auto_every": "steps between choices",
+    "gammas_used": "steps run at each gamma of the set",
+    "auto_alpha": "the alpha estimate at the last choice, per run",
 }
 
 # The CSV's columns, in order (everything scalar a reader compares).
@@ -78,7 +92,8 @@ CSV_COLUMNS = (
     "speedup", "accept_rate", "mean_accepted", "tokens_per_step", "alpha", "n_steps",
     "n_catchup", "c", "verify_ratio", "t_target_s", "t_verify_s", "t_draft_s", "t_accept_s",
     "predicted_leviathan", "predicted_thread", "predicted_measured_cost", "efficiency",
-    "draft_share", "verify_share", "accept_share", "rest_share", "compile_s")
+    "draft_share", "verify_share", "accept_share", "rest_share", "compile_s", "batch",
+    "steps_measured", "steps_predicted", "predicted_tail", "efficiency_tail")
 
 
 def run_record(stats: SpecStats | None = None, **fields: Any) -> dict[str, Any]:

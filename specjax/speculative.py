@@ -264,19 +264,13 @@ def _steps(key, i, tparams, dparams, st: SpecState, done, accept_probs, sc):
   return d, dcache, tcache, j, feats
 
 
-@functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id"),
-                   donate_argnames=("state",))
-def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc: SpecConfig,
-              n_predict: int, eos_id: int):
-  """The whole speculative generation on device (one lax.while_loop).
-
-  Returns (out [B, n_predict + gamma + 1], count [B], records, final state).
-  """
-  b = out.shape[0]
+def _run_steps(tparams, dparams, st: SpecState, out, count, done, i, rec, key, accept_probs,
+               stop, sc: SpecConfig, n_predict: int, eos_id: int):
+  """Steps i, i+1, .. of the loop until step `stop` or every row is done."""
 
   def cond(c):
     i, _, _, _, done, _ = c
-    return (i < n_predict) & ~jnp.all(done)
+    return (i < stop) & ~jnp.all(done)
 
   def body(c):
     i, st, out, count, done, rec = c
@@ -287,12 +281,42 @@ def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc:
     st = commit(tcache, dcache, st.tail, j, kept, ~done, sc.drafter, feats)
     return i + 1, st, out, count, new_done, rec
 
+  return jax.lax.while_loop(cond, body, (jnp.asarray(i, jnp.int32), st, out, count, done, rec))
+
+
+def loop_start(out, eos_id: int, n_predict: int):
+  """(count, done, records) before step 0; out [B, W] holds the first tokens."""
+  b = out.shape[0]
   count = jnp.ones((b,), jnp.int32)
   done = (out[:, 0] == eos_id) | (n_predict <= 1)
-  rec = {k: jnp.zeros((n_predict, b), jnp.int32) for k in REC_FIELDS}
-  _, st, out, count, _, rec = jax.lax.while_loop(
-      cond, body, (jnp.int32(0), state, out, count, done, rec))
+  return count, done, {k: jnp.zeros((n_predict, b), jnp.int32) for k in REC_FIELDS}
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id"),
+                   donate_argnames=("state",))
+def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc: SpecConfig,
+              n_predict: int, eos_id: int):
+  """The whole speculative generation on device (one lax.while_loop).
+
+  Returns (out [B, n_predict + gamma + 1], count [B], records, final state).
+  """
+  count, done, rec = loop_start(out, eos_id, n_predict)
+  _, st, out, count, _, rec = _run_steps(tparams, dparams, state, out, count, done, 0, rec, key,
+                                         accept_probs, n_predict, sc, n_predict, eos_id)
   return out, count, rec, st
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id", "n_steps"),
+                   donate_argnames=("state", "rec"))
+def spec_chunk(tparams, dparams, state: SpecState, out, count, done, i, rec, key, accept_probs,
+               *, sc: SpecConfig, n_predict: int, eos_id: int, n_steps: int):
+  """At most n_steps steps of spec_loop from step i (a traced index) and a
+  given (state, out, count, done, records): a host loop may switch gamma
+  between chunks (SpecState does not depend on gamma; `out` must be at least
+  n_predict + max gamma wide). Returns (i, state, out, count, done, rec)."""
+  stop = jnp.minimum(i + n_steps, n_predict)
+  return _run_steps(tparams, dparams, state, out, count, done, i, rec, key, accept_probs, stop,
+                    sc, n_predict, eos_id)
 
 
 def _propose(dparams, dcache, tcache, tail, n, live, key, sc: SpecConfig):

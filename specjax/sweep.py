@@ -32,7 +32,10 @@ import statistics
 import time
 from typing import Any
 
-from specjax import acceptance, checkpoint, cli, costs, drafters, generation, schema, speculative
+import numpy as np
+
+from specjax import acceptance, autogamma, checkpoint, cli, costs, drafters, generation
+from specjax import schema, speculative, theory
 from specjax import stats as stats_lib
 from specjax import steps, workdir as wd
 from specjax.errors import ConfigError, SpecjaxError
@@ -46,6 +49,11 @@ def validate(cfg) -> None:
   """Bad sweep settings -> one ConfigError naming the field."""
   if not cfg.gammas or any(int(g) < 1 or int(g) > 64 for g in cfg.gammas):
     raise ConfigError(f"config.gammas must be integers in [1, 64], got {list(cfg.gammas)}")
+  batches = list(cfg.get("batches", (1,)))
+  if not batches or any(int(b) < 1 for b in batches):
+    raise ConfigError(f"config.batches must be integers >= 1, got {batches}")
+  if int(cfg.get("auto_every", 8)) < 1:
+    raise ConfigError(f"config.auto_every must be >= 1, got {cfg.auto_every}")
   if not cfg.accepts:
     raise ConfigError("config.accepts is empty")
   drafters.parse(cfg.get("drafter", "model"))
@@ -63,19 +71,44 @@ def validate(cfg) -> None:
     SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p))
 
 
+AUTO = "auto"  # the gamma of a point whose gamma is chosen at run time (autogamma)
+
+
 @dataclasses.dataclass(frozen=True)
 class Point:
-  gamma: int
+  gamma: int | str  # an int, or AUTO
   accept_rule: str
   sp: SamplingParams
+  batch: int = 1
+
+  @property
+  def auto(self) -> bool:
+    return self.gamma == AUTO
 
   @property
   def key(self) -> tuple:
-    return (self.gamma, self.accept_rule, self.sp.temperature)
+    return (self.batch, self.gamma, self.accept_rule, self.sp.temperature)
 
 
 def point_key(rec: Record) -> tuple:
-  return (int(rec["gamma"]), str(rec["accept_rule"]), float(rec["temperature"]))
+  g = rec["gamma"]
+  return (int(rec.get("batch", 1)), g if g == AUTO else int(g), str(rec["accept_rule"]),
+          float(rec["temperature"]))
+
+
+def batch_prompts(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+  """The groups of rows a point at `batch` runs, one generate call each.
+  Batch 1: every prompt on its own (the original sweep). Batch B > 1: one
+  group of B rows; row r is prompt r mod n cut short by (r div n) mod
+  ceil(L/2) tokens, so the rows have ragged lengths (and none is empty)."""
+  if batch == 1:
+    return [[p] for p in prompts]
+  n = len(prompts)
+  rows = []
+  for r in range(batch):
+    p = prompts[r % n]
+    rows.append(p[:len(p) - (r // n) % max(1, (len(p) + 1) // 2)])
+  return [rows]
 
 
 @dataclasses.dataclass
@@ -90,6 +123,25 @@ class Bench:
   cfg: Any
   compiled: set = dataclasses.field(default_factory=set)  # programs already run once
   drafter: drafters.Drafter = drafters.MODEL
+  probes: dict = dataclasses.field(default_factory=dict)  # batch -> (target, draft) probes
+  batch_costs: dict = dataclasses.field(default_factory=dict)  # batch -> autogamma.BatchCosts
+
+  def probe(self, batch: int) -> tuple[costs.CostProbe, costs.CostProbe]:
+    """The (target, draft) cost probes at `batch` (batch 1: probe_t, probe_d)."""
+    if batch == 1:
+      return self.probe_t, self.probe_d
+    if batch not in self.probes:
+      make = lambda m: costs.CostProbe(m, self.capacity, self.probe_t.depth,
+                                       k=costs.PROBE_REPEATS, batch=batch)
+      # a model-free drafter's proposal cost is per row and tiny: its batch-1 probe
+      draft = (make(self.probe_d.m) if isinstance(self.probe_d, costs.CostProbe)
+               else self.probe_d)
+      self.probes[batch] = (make(self.target), draft)
+    return self.probes[batch]
+
+  @property
+  def auto_set(self) -> tuple[int, ...]:
+    return tuple(sorted(int(g) for g in self.cfg.gammas))
 
   def warm_up(self, p: Point, split: bool) -> float:
     """Runs once, untimed, what this point needs and no earlier point has
@@ -98,10 +150,13 @@ class Bench:
     loop (per sampling settings) and the host loop's phases. Returns the
     compile seconds (0 when everything was warm)."""
     kind = acceptance.parse_rule(p.accept_rule).simulated
-    runs = {("spec", p.gamma, kind, p.sp): lambda: self.spec(p),
-            ("base", p.sp): lambda: self.base(p)}
-    if split:
-      runs[("host", p.gamma, kind, p.sp)] = lambda: self.spec(p, "host")
+    runs = {("spec", p.batch, p.gamma, kind, p.sp): lambda: self.spec(p),
+            ("base", p.batch, p.sp): lambda: self.base(p)}
+    if p.auto:  # every gamma's chunk program, each forced once
+      runs[("spec", p.batch, p.gamma, kind, p.sp)] = lambda: [
+          r for g in self.auto_set for r in self.spec(p, fixed=[g])]
+    if split and not p.auto:
+      runs[("host", p.batch, p.gamma, kind, p.sp)] = lambda: self.spec(p, "host")
     compile_s = 0.0
     for key, run in runs.items():
       if key not in self.compiled:
@@ -109,50 +164,106 @@ class Bench:
         self.compiled.add(key)
     return compile_s
 
-  def spec(self, p: Point, loop: str = "device") -> list[speculative.SpecResult]:
+  def spec(self, p: Point, loop: str = "device", fixed=None) -> list[speculative.SpecResult]:
     c = self.cfg
-    return [speculative.generate(self.target, self.draft, [prompt], int(c.n_predict), p.gamma,
+    if p.auto:
+      return [autogamma.generate(self.target, self.draft, rows, int(c.n_predict),
+                                 self.batch_costs[p.batch], self.auto_set, sp=p.sp,
+                                 rule=p.accept_rule, seed=int(c.seed), capacity=self.capacity,
+                                 every=int(c.get("auto_every", autogamma.EVERY)), fixed=fixed,
+                                 drafter=self.drafter)
+              for rows in batch_prompts(self.prompts, p.batch)]
+    return [speculative.generate(self.target, self.draft, rows, int(c.n_predict), p.gamma,
                                  sp=p.sp, rule=p.accept_rule, seed=int(c.seed),
                                  capacity=self.capacity, loop=loop, drafter=self.drafter)
-            for prompt in self.prompts]
+            for rows in batch_prompts(self.prompts, p.batch)]
 
   def base(self, p: Point) -> list[generation.GenerationResult]:
     c = self.cfg
-    return [generation.generate(self.target, [prompt], int(c.n_predict), p.sp, seed=int(c.seed),
-                                capacity=self.capacity) for prompt in self.prompts]
+    return [generation.generate(self.target, rows, int(c.n_predict), p.sp, seed=int(c.seed),
+                                capacity=self.capacity)
+            for rows in batch_prompts(self.prompts, p.batch)]
 
 
 PROBE_REPS = 3  # probe repetitions per sweep repetition (of costs.PROBE_REPEATS forwards)
 
 
 def _rep_costs(bench: Bench, p: Point) -> dict[str, float]:
-  """The point's costs, each the median of PROBE_REPS short probes: cheap
-  next to the runs, and a single probe is as noisy as the machine."""
-  ts = bench.probe_t.times([1, p.gamma, p.gamma + 1], PROBE_REPS, sp=p.sp)
+  """The point's costs at its batch, each the median of PROBE_REPS short
+  probes: cheap next to the runs, and a single probe is as noisy as the
+  machine."""
+  probe_t, probe_d = bench.probe(p.batch)
+  ts = probe_t.times([1, p.gamma, p.gamma + 1], PROBE_REPS, sp=p.sp)
   return {"t_target": ts[1].median, "t_target_gamma": ts[p.gamma].median,
           "t_verify": ts[p.gamma + 1].median,
-          "t_draft": bench.probe_d.times([1], PROBE_REPS, sp=p.sp)[1].median}
+          "t_draft": probe_d.times([1], PROBE_REPS, sp=p.sp)[1].median}
+
+
+def loop_steps(res: list[speculative.SpecResult]) -> tuple[int, int, int]:
+  """(loop steps, row-steps of the rows a loop step carried, loop steps in
+  which some row first fed the draft d_gamma), summed over the runs: a batch
+  loop runs until its slowest row is done, and its catch-up forward runs
+  when any row needs it."""
+  steps = carried = catchup = 0
+  for r in res:
+    rec = r.records
+    s = int(rec.step.max()) + 1 if rec.step.size else 0
+    steps += s
+    carried += s * (int(rec.row.max()) + 1 if rec.row.size else 0)
+    catchup += len(np.unique(rec.step[rec.caught_up.astype(bool)]))
+  return steps, carried, catchup
+
+
+def expected_steps(p: Point, st: stats_lib.SpecStats, groups: list[list[list[int]]],
+                   n_predict: int) -> float:
+  """The tail model's expected loop steps (theory.expected_batch_steps), summed
+  over the point's runs: a simulated rule's own law of accepted counts, the
+  capped geometric at the measured alpha for the real rule."""
+  rule = acceptance.parse_rule(p.accept_rule).resolve(p.gamma)
+  pmf = (theory.accept_pmf_from_position_probs(acceptance.position_probs(rule, p.gamma))
+         if rule.simulated else theory.geometric_accept_pmf(st.alpha, p.gamma))
+  return sum(theory.expected_batch_steps(pmf, n_predict - 1, len(rows)) for rows in groups)
+
+
+def _batch_predictions(p: Point, st, c: costs.StepCosts, steps: int, carried: int,
+                       catchup: int, exp_steps: float) -> dict[str, float]:
+  """At batch B, from costs measured at B (speeds count the tokens of every row):
+    step_s                  (gamma + catch-up share) T_draft(B,1) + T_target(B,gamma+1) + T_accept(B)
+    predicted_measured_cost n_kept / carried row-steps x T_target(B,1) / step_s
+                            (the measured number of loop steps: equals costs.predict at B = 1)
+    predicted_tail          the same with the tail model's expected steps."""
+  share = catchup / steps if steps else 0.0
+  step_s = (p.gamma + share) * c.t_draft + c.t_verify + c.t_accept
+  rows = carried / steps if steps else 1.0
+  per_row_steps = carried / rows if rows else 0.0
+  return {"predicted_step_s": step_s,
+          "predicted_measured_cost": st.n_kept / carried * c.t_target / step_s if carried else 0.0,
+          "predicted_tail": st.n_kept / rows / exp_steps * c.t_target / step_s if exp_steps else 0.0,
+          "catchup_any_share": share, "steps_measured": per_row_steps}
 
 
 def run_point(bench: Bench, p: Point) -> Record:
   """Measures one point and its predictions.
 
-  Each repetition runs target-only and speculative generation (each over
-  every prompt, one after another, batch 1; the order alternates between
-  repetitions), then the cost probes, and pairs them: its speedup is the
-  ratio of its two runs, its prediction comes from the probes taken right
+  Each repetition runs target-only and speculative generation (at batch 1
+  each over every prompt, one after another; at batch B > 1 one run of B
+  ragged rows: batch_prompts; the order alternates between repetitions),
+  then the cost probes at the point's batch, and pairs them: its speedup is
+  the ratio of its two runs, its prediction comes from the probes taken right
   after them, and its efficiency is their ratio. The machine's speed drifts
   over seconds; pairing within a repetition cancels the drift that a ratio
   of medians taken apart would keep. Reported: the median over repetitions
-  of each (speed and costs too). Tokens/s pool all prompts; so do the
-  acceptance statistics (identical in every repetition: same seed).
+  of each (speed and costs too). Tokens/s pool all prompts and rows; so do
+  the acceptance statistics (identical in every repetition: same seed).
+  An auto point (gamma chosen at run time) has no cost prediction.
   """
-  sc = speculative.SpecConfig(bench.target.cfg, bench.draft and bench.draft.cfg, p.gamma, p.sp,
-                              acceptance.parse_rule(p.accept_rule).simulated,
-                              drafter=bench.drafter)
-  split = bool(bench.cfg.measure_split)
+  split = bool(bench.cfg.measure_split) and not p.auto
   compile_s = bench.warm_up(p, split)  # the probes warm up on their first call
-  t_accept = costs.accept_cost(sc, int(bench.cfg.reps)).median
+  if not p.auto:
+    sc = speculative.SpecConfig(bench.target.cfg, bench.draft and bench.draft.cfg, p.gamma, p.sp,
+                                acceptance.parse_rule(p.accept_rule).simulated,
+                                drafter=bench.drafter)
+    t_accept = costs.accept_cost(sc, int(bench.cfg.reps), batch=p.batch).median
   reps = []
   for rep in range(int(bench.cfg.reps)):
     with CompileWatch() as cw:
@@ -163,30 +274,61 @@ def run_point(bench: Bench, p: Point) -> Record:
     if cw.count:
       raise SpecjaxError(f"{cw.count} compilation(s) inside timed repetition {rep} of "
                          f"{p.key} ({dict(cw.names)}): shapes changed between runs")
-    reps.append({"base_s": sum(r.eval_s for r in b) / sum(r.n_eval for r in b),
+    reps.append({"base_s": sum(r.eval_s for r in b) / sum(r.n_eval * len(r.tokens) for r in b),
                  "spec_s": sum(r.eval_s for r in res) / sum(r.stats.n_kept for r in res),
-                 **_rep_costs(bench, p)})
+                 **({} if p.auto else _rep_costs(bench, p))})
   pooled = stats_lib.Records.concat([r.records for r in res])
-  st = stats_lib.SpecStats.compute(pooled, gamma=p.gamma,
+  gamma = max(bench.auto_set) if p.auto else p.gamma
+  st = stats_lib.SpecStats.compute(pooled, gamma=gamma,
                                    n_predict=sum(r.stats.n_predict for r in res))
+  steps, carried, catchup = loop_steps(res)
+  groups = batch_prompts(bench.prompts, p.batch)
   for r in reps:
-    step = costs.StepCosts(r["t_target"], r["t_target_gamma"], r["t_verify"], r["t_draft"],
-                           t_accept)
     r["speedup"] = r["base_s"] / r["spec_s"]
-    r["efficiency"] = r["speedup"] / costs.predict(st, step)["predicted_measured_cost"]
   med = lambda k: statistics.median(r[k] for r in reps)
-  step_costs = costs.StepCosts(med("t_target"), med("t_target_gamma"), med("t_verify"),
-                               med("t_draft"), t_accept)
-  return schema.run_record(
-      st, gamma=p.gamma, accept_rule=p.accept_rule, temperature=p.sp.temperature,
+  common = dict(
+      batch=p.batch, accept_rule=p.accept_rule, temperature=p.sp.temperature,
       top_k=p.sp.top_k, top_p=p.sp.top_p, seed=int(bench.cfg.seed), loop="device",
       capacity=bench.capacity, n_prompts=len(bench.prompts), reps=int(bench.cfg.reps),
       baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=med("speedup"),
+      compile_s=compile_s, loop_steps=steps, steps_measured=steps / len(groups))
+  if p.auto:
+    used = [g for r in res for g in r.gammas_used]
+    return schema.run_record(
+        st, **common, gamma=AUTO, auto_set=list(bench.auto_set),
+        auto_every=int(bench.cfg.get("auto_every", autogamma.EVERY)),
+        gammas_used={str(g): used.count(g) for g in bench.auto_set},
+        auto_alpha=[r.alphas[-1] if r.alphas else None for r in res])
+  exp_steps = expected_steps(p, st, groups, int(bench.cfg.n_predict))
+
+  def predictions(c: costs.StepCosts) -> dict[str, float]:
+    pred = costs.predict(st, c)
+    if p.batch > 1:
+      pred.update(_batch_predictions(p, st, c, steps, carried, catchup, exp_steps))
+    else:
+      pred["predicted_tail"] = _batch_predictions(p, st, c, steps, carried, catchup,
+                                                  exp_steps)["predicted_tail"]
+    return pred
+
+  for r in reps:
+    step = costs.StepCosts(r["t_target"], r["t_target_gamma"], r["t_verify"], r["t_draft"],
+                           t_accept)
+    pred = predictions(step)
+    r["efficiency"] = r["speedup"] / pred["predicted_measured_cost"]
+    r["efficiency_tail"] = r["speedup"] / pred["predicted_tail"]
+  step_costs = costs.StepCosts(med("t_target"), med("t_target_gamma"), med("t_verify"),
+                               med("t_draft"), t_accept)
+  pred = predictions(step_costs)
+  pred.pop("steps_measured", None)
+  return schema.run_record(
+      st, **common, gamma=p.gamma,
       t_target_s=step_costs.t_target, t_target_gamma_s=step_costs.t_target_gamma,
       t_verify_s=step_costs.t_verify, t_draft_s=step_costs.t_draft, t_accept_s=t_accept,
-      c=step_costs.c, verify_ratio=step_costs.verify_ratio, **costs.predict(st, step_costs),
+      c=step_costs.c, verify_ratio=step_costs.verify_ratio, **pred,
+      steps_predicted=exp_steps / len(groups),
       efficiency=med("efficiency"), efficiency_reps=[r["efficiency"] for r in reps],
-      compile_s=compile_s, geometric=stats_lib.geometric_check(st),
+      efficiency_tail=med("efficiency_tail"),
+      geometric=stats_lib.geometric_check(st),
       **(time_split(bench, p) if split else {}))
 
 
@@ -237,13 +379,19 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   bench = Bench(target, draft, prompts, capacity,
                 costs.CostProbe(target, capacity, depth, k=costs.PROBE_REPEATS), probe_d, cfg,
                 drafter=drafter)
-  points = [Point(g, a, SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p)))
-            for t in cfg.temps for g in gammas for a in cfg.accepts]
+  batches = sorted(int(b) for b in cfg.get("batches", (1,)))
+  auto = [AUTO] if cfg.get("auto_gamma", False) else []
+  points = [Point(g, a, SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p)), b)
+            for b in batches for t in cfg.temps for g in gammas + auto for a in cfg.accepts]
   finished = {point_key(r) for r in done}
   todo = [p for p in points if p.key not in finished]
 
   curve = costs.measure_curve(bench.probe_t, bench.probe_d, gammas, int(cfg.reps))
-  wd.write_json(os.path.join(workdir, "costs.json"), curve.to_dict())
+  curve_d = curve.to_dict()
+  if len(batches) > 1 or auto:  # the cost surface at every batch (auto points choose from it)
+    bench.batch_costs = measure_batch_costs(bench, batches, gammas, cfg)
+    curve_d["batches"] = {str(b): c.to_dict() for b, c in bench.batch_costs.items()}
+  wd.write_json(os.path.join(workdir, "costs.json"), curve_d)
   records = list(done)
   bar = _progress(len(points), len(points) - len(todo), progress)
   t_start = time.perf_counter()
@@ -255,17 +403,40 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
     records.append(rec)
     wd.write_csv(os.path.join(workdir, wd.CSV_FILE), records, schema.CSV_COLUMNS)
     bar.update(1)
-    bar.set_postfix_str(f"g={p.gamma} {p.accept_rule} T={p.sp.temperature:g}: "
+    bar.set_postfix_str(f"B={p.batch} g={p.gamma} {p.accept_rule} T={p.sp.temperature:g}: "
                         f"{rec['speedup']:.2f}x")
     if not progress:  # logs: one line per point with the time left
       left = (time.perf_counter() - t_start) / (i + 1) * (len(todo) - i - 1)
-      print(f"point {len(records)}/{len(points)}: gamma {p.gamma}, {p.accept_rule}, "
-            f"T={p.sp.temperature:g}: speedup {rec['speedup']:.3f}x, efficiency "
-            f"{rec['efficiency']:.3f}; ~{left / 60:.1f} min left", flush=True)
+      eff = f", efficiency {rec['efficiency']:.3f}" if "efficiency" in rec else ""
+      print(f"point {len(records)}/{len(points)}: batch {p.batch}, gamma {p.gamma}, "
+            f"{p.accept_rule}, T={p.sp.temperature:g}: speedup {rec['speedup']:.3f}x{eff}; "
+            f"~{left / 60:.1f} min left", flush=True)
   bar.close()
   from specjax import sweep_report  # matplotlib only when writing the report
-  sweep_report.write_report(workdir, records, curve.to_dict(), env)
+  sweep_report.write_report(workdir, records, curve_d, env, int(cfg.n_predict) - 1)
   return records
+
+
+def measure_batch_costs(bench: Bench, batches: list[int], gammas: list[int],
+                        cfg) -> dict[int, autogamma.BatchCosts]:
+  """T_target(B, n) for n = 1, every gamma and gamma + 1, T_draft(B, 1) and
+  the accept cost of the sweep's first rule kind at every gamma (greedy), at
+  every batch: the verify-cost surface and what auto points choose from."""
+  sp = SamplingParams(0.0, int(cfg.top_k), float(cfg.top_p))
+  simulated = acceptance.parse_rule(cfg.accepts[0]).simulated
+  ns = sorted({1} | set(gammas) | {g + 1 for g in gammas})
+  out = {}
+  for b in batches:
+    probe_t, probe_d = bench.probe(b)
+    t_target = {n: t.median for n, t in probe_t.times(ns, int(cfg.reps), sp=sp).items()}
+    t_draft = probe_d.times([1], int(cfg.reps), sp=sp)[1].median
+    t_accept = {g: costs.accept_cost(speculative.SpecConfig(bench.target.cfg,
+                                                            bench.draft and bench.draft.cfg,
+                                                            g, sp, simulated,
+                                                            drafter=bench.drafter),
+                                     int(cfg.reps), batch=b).median for g in gammas}
+    out[b] = autogamma.BatchCosts(b, t_target, t_draft, t_accept)
+  return out
 
 
 def sweep_prompts(cfg, tok, vocab_size: int) -> list[list[int]]:
@@ -283,7 +454,7 @@ def sweep_prompts(cfg, tok, vocab_size: int) -> list[list[int]]:
 
 
 # Fields that may change between a run and its --resume (they only add points).
-_POINT_FIELDS = ("gammas", "accepts", "temps")
+_POINT_FIELDS = ("gammas", "accepts", "temps", "batches", "auto_gamma")
 
 
 def _check_same_sweep(workdir: str, cfg) -> None:

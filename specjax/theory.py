@@ -312,6 +312,78 @@ def measured_cost_speedup_at_alpha(
   return measured_cost_speedup(tokens, gamma, t_draft, t_target, t_verify, t_overhead)
 
 
+# --- Batches: the slowest row sets the number of steps -----------------------
+
+
+def accept_pmf_from_position_probs(probs: Sequence[float]) -> np.ndarray:
+  """P(accepted = k), k = 0..gamma, when draft position i (0-based) is
+  accepted with probability probs[i] until the first miss (the simulated
+  rules' acceptance.position_probs; bernoulli:P gives the capped geometric)."""
+  p = np.asarray(probs, float)
+  reach = np.concatenate([[1.0], np.cumprod(p)])   # P(accepted >= k)
+  return reach - np.concatenate([reach[1:], [0.0]])
+
+
+def steps_cdf(accept_pmf: Sequence[float], n_tokens: int) -> np.ndarray:
+  """P(S <= s) for s = 0..n_tokens, S the steps one row needs to emit
+  n_tokens tokens when every step emits 1 + k, k ~ accept_pmf (independent
+  steps); the last step may overshoot (the engine cuts it). Exact, by the
+  distribution of the emitted total capped at n_tokens (absorbing)."""
+  pmf = np.asarray(accept_pmf, float)
+  n = int(n_tokens)
+  if n < 0:
+    raise SpecjaxError(f"n_tokens must be >= 0, got {n_tokens!r}")
+  if n == 0:
+    return np.ones(1)
+  dist = np.zeros(n + 1)
+  dist[0] = 1.0
+  cdf = np.zeros(n + 1)
+  for s in range(1, n + 1):   # each step emits >= 1 token: n steps always suffice
+    new = np.zeros(n + 1)
+    new[n] = dist[n]
+    for k, pk in enumerate(pmf):
+      moved = dist[:n] * pk
+      idx = np.minimum(np.arange(n) + k + 1, n)
+      np.add.at(new, idx, moved)
+    dist = new
+    cdf[s] = dist[n]
+  cdf[n] = 1.0
+  return cdf
+
+
+def expected_batch_steps(accept_pmf: Sequence[float], n_tokens: int, batch: int) -> float:
+  """E[max over B rows of the steps each row needs] for n_tokens tokens per
+  row, rows independent: P(max <= s) = P(S <= s)^B, E[max] = sum_s (1 - P(max <= s)).
+  The batch loop runs until its slowest row is done (the tail effect)."""
+  if int(batch) < 1:
+    raise SpecjaxError(f"batch must be >= 1, got {batch!r}")
+  cdf = steps_cdf(accept_pmf, n_tokens)
+  return float(np.sum(1.0 - cdf[:-1] ** int(batch)))
+
+
+def catchup_any_share(alpha: ArrayLike, gamma: int, batch: int) -> float | np.ndarray:
+  """P(some row of B accepted every draft last step): the draft's catch-up
+  forward runs for the whole batch when any row needs it (a lax.cond).
+  Ignores rows that finished (an upper bound near the end)."""
+  a = _probability(alpha, "alpha")
+  return _out(1.0 - (1.0 - a ** int(gamma)) ** int(batch))
+
+
+def batch_speedup(accept_pmf: Sequence[float], n_tokens: int, batch: int, gamma: int,
+                  t_target: float, t_verify: float, t_draft: float,
+                  t_overhead: float = 0.0, catchup_share: float = 0.0) -> float:
+  """Predicted speedup of a batch of B rows, each emitting n_tokens tokens,
+  every cost measured at batch B:
+    target-only  n_tokens T_target(B, 1)
+    speculative  E[max steps] ((gamma + catchup_share) T_draft(B, 1)
+                 + T_target(B, gamma+1) + overhead)
+  At B = 1 and n_tokens large it tends to measured_cost_speedup at
+  tokens_per_step = E[1 + k]."""
+  steps = expected_batch_steps(accept_pmf, n_tokens, batch)
+  step_s = (gamma + catchup_share) * t_draft + t_verify + t_overhead
+  return float(n_tokens * t_target / (steps * step_s))
+
+
 def _curve_points(curve: Curve) -> tuple[np.ndarray, np.ndarray]:
   if isinstance(curve, Mapping):
     ns, ts = list(curve.keys()), list(curve.values())
