@@ -1,0 +1,219 @@
+"""Batched speculative decoding, PyTorch vs specjax (XLA), on the same weights.
+
+  python experiments/torch_spec_bench.py --batch=1,2,4,8 --gamma=1,2,4 \
+      --rules=bernoulli:0.8,always --n_predict=32 --jsonl_out=/tmp/ts.jsonl
+
+For every (B, gamma, rule), each engine runs target-only and speculative
+greedy generation of n_predict tokens for B ragged prompts (lengths
+prompt_len, prompt_len - 2, ...), the two alternating over --reps
+repetitions after an untimed warm-up (compile: torch.compile's graphs, XLA's
+programs); tokens/s are summed over rows, first token excluded; speedup is
+the median of each repetition's ratio (sweep.run_point's pairing).
+  torch    backends/torch_spec.TorchSpec: a host loop of torch.compile'd
+           forwards (T = 1 decode and draft, T = gamma + 1 verify).
+  specjax  speculative.generate / generation.generate (device loops).
+Threads: on a shared machine give both engines one thread
+(XLA_FLAGS=--xla_cpu_multi_thread_eigen=false and --threads=1): an OpenMP
+pool of 2 threads on 2 loaded cores measured 4-5x slower than 1 thread.
+With --costs, T(B, N) for N = 1 and every gamma + 1, one target forward with
+the argmax of its logits, k forwards per repetition from the same cache state
+(costs.CostProbe's method at batch B; torch dispatches each forward from the
+host, specjax runs the k in one jitted loop).
+The simulated rules draw their acceptances from different generators (torch
+vs JAX): bernoulli points compare engines at the same rule, not the same
+draws (n_steps and tokens_per_step are reported for both); `always` emits the
+same tokens on both (`tokens_equal`).
+"""
+
+import os
+import statistics
+import time
+
+from absl import flags
+import jax
+import numpy as np
+
+from specjax import checkpoint, cli, config, costs, generation, speculative, steps, timing
+from specjax import workdir as wd
+from specjax.backends import torch_spec as ts
+from specjax.errors import ConfigError
+from specjax.sampling import SamplingParams
+
+_TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset, HF or orbax directory.")
+_DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset, HF or orbax directory.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute and parameter dtype.")
+_BATCH = flags.DEFINE_list("batch", ["1", "2", "4", "8"], "Batch sizes B.")
+_GAMMA = flags.DEFINE_list("gamma", ["1", "2", "4"], "Draft lengths gamma.")
+_RULES = flags.DEFINE_list("rules", ["bernoulli:0.8", "always"], "Acceptance rules.")
+_N_PREDICT = flags.DEFINE_integer("n_predict", 32, "Tokens per row (first included).", lower_bound=1)
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Longest prompt; rows are ragged.", lower_bound=7)
+_REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions (alternating).", lower_bound=1)
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of weights, prompts and acceptance draws.")
+_ENGINES = flags.DEFINE_list("engines", ["torch", "specjax"], "torch and/or specjax.")
+_COMPILE = flags.DEFINE_bool("compile", True, "torch.compile the torch forwards (else eager).")
+_THREADS = flags.DEFINE_integer("threads", 0, "torch threads (0: every core, as XLA).")
+_COSTS = flags.DEFINE_bool("costs", True, "Also measure T(B, N), N = 1 and gamma + 1.")
+_K = flags.DEFINE_integer("k", 4, "Forwards per cost repetition.", lower_bound=1)
+_OUT = cli.RecordFlags("point")
+
+
+def specjax_point(target, draft, prompts, n_predict, gamma, rule, reps, seed, cap):
+  """The specjax side of ts.time_point: same pairing, same fields."""
+  base = lambda: generation.generate(target, prompts, n_predict, seed=seed, capacity=cap)
+  spec = lambda: speculative.generate(target, draft, prompts, n_predict, gamma, rule=rule,
+                                      seed=seed, capacity=cap)
+  t0 = time.perf_counter()
+  with timing.CompileWatch() as cw:
+    base(), spec()
+  warmup_s = time.perf_counter() - t0
+  rows = []
+  with timing.CompileWatch() as late:
+    for rep in range(reps):
+      if rep % 2:
+        res, b = spec(), base()
+      else:
+        b, res = base(), spec()
+      rows.append({"base_s": b.eval_s / (len(prompts) * b.n_eval),
+                   "spec_s": res.eval_s / res.stats.n_kept})
+  if late.count:
+    raise RuntimeError(f"{late.count} compilation(s) inside timed repetitions")
+  speedups = [r["base_s"] / r["spec_s"] for r in rows]
+  st = res.stats
+  return {"engine": "specjax", "batch": len(prompts), "gamma": gamma,
+          "accept_rule": rule, "n_predict": n_predict, "capacity": cap, "reps": reps,
+          "seed": seed, "baseline_tps": 1 / statistics.median(r["base_s"] for r in rows),
+          "spec_tps": 1 / statistics.median(r["spec_s"] for r in rows),
+          "speedup": statistics.median(speedups), "speedup_reps": speedups,
+          "n_loop": int(res.records.steps_per_row().max()) if st.n_steps else 0,
+          "n_steps": st.n_steps, "n_kept": st.n_kept, "n_accept": st.n_accept,
+          "n_drafted": st.n_drafted, "n_catchup": st.n_catchup, "accept_rate": st.accept_rate,
+          "mean_accepted": st.mean_accepted, "tokens_per_step": st.tokens_per_step,
+          "warmup_s": warmup_s, "compile_s": cw.seconds}, res.tokens, b.tokens
+
+
+def specjax_costs(m, batch, cap, depth, ns, reps, k, seed):
+  """T(B, n) per forward: costs.CostProbe's jitted loop of k forwards, batch B."""
+  rng = np.random.RandomState(seed)
+  holder = [costs.filled_cache(m, batch, cap, depth, rng)]
+  out = {}
+  for n in sorted(set(ns)):
+    tokens = costs.random_tokens(rng, m.cfg.vocab_size, batch, n)
+
+    def run(tokens=tokens):
+      acc, holder[0] = costs._repeat_forward(m.params, tokens, holder[0],  # pylint: disable=protected-access
+                                             jax.random.PRNGKey(n), cfg=m.cfg, k=k,
+                                             sp=SamplingParams())
+      return acc
+    t = timing.measure(run, reps=reps, warmup=1)
+    out[n] = [x / k for x in t.times]
+  return out
+
+
+def _row(r):
+  return (f"B={r['batch']} gamma={r['gamma']} {r['accept_rule']:<13} {r['engine']:<13} "
+          f"base {r['baseline_tps']:7.1f} t/s  spec {r['spec_tps']:7.1f} t/s  "
+          f"speedup {r['speedup']:5.2f}  tokens/step {r['tokens_per_step']:.2f}  "
+          f"loop steps {r['n_loop']}")
+
+
+def table(records):
+  pts = [r for r in records if r.get("kind") == "point"]
+  keys = sorted({(r["batch"], r["gamma"], r["accept_rule"]) for r in pts})
+  by = {(r["batch"], r["gamma"], r["accept_rule"], r["engine"].split("-")[0]): r for r in pts}
+  lines = ["| B | gamma | rule | torch base t/s | torch spec t/s | torch speedup | torch tok/step "
+           "| specjax base t/s | specjax spec t/s | specjax speedup | specjax tok/step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  cell = lambda r, f, fmt: format(r[f], fmt) if r else "-"
+  for key in keys:
+    t, j = by.get(key + ("torch",)), by.get(key + ("specjax",))
+    lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(
+        [cell(t, "baseline_tps", ".1f"), cell(t, "spec_tps", ".1f"), cell(t, "speedup", ".2f"),
+         cell(t, "tokens_per_step", ".2f"), cell(j, "baseline_tps", ".1f"),
+         cell(j, "spec_tps", ".1f"), cell(j, "speedup", ".2f"),
+         cell(j, "tokens_per_step", ".2f")]) + " |")
+  cs = [r for r in records if r.get("kind") == "cost"]
+  if cs:
+    lines += ["", "| B | N | engine | T(B,N) ms | T(B,N)/T(B,1) |", "|---|---|---|---|---|"]
+    for r in cs:
+      lines.append(f"| {r['batch']} | {r['n_tokens']} | {r['engine']} | "
+                   f"{1e3 * r['median_s']:.2f} | {r['ratio']:.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  batches = sorted({int(x) for x in _BATCH.value})
+  gammas = sorted({int(x) for x in _GAMMA.value})
+  engines = set(_ENGINES.value)
+  if not engines or engines - {"torch", "specjax"}:
+    raise ConfigError(f"--engines must name torch and/or specjax, got {_ENGINES.value}")
+  if min(batches) < 1 or min(gammas) < 1:
+    raise ConfigError("--batch and --gamma must be >= 1")
+  dtype = config.canonical_precision(_DTYPE.value)
+  tcfg, tparams, _ = checkpoint.load_model(_TARGET.value, dtype=dtype, seed=_SEED.value)
+  dcfg, dparams, _ = checkpoint.load_model(_DRAFT.value, dtype=dtype, seed=_SEED.value + 1,
+                                           role="draft")
+  speculative.check_vocabularies(tcfg, dcfg)
+  threads = _THREADS.value or os.cpu_count()
+  env = {**wd.environment(), "torch_threads": threads}
+  records = []
+  emit = _OUT.on_record(lambda r: _row(r) if r["kind"] == "point" else
+                        f"B={r['batch']} N={r['n_tokens']} {r['engine']}: T "
+                        f"{1e3 * r['median_s']:.2f} ms, ratio {r['ratio']:.2f}")
+
+  def record(r):
+    r.update(target=tcfg.name, draft=dcfg.name, precision=tcfg.precision,
+             load_avg=wd.load_avg(), env=env)
+    records.append(r)
+    emit(r)
+
+  engine = (ts.make_engine(tcfg, tparams, dcfg, dparams, compile=_COMPILE.value,
+                           threads=threads) if "torch" in engines else None)
+  target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
+  rng = np.random.RandomState(_SEED.value)
+  n = _N_PREDICT.value
+  for bsz in batches:
+    prompts = [rng.randint(0, tcfg.vocab_size, _PROMPT_LEN.value - 2 * (i % 4)).tolist()
+               for i in range(bsz)]
+    cap = generation.plan_capacity(tcfg, _PROMPT_LEN.value, n, extra=max(gammas))
+    for gamma in gammas:
+      for rule in _RULES.value:
+        got = {}
+        if "torch" in engines:
+          r = ts.time_point(engine, prompts, n, gamma, rule, _REPS.value, _SEED.value, cap)
+          if rule == "always":
+            got["torch"] = engine.generate(prompts, n, gamma, rule=rule, seed=_SEED.value,
+                                           capacity=cap).tokens
+          record({"kind": "point", "threads": threads, **r})
+        if "specjax" in engines:
+          r, toks, base_toks = specjax_point(target, draft, prompts, n, gamma, rule,
+                                             _REPS.value, _SEED.value, cap)
+          if "torch" in got and rule == "always":  # simulated draws differ otherwise
+            r["tokens_equal"] = got["torch"] == toks
+          if "torch" in engines and gamma == gammas[0] and rule == _RULES.value[0]:
+            r["baseline_tokens_equal"] = (  # once per batch size
+                engine.generate_target(prompts, n, capacity=cap).tokens == base_toks)
+          record({"kind": "point", **r})
+    if _COSTS.value:
+      ns = sorted({1} | {g + 1 for g in gammas})
+      depth = _PROMPT_LEN.value
+      got = {}
+      if "torch" in engines:
+        probe = ts.TorchCostProbe(engine.target, bsz, cap, depth, _SEED.value, k=_K.value)
+        got["torch" + ("-compile" if engine.target.compiled else "-eager")] = {
+            m: t.times for m, t in probe.times(ns, _REPS.value).items()}
+      if "specjax" in engines:
+        got["specjax"] = specjax_costs(target, bsz, cap, depth, ns, _REPS.value, _K.value,
+                                       _SEED.value)
+      for name, ts_ in got.items():
+        t1 = statistics.median(ts_[1])
+        for m in ns:
+          med = statistics.median(ts_[m])
+          record({"kind": "cost", "engine": name, "batch": bsz, "n_tokens": m, "depth": depth,
+                  "capacity": cap, "times_s": ts_[m], "median_s": med, "ratio": med / t1})
+  print(table(records))
+  _OUT.finish(records)
+
+
+if __name__ == "__main__":
+  cli.run(main)
