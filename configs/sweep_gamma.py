@@ -9,6 +9,11 @@ Real acceptance with the shipped trained pair (held-out stdlib prompts, T=0 and 
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:real --workdir=/tmp/specjax_real
 The batch x gamma surface (batches 1..32, auto gamma; see the README for its time):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:batch --workdir=/tmp/specjax_batch
+Every drafter (model, ngram, layerskip:4, eagle) on the shipped target, on the continuation or
+the code-editing prompts:
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:drafters --workdir=/tmp/specjax_drafters
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:drafters \
+      --config.prompt_set=editing --workdir=/tmp/specjax_drafters_edit
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
       --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
@@ -21,6 +26,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.target = "cpu-target"        # target: preset, HF directory or orbax directory
   c.draft = "cpu-draft"          # draft: same forms; must share the target's vocabulary
+  c.drafters = ()                # > 1 drafter: compared in one sweep (a dimension); () = c.drafter
+  c.prompt_set = "continuation"  # shipped held-out prompts: continuation | editing
   c.drafter = "model"            # model (c.draft) | ngram[:A-B] | layerskip:N | layerskip:LIST
   c.dtype = ""                   # compute/param dtype of both ("" = the models' own)
   c.gammas = (1, 2, 3, 4, 8)     # draft lengths
@@ -79,7 +86,16 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
       c.gammas = (1, 4)
       c.accepts = ("bernoulli:0.8",)
       c.n_predict, c.ctx_size, c.reps = 16, 64, 1
+  elif arg == "drafters":  # every drafter on the shipped target (about 25 minutes per prompt set)
+    c.target, c.draft, c.dtype = "stdlib-target", "stdlib-draft", "float32"
+    c.drafters = ("model", "ngram", "layerskip:4", "eagle")
+    c.gammas = (1, 2, 4, 8)
+    c.accepts = ("real",)
+    c.temps = (0.0, 1.0)
+    c.heldout_prompts = 8
+    c.ctx_size = 256
+    c.measure_split = False
   elif arg != "default":
-    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, batch or "
-                     f"batch_quick")
+    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, batch, "
+                     f"batch_quick or drafters")
   return c

@@ -24,7 +24,8 @@ FIELDS: dict[str, str] = {
     # what ran
     "target": "target model name",
     "draft": "draft model name (the model the drafter runs; none for ngram)",
-    "drafter": "what drafted: model | ngram:A-B | layerskip:N | layerskip:LIST (drafters.parse)",
+    "drafter": "what drafted: model | ngram:A-B | layerskip:N | layerskip:LIST | eagle "
+               "(drafters.parse)",
     "precision": "compute precision of both models: float32, bfloat16, bf16-mixed, ...",
     "accept_rule": "acceptance rule: real | always | bernoulli:P | fraction:F | mean_length:L",
     "temperature": "sampling temperature of both models (0 = greedy)",
@@ -35,6 +36,7 @@ FIELDS: dict[str, str] = {
     "loop": "device (one lax.while_loop) or host (a Python loop of timed phases)",
     "capacity": "KV cache slots per row (both models, both runs)",
     "n_prompts": "prompts run one after another (statistics pooled)",
+    "prompt_set": "the shipped held-out prompts used: continuation | editing (pair.shipped_prompts)",
     "reps": "timed repetitions (target-only and speculative alternating); speeds are medians",
     "prompt_tokens": "prompt token ids (single-prompt runs)",
     "tokens": "speculative output token ids (single-prompt runs)",
@@ -88,7 +90,7 @@ FIELDS: dict[str, str] = {
 
 # The CSV's columns, in order (everything scalar a reader compares).
 CSV_COLUMNS = (
-    "gamma", "accept_rule", "temperature", "top_k", "top_p", "baseline_tps", "spec_tps",
+    "drafter", "gamma", "accept_rule", "temperature", "top_k", "top_p", "baseline_tps", "spec_tps",
     "speedup", "accept_rate", "mean_accepted", "tokens_per_step", "alpha", "n_steps",
     "n_catchup", "c", "verify_ratio", "t_target_s", "t_verify_s", "t_draft_s", "t_accept_s",
     "predicted_leviathan", "predicted_thread", "predicted_measured_cost", "efficiency",

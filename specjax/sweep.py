@@ -56,7 +56,15 @@ def validate(cfg) -> None:
     raise ConfigError(f"config.auto_every must be >= 1, got {cfg.auto_every}")
   if not cfg.accepts:
     raise ConfigError("config.accepts is empty")
-  drafters.parse(cfg.get("drafter", "model"))
+  from specjax import pair  # pylint: disable=import-outside-toplevel
+  if str(cfg.get("prompt_set", "continuation")) not in pair.PROMPT_FILES:
+    raise ConfigError(f"config.prompt_set must be one of {', '.join(pair.PROMPT_FILES)}, "
+                      f"got {cfg.prompt_set!r}")
+  specs = drafter_specs(cfg)
+  for spec in specs:
+    drafters.parse(spec)
+  if len({drafters.parse(x).spec for x in specs}) < len(specs):
+    raise ConfigError(f"config.drafters names a drafter twice: {specs}")
   for a in cfg.accepts:
     for g in cfg.gammas:
       acceptance.parse_rule(a).resolve(int(g))
@@ -71,6 +79,12 @@ def validate(cfg) -> None:
     SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p))
 
 
+def drafter_specs(cfg) -> list[str]:
+  """The drafters a sweep compares: config.drafters, or the one config.drafter."""
+  specs = [str(x) for x in (cfg.get("drafters", None) or ())]
+  return specs or [str(cfg.get("drafter", "model"))]
+
+
 AUTO = "auto"  # the gamma of a point whose gamma is chosen at run time (autogamma)
 
 
@@ -80,6 +94,7 @@ class Point:
   accept_rule: str
   sp: SamplingParams
   batch: int = 1
+  drafter: str = "model"  # the drafter's canonical spec (drafters.Drafter.spec)
 
   @property
   def auto(self) -> bool:
@@ -87,13 +102,13 @@ class Point:
 
   @property
   def key(self) -> tuple:
-    return (self.batch, self.gamma, self.accept_rule, self.sp.temperature)
+    return (self.drafter, self.batch, self.gamma, self.accept_rule, self.sp.temperature)
 
 
 def point_key(rec: Record) -> tuple:
   g = rec["gamma"]
-  return (int(rec.get("batch", 1)), g if g == AUTO else int(g), str(rec["accept_rule"]),
-          float(rec["temperature"]))
+  return (str(rec.get("drafter") or "model"), int(rec.get("batch", 1)),
+          g if g == AUTO else int(g), str(rec["accept_rule"]), float(rec["temperature"]))
 
 
 def batch_prompts(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
@@ -355,60 +370,73 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   env = wd.environment()
   wd.write_config(workdir, cfg.to_dict(), env, schema=schema.SCHEMA_VERSION)
 
-  drafter = drafters.parse(cfg.get("drafter", "model"))
+  specs = [drafters.parse(x) for x in drafter_specs(cfg)]
   tcfg, tparams, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, seed=int(cfg.seed))
   target, draft = steps.Runner(tcfg, tparams), None
-  if drafter.needs_draft_model:
+  if any(d.needs_draft_model for d in specs):
     dcfg, dparams, _ = checkpoint.load_model(cfg.draft, dtype=cfg.dtype, seed=int(cfg.seed) + 1,
                                              role="draft")
     speculative.check_vocabularies(tcfg, dcfg)  # before any timing
     draft = steps.Runner(dcfg, dparams)
-  # the model the drafter runs (the draft, a layer subset of the target, or none)
-  dcfg = drafter.draft_config(tcfg, draft and draft.cfg)
   prompts = sweep_prompts(cfg, tok, tcfg.vocab_size)
   depth = max(len(p) for p in prompts)
   gammas = sorted(int(g) for g in cfg.gammas)
   capacity = generation.plan_capacity(tcfg, depth, int(cfg.n_predict),
                                       extra=max(gammas), ctx_size=int(cfg.ctx_size))
-  if dcfg is not None:
-    probe_d = costs.CostProbe(steps.Runner(dcfg, drafter.draft_params(tparams, draft)), capacity,
-                              depth, k=costs.PROBE_REPEATS)
-  else:  # a model-free drafter: its proposal's time / gamma
-    probe_d = costs.ProposeProbe(drafter, tcfg, max(gammas), capacity, depth,
-                                 k=costs.PROBE_REPEATS)
-  bench = Bench(target, draft, prompts, capacity,
-                costs.CostProbe(target, capacity, depth, k=costs.PROBE_REPEATS), probe_d, cfg,
-                drafter=drafter)
+  probe_t = costs.CostProbe(target, capacity, depth, k=costs.PROBE_REPEATS)
+  benches = {}
+  for drafter in specs:  # one bench per drafter; the target and its probe are shared
+    # the model the drafter runs (the draft, a layer subset of the target, or none)
+    d_cfg = drafter.draft_config(tcfg, draft and draft.cfg)
+    if d_cfg is not None:
+      probe_d = costs.CostProbe(steps.Runner(d_cfg, drafter.draft_params(tparams, draft)),
+                                capacity, depth, k=costs.PROBE_REPEATS)
+    else:  # a model-free drafter: its proposal's time / gamma
+      probe_d = costs.ProposeProbe(drafter, tcfg, max(gammas), capacity, depth,
+                                   k=costs.PROBE_REPEATS)
+    benches[drafter.spec] = Bench(target, draft if drafter.needs_draft_model else None,
+                                  prompts, capacity, probe_t, probe_d, cfg, drafter=drafter)
   batches = sorted(int(b) for b in cfg.get("batches", (1,)))
   auto = [AUTO] if cfg.get("auto_gamma", False) else []
-  points = [Point(g, a, SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p)), b)
-            for b in batches for t in cfg.temps for g in gammas + auto for a in cfg.accepts]
+  points = [Point(g, a, SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p)), b, d.spec)
+            for d in specs for b in batches for t in cfg.temps for g in gammas + auto
+            for a in cfg.accepts]
   finished = {point_key(r) for r in done}
   todo = [p for p in points if p.key not in finished]
 
-  curve = costs.measure_curve(bench.probe_t, bench.probe_d, gammas, int(cfg.reps))
-  curve_d = curve.to_dict()
-  if len(batches) > 1 or auto:  # the cost surface at every batch (auto points choose from it)
-    bench.batch_costs = measure_batch_costs(bench, batches, gammas, cfg)
-    curve_d["batches"] = {str(b): c.to_dict() for b, c in bench.batch_costs.items()}
+  curves = {}
+  for spec, bench in benches.items():
+    curve_d = costs.measure_curve(bench.probe_t, bench.probe_d, gammas, int(cfg.reps)).to_dict()
+    if len(batches) > 1 or auto:  # the cost surface at every batch (auto points choose from it)
+      bench.batch_costs = measure_batch_costs(bench, batches, gammas, cfg)
+      curve_d["batches"] = {str(b): c.to_dict() for b, c in bench.batch_costs.items()}
+    curves[spec] = curve_d
+  # costs.json: the first drafter's costs at the top level (one-drafter sweeps
+  # as before), every drafter's under "drafters"
+  curve_d = dict(curves[specs[0].spec], **({"drafters": curves} if len(specs) > 1 else {}))
   wd.write_json(os.path.join(workdir, "costs.json"), curve_d)
   records = list(done)
   bar = _progress(len(points), len(points) - len(todo), progress)
   t_start = time.perf_counter()
   for i, p in enumerate(todo):
+    bench = benches[p.drafter]
     rec = run_point(bench, p)
-    rec.update(target=tcfg.name, draft=dcfg.name if dcfg is not None else None,
-               drafter=drafter.spec, precision=tcfg.precision, env=env)
+    prompt_set = ({"prompt_set": str(cfg.get("prompt_set", "continuation"))}
+                  if int(cfg.get("heldout_prompts", 0)) else {})
+    d_cfg = bench.probe_d.m.cfg if isinstance(bench.probe_d, costs.CostProbe) else None
+    rec.update(target=tcfg.name, draft=d_cfg.name if d_cfg is not None else None,
+               drafter=p.drafter, **prompt_set,
+               precision=tcfg.precision, env=env)
     wd.append_jsonl(jsonl, [rec])
     records.append(rec)
     wd.write_csv(os.path.join(workdir, wd.CSV_FILE), records, schema.CSV_COLUMNS)
     bar.update(1)
-    bar.set_postfix_str(f"B={p.batch} g={p.gamma} {p.accept_rule} T={p.sp.temperature:g}: "
+    bar.set_postfix_str(f"{p.drafter} B={p.batch} g={p.gamma} {p.accept_rule} T={p.sp.temperature:g}: "
                         f"{rec['speedup']:.2f}x")
     if not progress:  # logs: one line per point with the time left
       left = (time.perf_counter() - t_start) / (i + 1) * (len(todo) - i - 1)
       eff = f", efficiency {rec['efficiency']:.3f}" if "efficiency" in rec else ""
-      print(f"point {len(records)}/{len(points)}: batch {p.batch}, gamma {p.gamma}, "
+      print(f"point {len(records)}/{len(points)}: {p.drafter}, batch {p.batch}, gamma {p.gamma}, "
             f"{p.accept_rule}, T={p.sp.temperature:g}: speedup {rec['speedup']:.3f}x{eff}; "
             f"~{left / 60:.1f} min left", flush=True)
   bar.close()
@@ -446,7 +474,7 @@ def sweep_prompts(cfg, tok, vocab_size: int) -> list[list[int]]:
     if tok is None:
       raise ConfigError("config.heldout_prompts needs a target with a tokenizer")
     from specjax import pair  # pylint: disable=import-outside-toplevel
-    texts = pair.shipped_prompts(n)
+    texts = pair.shipped_prompts(n, kind=str(cfg.get("prompt_set", "continuation")))
     if len(texts) < n:
       raise ConfigError(f"config.heldout_prompts={n}, but only {len(texts)} are shipped")
     return [tok.encode(t) for t in texts]
@@ -454,7 +482,7 @@ def sweep_prompts(cfg, tok, vocab_size: int) -> list[list[int]]:
 
 
 # Fields that may change between a run and its --resume (they only add points).
-_POINT_FIELDS = ("gammas", "accepts", "temps", "batches", "auto_gamma")
+_POINT_FIELDS = ("gammas", "accepts", "temps", "batches", "auto_gamma", "drafters")
 
 
 def _check_same_sweep(workdir: str, cfg) -> None:
@@ -469,6 +497,7 @@ def _check_same_sweep(workdir: str, cfg) -> None:
                       f"use another --workdir")
   old, new = saved.get("config") or {}, wd.normalised(cfg.to_dict())
   old.setdefault("drafter", "model")  # sweeps from before drafters drafted with the model
+  old.setdefault("prompt_set", "continuation")  # ... and ran the continuation prompts
   diff = sorted(k for k in set(old) | set(new)
                 if k not in _POINT_FIELDS and old.get(k) != new.get(k))
   if diff:

@@ -201,12 +201,16 @@ def write_report(workdir: str, records: list[dict[str, Any]], costs: dict[str, A
   effect)."""
   all_records = records
   records = base_records(records)
+  if len(drafters_of(all_records)) > 1:
+    plot_drafters(os.path.join(workdir, "drafters.png"), all_records)
   if records:
     plot_speedup(os.path.join(workdir, "speedup.png"), records)
     if _iid_records(records):
       plot_acceptance(os.path.join(workdir, "acceptance.png"), records)
   plot_verify_cost(os.path.join(workdir, "verify_cost.png"), costs)
   md = summary_markdown(records, costs, env)
+  if len(drafters_of(all_records)) > 1:
+    md += "\n".join(drafters_markdown(all_records)) + "\n"
   if len(batches_of(all_records)) > 1 or any(_is_auto(r) for r in all_records):
     md += write_batch_report(workdir, all_records, costs, n_tokens)
   with open(os.path.join(workdir, wd.SUMMARY), "w") as f:
@@ -225,11 +229,76 @@ def batches_of(records) -> list[int]:
   return sorted({int(r.get("batch", 1)) for r in records})
 
 
+def drafters_of(records) -> list[str]:
+  """The drafters of the records, in the order the sweep ran them."""
+  return list(dict.fromkeys(str(r.get("drafter") or "model") for r in records))
+
+
 def base_records(records):
   """The fixed-gamma points at the smallest batch: what the gamma sweep's
   plots and tables describe."""
-  bs = batches_of(records)
-  return [r for r in records if not _is_auto(r) and bs and int(r.get("batch", 1)) == bs[0]]
+  bs, ds = batches_of(records), drafters_of(records)
+  return [r for r in records if not _is_auto(r) and bs and int(r.get("batch", 1)) == bs[0]
+          and str(r.get("drafter") or "model") == ds[0]]
+
+
+# ---------------------------------------------------------------- drafters
+
+
+def _drafter_points(records):
+  """{(drafter, rule, T): records by gamma} over the batch-1 fixed-gamma points."""
+  out: dict[tuple, list] = {}
+  for r in records:
+    if _is_auto(r) or int(r.get("batch", 1)) != 1:
+      continue
+    key = (str(r.get("drafter") or "model"), r["accept_rule"], r["temperature"])
+    out.setdefault(key, []).append(r)
+  return {k: sorted(v, key=lambda r: r["gamma"]) for k, v in out.items()}
+
+
+def drafters_markdown(records) -> list[str]:
+  """Per drafter, rule and temperature: the best gamma's measured speedup
+  next to both predictions, alpha, mean accepted length and c, and the
+  speedup at every gamma (batch 1)."""
+  groups = _drafter_points(records)
+  order = {d: i for i, d in enumerate(drafters_of(records))}
+  head = ["drafter", "rule", "T", "best gamma", "speedup", "Leviathan", "meas.-cost",
+          "alpha", "mean acc", "c", "speedup at gamma " + "/".join(
+              str(g) for g in sorted({r["gamma"] for v in groups.values() for r in v}))]
+  lines = ["## Drafters (batch 1; best gamma = highest measured speedup)", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for (d, rule, t), rs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1],
+                                                                  order[kv[0][0]])):
+    best = max(rs, key=lambda r: r["speedup"])
+    lines.append("| " + " | ".join([
+        d, rule, f"{t:g}", str(best["gamma"]), f"{best['speedup']:.3f}",
+        f"{best['predicted_leviathan']:.3f}", f"{best['predicted_measured_cost']:.3f}",
+        f"{best['alpha']:.3f}", f"{best['mean_accepted']:.2f}", f"{best['c']:.3f}",
+        "/".join(f"{r['speedup']:.2f}" for r in rs)]) + " |")
+  return lines + [""]
+
+
+def plot_drafters(path: str, records) -> None:
+  """Measured speedup against gamma, one line per drafter (dashed: the
+  measured-cost prediction), one panel per (rule, temperature)."""
+  plt = wd.pyplot()
+  groups = _drafter_points(records)
+  settings = sorted({(rule, t) for _, rule, t in groups})
+  fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
+  for ax, (rule, t) in zip(axes[0], settings):
+    for i, d in enumerate(drafters_of(records)):
+      rs = groups.get((d, rule, t))
+      if not rs:
+        continue
+      gs = [r["gamma"] for r in rs]
+      line, = ax.plot(gs, [r["speedup"] for r in rs], "o-", label=d)
+      ax.plot(gs, [r["predicted_measured_cost"] for r in rs], "--", color=line.get_color(),
+              alpha=0.6)
+    ax.axhline(1.0, color="red", lw=0.8)
+    ax.set(title=f"{rule}, T={t:g} (dashed: measured-cost model)", xlabel="gamma",
+           ylabel="speedup over target-only")
+    ax.legend(fontsize=8)
+  wd.save_figure(fig, path)
 
 
 def _settings(records):

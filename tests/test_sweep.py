@@ -91,7 +91,9 @@ def test_resume_skips_finished_points_and_survives_a_torn_line(tmp_path, tiny_di
 @pytest.mark.parametrize("field,value,match", [
     ("gammas", (0, 2), "gammas"), ("accepts", ("sometimes",), "unknown acceptance"),
     ("accepts", ("mean_length:5",), "mean_length"), ("reps", 0, "reps"),
-    ("target", "no-such-model", "no-such-model")])
+    ("target", "no-such-model", "no-such-model"), ("drafters", ("model", "ngram", "model"),
+                                                   "twice"),
+    ("drafters", ("model", "ngram:3-1"), "ngram_min"), ("prompt_set", "poetry", "prompt_set")])
 def test_bad_config_is_one_clear_error(tmp_path, tiny_dir, field, value, match):
   with pytest.raises(SpecjaxError, match=match):
     sweep.run_sweep(_tiny_config(tiny_dir, **{field: value}), str(tmp_path), progress=False)
@@ -102,12 +104,26 @@ def test_heldout_prompts_need_a_tokenizer(tmp_path, tiny_dir):
     sweep.run_sweep(_tiny_config(tiny_dir, heldout_prompts=2), str(tmp_path), progress=False)
 
 
-def test_real_config_on_the_shipped_pair(tmp_path):
-  c = sweep_gamma.get_config("real")
-  c.gammas, c.temps, c.heldout_prompts = (3,), (0.0,), 2
-  c.n_predict, c.reps, c.measure_split = 16, 1, False
-  (rec,) = sweep.run_sweep(c, str(tmp_path), progress=False)
-  assert rec["n_prompts"] == 2 and rec["target"] == "stdlib-target"
-  assert rec["n_predict"] == 2 * 16 and rec["n_kept"] == 2 * 15
-  assert rec["mean_accepted"] > 0.5   # a trained pair agrees on held-out code
-  assert "| 3 | real | 0 | 2 |" in (tmp_path / "summary.md").read_text()
+def test_drafters_config_on_the_shipped_target(tmp_path):
+  """The drafters dimension: every drafter on the shipped target, one sweep,
+  the editing prompts (the `real` rule: the pair's real acceptance)."""
+  c = sweep_gamma.get_config("drafters")
+  c.drafters = ("model", "ngram", "layerskip:4")
+  c.gammas, c.temps, c.heldout_prompts, c.prompt_set = (3,), (0.0,), 2, "editing"
+  c.n_predict, c.reps = 16, 1
+  records = sweep.run_sweep(c, str(tmp_path), progress=False)
+  by = {r["drafter"]: r for r in records}
+  assert sorted(by) == ["layerskip:4", "model", "ngram:1-4"]
+  for r in records:
+    assert r["n_prompts"] == 2 and r["target"] == "stdlib-target"
+    assert r["n_kept"] == 2 * 15 and r["prompt_set"] == "editing"
+  assert by["model"]["draft"] == "stdlib-draft" and by["model"]["mean_accepted"] > 0.5
+  assert by["ngram:1-4"]["draft"] is None and by["ngram:1-4"]["c"] < 0.2
+  assert by["layerskip:4"]["draft"].endswith("[layerskip:4]")
+  summary = (tmp_path / "summary.md").read_text()
+  assert "## Drafters" in summary
+  for d in by:
+    assert f"| {d} | real | 0 | 3 |" in summary
+  assert (tmp_path / "drafters.png").stat().st_size > 0
+  saved = json.loads((tmp_path / "costs.json").read_text())
+  assert sorted(saved["drafters"]) == sorted(by)
