@@ -224,6 +224,14 @@ def evaluate(hparams, hcfg, tparams, tcfg, windows: np.ndarray, batch: int,
   return {f"eval_{k}": float(np.mean(v)) for k, v in tot.items()}
 
 
+@functools.lru_cache(maxsize=8)
+def _optimizer(fields: tuple):
+  """train.make_optimizer, one object per setting: the step's static `opt`
+  then hits jit's cache when a run is resumed in the same process."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  return train_lib.make_optimizer(ml_collections.ConfigDict(dict(fields)))
+
+
 def _abstract_state(hcfg: ModelConfig, opt):
   params = jax.eval_shape(lambda: init_head(hcfg))
   return {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params,
@@ -246,7 +254,7 @@ def train(tcfg: ModelConfig, tparams, tc, workdir: str | os.PathLike,
   hcfg = head_config(tcfg)
   want = {**train_lib._train_config(hcfg, tc, (tcfg, None)), "kind": FORMAT}  # pylint: disable=protected-access
   train_lib._check_same_run(workdir, want)  # pylint: disable=protected-access
-  opt, schedule = train_lib.make_optimizer(tc)
+  opt, schedule = _optimizer(tuple((k, tc[k]) for k in train_lib.TRAIN_FIELDS))
   params = init_head(hcfg, int(tc.seed))
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt.init(params)}
   mngr = train_lib._manager(workdir, int(tc.keep))  # pylint: disable=protected-access

@@ -1,0 +1,149 @@
+"""The EAGLE-1 head (specjax/eagle.py): features, training, resume, files,
+and drafting with it in the speculative loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import train as train_configs
+from specjax import checkpoint, eagle, generation, model, steps, train
+from specjax import kv_cache as kvc
+from specjax.config import get_preset
+from specjax.sampling import SamplingParams
+
+CFG = get_preset("tiny")
+
+
+def _tc(steps_=8):
+  return train_configs._train(steps_, 4, 16, 2e-2, 1, seed=0, ce_weight=0.1, eval_every=100,
+                              eval_batches=1, ckpt_every=2, log_every=1)
+
+
+@pytest.fixture(scope="module")
+def stream():
+  """A learnable token stream: a noisy walk over the vocabulary."""
+  rng = np.random.default_rng(0)
+  steps_ = rng.choice([1, 2, 3], size=4000, p=[0.7, 0.2, 0.1])
+  return (np.cumsum(steps_) % CFG.vocab_size).astype(np.int32)
+
+
+def test_returned_hidden_states_are_the_lm_heads_input(init_params):
+  params = init_params(CFG)
+  toks = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 11)), jnp.int32)
+  cache = lambda: kvc.init_cache(CFG, 2, 16)
+  logits0, _ = model.forward(params, toks, cache(), CFG)
+  logits, c, hidden = model.forward(params, toks, cache(), CFG, return_hidden=True)
+  # independently: final_norm's output captured from the default path
+  _, inter = model.Llama(CFG).apply(
+      {"params": params}, toks, jnp.broadcast_to(jnp.arange(11), (2, 11)), cache(),
+      capture_intermediates=lambda m, _: m.name == "final_norm", mutable=["intermediates"])
+  want = inter["intermediates"]["final_norm"]["__call__"][0]
+  np.testing.assert_array_equal(np.asarray(hidden), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits0))
+  np.testing.assert_allclose(np.asarray(model.head_logits(params, hidden, CFG)),
+                             np.asarray(logits0), atol=1e-5)
+  # a ragged prefill returns the same features at every prompt position
+  runner = steps.Runner(CFG, params)
+  prompts = [np.asarray(toks[0, :5]).tolist(), np.asarray(toks[1]).tolist()]
+  _, _, ph = runner.prefill(prompts, runner.new_cache(2, 16), return_hidden=True)
+  np.testing.assert_allclose(np.asarray(ph[0, :5]), np.asarray(want[0, :5]), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ph[1, :11]), np.asarray(want[1]), atol=1e-5)
+
+
+KW = dict(progress=False, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def sharp_target(init_params):
+  """The tiny target with unit-scale embeddings and sharp logits (at 0.02
+  its next-token law is uniform and its features barely move)."""
+  p = dict(init_params(CFG))
+  p["embed"] = {"embedding": p["embed"]["embedding"] * 30}
+  p["lm_head"] = {"kernel": p["lm_head"]["kernel"] * 50}
+  return p
+
+
+@pytest.fixture(scope="module")
+def whole_run(sharp_target, stream, tmp_path_factory):
+  """An uninterrupted 8-step run: (workdir, final head params)."""
+  work = tmp_path_factory.mktemp("eagle_whole")
+  params = eagle.train(CFG, sharp_target, _tc(), work, stream[:3000], stream[3000:], **KW)
+  return work, params
+
+
+def test_head_training_loss_falls(whole_run):
+  losses = [r["loss"] for r in train.read_metrics(whole_run[0]) if "loss" in r]
+  assert len(losses) == 8
+  assert np.mean(losses[-3:]) < 0.9 * np.mean(losses[:3]), losses
+
+
+def test_resume_equals_uninterrupted(sharp_target, stream, tmp_path, whole_run):
+  tparams = sharp_target
+  eagle.train(CFG, tparams, _tc(), tmp_path, stream[:3000], stream[3000:], stop_at=3, **KW)
+  resumed = eagle.train(CFG, tparams, _tc(), tmp_path, stream[:3000], stream[3000:], **KW)
+  for x, y in zip(jax.tree_util.tree_leaves(whole_run[1]), jax.tree_util.tree_leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  a = [r for r in train.read_metrics(whole_run[0]) if "loss" in r]
+  b = [r for r in train.read_metrics(tmp_path) if "loss" in r]
+  assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_save_and_load_round_trip(tmp_path, init_params):
+  hcfg = eagle.head_config(CFG)
+  hp = eagle.init_head(hcfg, 3)
+  eagle.save_head(tmp_path / "h", hcfg, hp, CFG, "tiny")
+  hcfg2, hp2, meta = eagle.load_eagle(tmp_path / "h")
+  assert hcfg2 == hcfg and meta["target"] == "tiny"
+  for x, y in zip(jax.tree_util.tree_leaves(hp), jax.tree_util.tree_leaves(hp2)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------- the shipped head, drafting
+
+
+@pytest.fixture(scope="module")
+def shipped():
+  tcfg, tparams, tok = checkpoint.load_model("stdlib-target")
+  hcfg, hparams, _ = eagle.load_eagle("stdlib-eagle")
+  from specjax import pair
+  prompts = [tok.encode(t) for t in pair.shipped_prompts(3)]
+  prompts = [prompts[0][:9], prompts[1][:40], prompts[2][:23]]  # ragged
+  return steps.Runner(tcfg, tparams), (hcfg, hparams), prompts
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_with_the_head_equals_greedy_target_only(shipped, gamma):
+  target, head, prompts = shipped
+  res = eagle.generate(target, head, prompts, 24, gamma)
+  ref = generation.generate(target, prompts, 24)
+  assert res.tokens == ref.tokens
+  assert res.stats.n_accept > 0  # the acceptance paths ran
+  if gamma == 4:
+    assert max(np.nonzero(res.stats.accept_hist)[0]) == gamma  # and full acceptance
+
+
+def test_first_draft_equals_the_teacher_forced_head(shipped):
+  """After a run, the next draft phase's first distribution is the head's
+  output at pair n-2 of a teacher-forced pass over the whole sequence (true
+  features f_0..f_{n-2}, tokens x_1..x_{n-1}): the refresh pairs the verified
+  features with the right tokens, drops the padding and takes the right index."""
+  target, head, prompts = shipped
+  hcfg, hparams = head
+  sp = SamplingParams(1.0)
+  gamma = 3
+  res = eagle.generate(target, head, prompts, 13, gamma, sp=sp, keep_state=True)
+  st = res.state
+  sc = eagle.speculative.SpecConfig(target.cfg, target.cfg, gamma, sp)
+  d, _ = eagle.draft_phase(target.params, hparams, st.hcache, st.pending, st.n,
+                           jax.random.PRNGKey(5), eagle.EagleSpec(sc, hcfg))
+  for b, p in enumerate(prompts):
+    seq = jnp.asarray([p + res.tokens[b]], jnp.int32)  # x_0 .. x_{n-1}
+    n = seq.shape[1]
+    assert int(st.n[b]) == n
+    _, feats = eagle.target_features(target.params, target.cfg, seq)
+    g, _ = eagle.head_forward(hparams, target.params, feats[:, :n - 1], seq[:, 1:],
+                              eagle.new_cache(hcfg, 1, n), hcfg.replace(attn_block=0),
+                              target.cfg)
+    want = jax.nn.softmax(model.head_logits(target.params, g[0, n - 2], target.cfg))
+    np.testing.assert_allclose(np.asarray(d.q[b, 0]), np.asarray(want), atol=2e-5)
