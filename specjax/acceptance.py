@@ -7,7 +7,10 @@ the bonus token when every drafted token is accepted).
   real            greedy (temperature 0): accept while draft == target argmax.
                   Otherwise exact speculative sampling (Leviathan et al. 2023,
                   Chen et al. 2023): accept x with probability min(1, p(x)/q(x));
-                  at the first rejection sample norm(max(0, p - q)).
+                  at the first rejection sample norm(max(0, p - q)). A
+                  deterministic drafter (n-gram lookup) has q = onehot(x):
+                  accept x with probability p(x), at a rejection sample
+                  norm(max(0, p - onehot(x))); no q array is carried.
   bernoulli:P     each drafted token, in order, accepted with probability P
                   (the thread's `frand() < p`).
   fraction:F      drafted positions i (0-based) with i < F * gamma are accepted
@@ -121,8 +124,14 @@ def target_token_dist(p_next: jax.Array, q_next: jax.Array, rejected: jax.Array)
   return jnp.where(rejected[:, None], resid, p_next)
 
 
-def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, n_drafted):
+def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, n_drafted,
+          deterministic: bool = False):
   """Decides how many drafted tokens to keep and the token after them.
+
+  Positions at or past a row's n_drafted are never accepted; when a row
+  drafted fewer than gamma tokens and all were accepted (n_drafted = 0
+  included), the target's token is drawn from p at the first undrafted
+  position.
 
   Args:
     key: PRNG key for this step's acceptance.
@@ -130,9 +139,11 @@ def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, 
     accept_probs: [gamma] position_probs() of a simulated rule (may be traced).
     sp: sampling settings applied to both models.
     drafts: [B, gamma] drafted tokens.
-    q: [B, gamma, V] draft distributions (used by the real rule when sampling).
+    q: [B, gamma, V] draft distributions (used by the real rule when sampling;
+      ignored when `deterministic`).
     p: [B, gamma+1, V] target distributions at the gamma+1 verified positions.
     n_drafted: [B] tokens really drafted (< gamma after an early stop).
+    deterministic: the drafts are a function of the context (q = onehot(x)).
   Returns:
     (n_accepted [B], next_token [B]).
   """
@@ -146,14 +157,20 @@ def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, 
     ok = drafts == jnp.argmax(p[:, :gamma], -1)
   else:
     p_x = jnp.take_along_axis(p[:, :gamma], drafts[..., None], -1)[..., 0]  # [B, gamma]
-    q_x = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+    q_x = (jnp.ones_like(p_x) if deterministic
+           else jnp.take_along_axis(q, drafts[..., None], -1)[..., 0])
     ok = exact_accepts(u, p_x, q_x)
   n_acc = _leading(ok & (pos < n_drafted[:, None]))
 
   p_next = _at(p, n_acc)                  # target distribution after the accepted run
   if not simulated and not sp.greedy:
     # A rejection is a real draft at position n_acc that was not accepted.
-    q_next = _at(q, jnp.minimum(n_acc, gamma - 1))
+    at_next = jnp.minimum(n_acc, gamma - 1)
+    if deterministic:
+      x_next = jnp.take_along_axis(drafts, at_next[:, None], 1)[:, 0]
+      q_next = jax.nn.one_hot(x_next, p.shape[-1], dtype=p.dtype)
+    else:
+      q_next = _at(q, at_next)
     p_next = target_token_dist(p_next, q_next, n_acc < n_drafted)
   if sp.greedy:
     nxt = jnp.argmax(p_next, -1).astype(jnp.int32)

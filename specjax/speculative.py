@@ -2,18 +2,21 @@
 
 One step, for every row b of the batch (n = tokens so far, `last` = the last
 emitted token, not yet seen by the target):
-  draft:   gamma T=1 draft steps in one lax.scan -> drafts [B, gamma],
-           q [B, gamma, V]
+  draft:   the drafter (specjax.drafters: the draft model, n-gram lookup, the
+           target's own first layers...) proposes drafts [B, gamma], their
+           q [B, gamma, V] (none for a deterministic drafter) and n_drafted;
+           the draft model runs gamma T=1 steps in one lax.scan
   verify:  one target forward over [last, d_1..d_gamma] (T = gamma+1)
            -> p [B, gamma+1, V]
   accept:  k accepted drafts and one target token (acceptance.judge)
   commit:  keep d_1..d_k and that token (fewer when n_predict or EOS cuts the
-           step short); set both cache lengths (rollback by length, no copy).
+           step short); set the target cache's length (rollback by length,
+           no copy); the drafter commits its own state.
 Invariant between steps: the target cache holds the kept sequence minus
-`last` (length n-1). The draft cache holds the same, except after a step that
-accepted all gamma drafts: then it lacks d_gamma too (length n-2), and the
-next draft phase first feeds it (the catch-up, a lax.cond), so no token is
-dropped or duplicated.
+`last` (length n-1). The draft model's cache holds the same, except after a
+step that accepted all gamma drafts: then it lacks d_gamma too (length n-2),
+and the next draft phase first feeds it (the catch-up, a lax.cond), so no
+token is dropped or duplicated.
 
 A row that has finished (n_predict tokens, or EOS) still rides along in the
 fixed-shape steps of the rows that have not. Its lengths are cut back to the
@@ -33,16 +36,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from specjax import acceptance, generation, model, sampling, sharding, steps
+from specjax import acceptance, drafters, generation, model, sampling, sharding, steps
 from specjax import kv_cache as kvc
 from specjax.acceptance import AcceptRule
 from specjax.config import ModelConfig
+from specjax.drafters import Committed, Drafted, Drafter
 from specjax.errors import ConfigError
 from specjax.sampling import SamplingParams
 from specjax.stats import Records, SpecStats
@@ -51,25 +56,34 @@ from specjax.timing import CompileWatch, block
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-  """Static settings of a speculative run (a jit static argument)."""
+  """Static settings of a speculative run (a jit static argument).
+
+  `draft` is the config of the model the drafter runs: the draft model's for
+  `model`, the target's subset for `layerskip` (set here from the target),
+  None for `ngram`."""
   target: ModelConfig
-  draft: ModelConfig
+  draft: ModelConfig | None
   gamma: int
   sp: SamplingParams = SamplingParams()
   simulated: bool = False  # a simulated rule; its per-position probabilities are traced
   p_min: float = 0.0    # draft early stop: stop when the draft's top prob < p_min
+  drafter: Drafter = drafters.MODEL
 
   def __post_init__(self):
     if self.gamma < 1:
       raise ConfigError(f"gamma (draft length) must be >= 1, got {self.gamma}")
     if not 0.0 <= self.p_min <= 1.0:
       raise ConfigError(f"p_min must lie in [0, 1], got {self.p_min}")
-    check_vocabularies(self.target, self.draft)
+    object.__setattr__(self, "drafter", drafters.parse(self.drafter))
+    object.__setattr__(self, "draft", self.drafter.draft_config(self.target, self.draft))
+    if self.draft is not None:
+      check_vocabularies(self.target, self.draft)
 
   @property
   def needs_q(self) -> bool:
-    """Only exact sampling reads the draft distributions q."""
-    return not self.simulated and not self.sp.greedy
+    """Only exact sampling reads the draft distributions q (a deterministic
+    drafter's q is onehot(x), never materialised)."""
+    return not self.simulated and not self.sp.greedy and not self.drafter.deterministic
 
 
 def check_vocabularies(target: ModelConfig, draft: ModelConfig) -> None:
@@ -83,18 +97,10 @@ def check_vocabularies(target: ModelConfig, draft: ModelConfig) -> None:
 @struct.dataclass
 class SpecState:
   tcache: kvc.KVCache
-  dcache: kvc.KVCache
+  dcache: Any      # the drafter's state (any pytree): the draft model's KVCache,
+                   # the n-gram history [B, S], () for layerskip:N ...
   tail: jax.Array  # [B, 2] the last two kept tokens (prev, last)
   n: jax.Array     # [B] sequence length so far (prompt + kept tokens)
-
-
-@struct.dataclass
-class Drafted:
-  """What the draft phase proposes."""
-  tokens: jax.Array     # [B, gamma]
-  q: jax.Array          # [B, gamma, V] draft distributions ([B, gamma, 0] unless needs_q)
-  n_drafted: jax.Array  # [B] tokens really drafted (< gamma after an early stop)
-  caught_up: jax.Array  # [B] bool: the row's d_gamma of the last step was fed first
 
 
 @struct.dataclass
@@ -105,11 +111,12 @@ class Judged:
   tail: jax.Array     # [B, 2]
   n: jax.Array        # [B] sequence length after the step
   t_len: jax.Array    # [B] target cache length to roll back to
-  d_len: jax.Array    # [B] draft cache length to roll back to
+  d_len: jax.Array    # [B] a gamma-step draft cache's length to roll back to
 
 
 def draft_phase(dparams, dcache, tail, n, live, key, sc: SpecConfig):
-  """Drafts gamma tokens per row from the draft model.
+  """Drafts gamma tokens per row from the draft model (sc.draft): the
+  `model` drafter's proposal, and layerskip's.
 
   Returns (Drafted, dcache holding n-1+gamma entries)."""
   cfg, sp = sc.draft, sc.sp
@@ -141,10 +148,23 @@ def draft_phase(dparams, dcache, tail, n, live, key, sc: SpecConfig):
 
 
 def verify_phase(tparams, tcache, tail, drafts, sc: SpecConfig):
-  """Target distributions p [B, gamma+1, V] at [last, d_1..d_gamma]; tcache + gamma+1."""
+  """Target distributions p [B, gamma+1, V] at [last, d_1..d_gamma]; tcache + gamma+1.
+
+  For a drafter that `needs_features`, also the target's final-normed hidden
+  states there, [B, gamma+1, E] (a third result)."""
   tokens = jnp.concatenate([tail[:, 1:], drafts], 1)  # [B, gamma+1]
+  if sc.drafter.needs_features:
+    logits, tcache, feats = model.forward(tparams, tokens, tcache, sc.target,
+                                          return_hidden=True)
+    return sampling.probs(logits, sc.sp), tcache, feats
   logits, tcache = model.forward(tparams, tokens, tcache, sc.target)
   return sampling.probs(logits, sc.sp), tcache
+
+
+def _verify(tparams, tcache, tail, drafts, sc: SpecConfig):
+  """verify_phase as (p, tcache, features or None)."""
+  out = verify_phase(tparams, tcache, tail, drafts, sc)
+  return out if len(out) == 3 else (*out, None)
 
 
 def accept_phase(key, accept_probs, p, drafted: Drafted, tail, n, live,
@@ -155,7 +175,7 @@ def accept_phase(key, accept_probs, p, drafted: Drafted, tail, n, live,
   """
   gamma, drafts = sc.gamma, drafted.tokens
   n_acc, nxt = acceptance.judge(key, sc.simulated, accept_probs, sc.sp, drafts, drafted.q,
-                                p, drafted.n_drafted)
+                                p, drafted.n_drafted, sc.drafter.deterministic)
   pos = jnp.arange(gamma + 1)[None, :]
   padded = jnp.concatenate([drafts, drafts[:, :1]], 1)
   emitted = jnp.where(pos == n_acc[:, None], nxt[:, None], padded)
@@ -190,8 +210,10 @@ def keep_tokens(out, count, done, j: Judged, eos_id: int, n_predict: int):
   return out, count, done, kept
 
 
-def commit(tcache, dcache, tail, j: Judged, kept, live) -> SpecState:
-  """The state after a step: both caches rolled back to what the row kept.
+def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter = drafters.MODEL,
+           features=None) -> SpecState:
+  """The state after a step: the target cache rolled back to what the row
+  kept, the drafter's state committed (the draft model's cache likewise).
 
   A step emits n_acc + 1 tokens; when n_predict or EOS cuts it short, the
   tokens past `kept` are dropped from the sequence, from both caches and from
@@ -200,12 +222,15 @@ def commit(tcache, dcache, tail, j: Judged, kept, live) -> SpecState:
   """
   dropped = jnp.where(live, j.n_acc + 1 - kept, 0)
   n = j.n - dropped
+  n_prev = jnp.where(live, j.n - j.n_acc - 1, j.n)
+  c = Committed(n_prev=n_prev, n=n, n_acc=j.n_acc, emitted=j.emitted,
+                kept=jnp.where(live, kept, 0), live=live, d_len=j.d_len, features=features)
   # [last, e_1 .. e_{gamma+1}]: the kept tail is (ext[kept - 1], ext[kept])
   ext = jnp.concatenate([tail[:, 1:], j.emitted], 1)
   at = lambda i: jnp.take_along_axis(ext, jnp.maximum(i, 0)[:, None], 1)[:, 0]
   cut_tail = jnp.stack([at(kept - 1), at(kept)], 1)
   return SpecState(tcache=kvc.rollback(tcache, j.t_len - dropped),
-                   dcache=kvc.rollback(dcache, jnp.minimum(j.d_len, n - 1)),
+                   dcache=drafter.commit(dcache, c),
                    tail=jnp.where((dropped > 0)[:, None], cut_tail, j.tail), n=n)
 
 
@@ -232,10 +257,11 @@ class SpecResult:
 def _steps(key, i, tparams, dparams, st: SpecState, done, accept_probs, sc):
   """The phases of step i, in order (shared by both loops through jit)."""
   kd, ka = jax.random.split(jax.random.fold_in(key, i))
-  d, dcache = draft_phase(dparams, st.dcache, st.tail, st.n, ~done, kd, sc)
-  p, tcache = verify_phase(tparams, st.tcache, st.tail, d.tokens, sc)
+  d, dcache, tcache = sc.drafter.propose(dparams, st.dcache, st.tcache, st.tail, st.n,
+                                         ~done, kd, sc)
+  p, tcache, feats = _verify(tparams, tcache, st.tail, d.tokens, sc)
   j = accept_phase(ka, accept_probs, p, d, st.tail, st.n, ~done, sc)
-  return d, dcache, tcache, j
+  return d, dcache, tcache, j, feats
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id"),
@@ -254,11 +280,11 @@ def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc:
 
   def body(c):
     i, st, out, count, done, rec = c
-    d, dcache, tcache, j = _steps(key, i, tparams, dparams, st, done, accept_probs, sc)
+    d, dcache, tcache, j, feats = _steps(key, i, tparams, dparams, st, done, accept_probs, sc)
     out, count, new_done, kept = keep_tokens(out, count, done, j, eos_id, n_predict)
     row = _record_row(j, d, kept, ~done)
     rec = {k: rec[k].at[i].set(row[k]) for k in REC_FIELDS}
-    st = commit(tcache, dcache, st.tail, j, kept, ~done)
+    st = commit(tcache, dcache, st.tail, j, kept, ~done, sc.drafter, feats)
     return i + 1, st, out, count, new_done, rec
 
   count = jnp.ones((b,), jnp.int32)
@@ -269,17 +295,22 @@ def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc:
   return out, count, rec, st
 
 
-draft_jit = jax.jit(draft_phase, static_argnames=("sc",), donate_argnames=("dcache",))
-verify_jit = jax.jit(verify_phase, static_argnames=("sc",), donate_argnames=("tcache",))
+def _propose(dparams, dcache, tcache, tail, n, live, key, sc: SpecConfig):
+  return sc.drafter.propose(dparams, dcache, tcache, tail, n, live, key, sc)
+
+
+draft_jit = jax.jit(_propose, static_argnames=("sc",), donate_argnames=("dcache", "tcache"))
+verify_jit = jax.jit(_verify, static_argnames=("sc",), donate_argnames=("tcache",))
 accept_jit = jax.jit(accept_phase, static_argnames=("sc",))
 
 
-@functools.partial(jax.jit, static_argnames=("eos_id", "n_predict"),
+@functools.partial(jax.jit, static_argnames=("eos_id", "n_predict", "drafter"),
                    donate_argnames=("tcache", "dcache"))
-def _keep_and_commit(out, count, done, j, d, tcache, dcache, tail, *, eos_id, n_predict):
+def _keep_and_commit(out, count, done, j, d, tcache, dcache, tail, feats, *, eos_id, n_predict,
+                     drafter):
   """The host loop's bookkeeping: keep_tokens, commit and the step's record."""
   out, count, new_done, kept = keep_tokens(out, count, done, j, eos_id, n_predict)
-  st = commit(tcache, dcache, tail, j, kept, ~done)
+  st = commit(tcache, dcache, tail, j, kept, ~done, drafter, feats)
   return out, count, new_done, st, _record_row(j, d, kept, ~done)
 
 
@@ -301,16 +332,18 @@ def _host_loop(tparams, dparams, st: SpecState, out, key, accept_probs, sc, n_pr
     kvc.check_capacity(np.asarray(st.n)[~done] - 1, sc.gamma + 1, st.tcache.capacity)
     live = jnp.asarray(~done)
     t0 = time.perf_counter()
-    d, dcache = block(draft_jit(dparams, st.dcache, st.tail, st.n, live, kd, sc=sc))
+    d, dcache, tcache = block(draft_jit(dparams, st.dcache, st.tcache, st.tail, st.n, live, kd,
+                                        sc=sc))
     t1 = time.perf_counter()
-    p, tcache = block(verify_jit(tparams, st.tcache, st.tail, d.tokens, sc=sc))
+    p, tcache, feats = block(verify_jit(tparams, tcache, st.tail, d.tokens, sc=sc))
     t2 = time.perf_counter()
     j = block(accept_jit(ka, accept_probs, p, d, st.tail, st.n, live, sc=sc))
     phase["draft_s"] += t1 - t0
     phase["verify_s"] += t2 - t1
     phase["accept_s"] += time.perf_counter() - t2
     out, count, done, st, row = _keep_and_commit(out, count, ~live, j, d, tcache, dcache,
-                                                 st.tail, eos_id=eos_id, n_predict=n_predict)
+                                                 st.tail, feats, eos_id=eos_id,
+                                                 n_predict=n_predict, drafter=sc.drafter)
     for k in REC_FIELDS:
       recs[k].append(np.asarray(row[k], np.int32))
     done = np.asarray(done)
@@ -318,36 +351,42 @@ def _host_loop(tparams, dparams, st: SpecState, out, key, accept_probs, sc, n_pr
   return out, count, rec, st, phase
 
 
-def prefill(target: steps.Runner, draft: steps.Runner, prompts, capacity: int,
-            sp: SamplingParams, key) -> tuple[SpecState, jax.Array]:
-  """Both caches filled with the prompts, and the first token sampled from
-  the target (fold_in(key, 0), as target-only generation draws it).
+def prefill(target: steps.Runner, dparams, prompts, capacity: int, key,
+            sc: SpecConfig) -> tuple[SpecState, jax.Array]:
+  """The target's cache filled with the prompts, the first token sampled from
+  the target (fold_in(key, 0), as target-only generation draws it), and the
+  drafter's initial state (the draft model's prefilled cache, ...).
   Returns (state, first tokens [B])."""
   logits, tcache = target.prefill(prompts, target.new_cache(len(prompts), capacity))
-  _, dcache = draft.prefill(prompts, draft.new_cache(len(prompts), capacity))
-  first = generation.sample_jit(jax.random.fold_in(key, 0), logits, sp=sp)
+  first = generation.sample_jit(jax.random.fold_in(key, 0), logits, sp=sc.sp)
+  dstate = sc.drafter.init(sc, target, dparams, prompts, capacity, first)
   prev = jnp.asarray([p[-1] for p in prompts], jnp.int32)
-  st = SpecState(tcache=tcache, dcache=dcache, tail=jnp.stack([prev, first], 1),
+  st = SpecState(tcache=tcache, dcache=dstate, tail=jnp.stack([prev, first], 1),
                  n=tcache.lengths + 1)
   return block(st), first
 
 
-def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
+def generate(target: steps.Runner, draft: steps.Runner | None, prompts, n_predict: int,
              gamma: int, sp: SamplingParams = SamplingParams(),
              rule: AcceptRule | str = "real", seed: int = 0,
              eos_id: int | None = None, loop: str = "device", p_min: float = 0.0,
              ctx_size: int | None = None, capacity: int | None = None,
-             keep_state: bool = False) -> SpecResult:
+             keep_state: bool = False, drafter: Drafter | str = "model") -> SpecResult:
   """Speculative generation of n_predict tokens after each prompt.
 
-  `keep_state` returns the final caches in `SpecResult.state` (tests read
-  them); otherwise they are freed.
+  `drafter` (a spec, see specjax.drafters.parse, or a Drafter) proposes the
+  drafts; `draft` is the draft model of the `model` drafter (None for the
+  others). `keep_state` returns the final caches in `SpecResult.state`
+  (tests read them); otherwise they are freed.
   """
   if loop not in ("device", "host"):
     raise ConfigError(f"loop must be 'device' or 'host', got {loop!r}")
+  drafter = drafters.parse(drafter)
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
   rule = rule.resolve(gamma)
-  sc = SpecConfig(target.cfg, draft.cfg, gamma, sp, rule.simulated, p_min)
+  sc = SpecConfig(target.cfg, draft.cfg if draft is not None else None, gamma, sp,
+                  rule.simulated, p_min, drafter)
+  dparams = drafter.draft_params(target.params, draft)
   accept_probs = jnp.asarray(acceptance.position_probs(rule, gamma))
   eos = generation.NO_EOS if eos_id is None else int(eos_id)
   p_len = max(len(p) for p in prompts)
@@ -356,19 +395,19 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
   key = jax.random.PRNGKey(seed)
   with CompileWatch() as cw:
     t0 = time.perf_counter()
-    st, first = prefill(target, draft, prompts, cap, sp, key)
+    st, first = prefill(target, dparams, prompts, cap, key, sc)
     prompt_s = time.perf_counter() - t0
     out = jnp.full((len(prompts), n_predict + gamma + 1), eos, jnp.int32)
     out = out.at[:, 0].set(first)
     step_key = jax.random.fold_in(key, 1)
     t0 = time.perf_counter()
     if loop == "device":
-      out, count, rec, st = block(spec_loop(target.params, draft.params, st, out, step_key,
+      out, count, rec, st = block(spec_loop(target.params, dparams, st, out, step_key,
                                             accept_probs, sc=sc, n_predict=n_predict,
                                             eos_id=eos))
       phase = {}
     else:
-      out, count, rec, st, phase = _host_loop(target.params, draft.params, st, out,
+      out, count, rec, st, phase = _host_loop(target.params, dparams, st, out,
                                               step_key, accept_probs, sc, n_predict, eos)
     eval_s = time.perf_counter() - t0
   out, count = sharding.to_host(out), sharding.to_host(count)

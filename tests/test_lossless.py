@@ -179,16 +179,17 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
   return float(scipy_stats.chisquare(obs, ex).pvalue)
 
 
-def sample(target, draft, sp, gamma, rows, loop="device", batch=True, seed=0):
+def sample(target, draft, sp, gamma, rows, loop="device", batch=True, seed=0, drafter="model"):
   """Windows [R, W] and (k1, k2) [R, 2] of speculative generation from every
   prompt, rows of each prompt in one ragged batch (or one call per row)."""
   w = gamma + 3
+  kw = dict(sp=sp, loop=loop, drafter=drafter)
   if batch:
     prompts = [p for p in PROMPTS for _ in range(rows)]
-    res = [speculative.generate(target, draft, prompts, w, gamma, sp=sp, seed=seed, loop=loop)]
+    res = [speculative.generate(target, draft, prompts, w, gamma, seed=seed, **kw)]
   else:
     prompts = [p for p in PROMPTS for _ in range(rows)]
-    res = [speculative.generate(target, draft, [p], w, gamma, sp=sp, seed=seed + i, loop=loop)
+    res = [speculative.generate(target, draft, [p], w, gamma, seed=seed + i, **kw)
            for i, p in enumerate(prompts)]
   tokens = np.array([t for r in res for t in r.tokens])
   # Every row is live in the first two steps (the window is longer).
@@ -197,8 +198,12 @@ def sample(target, draft, sp, gamma, rows, loop="device", batch=True, seed=0):
   return tokens, ks, np.array([PROMPTS.index(p) for p in prompts])
 
 
-def pvalues(target, draft, sp, gamma, rows, **kw) -> dict[str, float]:
-  """Every p-value of one configuration (per prompt: each pair, acceptance)."""
+def pvalues(target, draft, sp, gamma, rows, accept_law=None, **kw) -> dict[str, float]:
+  """Every p-value of one configuration (per prompt: each pair, acceptance).
+
+  `draft` is the model whose q the acceptance law uses (and the draft of the
+  `model` drafter); `accept_law(prompt, sp, gamma)` replaces that law (a
+  drafter without a draft model: tests/test_drafters.py)."""
   tokens, ks, which = sample(target, draft, sp, gamma, rows, **kw)
   out = {}
   for i, prompt in enumerate(PROMPTS):
@@ -208,6 +213,8 @@ def pvalues(target, draft, sp, gamma, rows, **kw) -> dict[str, float]:
         other = exact_laws(target, draft, prompt, sp, gamma, shift)
         for a, b in zip(laws.pairs + [laws.accept], other.pairs + [other.accept]):
           assert np.max(np.abs(a - b)) < 1e-3, "the reference law depends on rounding"
+    if accept_law is not None:
+      laws.accept = accept_law(prompt, sp, gamma)
     t, k = tokens[which == i], ks[which == i]
     for j, law in enumerate(laws.pairs):
       counts = np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V)
