@@ -20,7 +20,8 @@ import statistics
 
 from absl import flags
 
-from specjax import acceptance, checkpoint, cli, generation, schema, speculative, steps, tokenizer
+from specjax import acceptance, checkpoint, cli, drafters, eagle, generation, schema, speculative
+from specjax import steps, tokenizer
 from specjax import workdir as wd
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory, orbax "
@@ -48,27 +49,49 @@ _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions; target-only and spec
                              "medians reported.", lower_bound=1)
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", True, "Do not stop at end-of-sequence (fixed-length runs).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, statistics and timings as one JSON object.")
+_DRAFTER = flags.DEFINE_string("drafter", "model", "What drafts (specjax/drafters.py): model "
+                               "(--model_draft) | eagle (an EAGLE head, --eagle_head) | "
+                               "ngram[:A-B] | layerskip:N | layerskip:LIST.")
+_EAGLE_HEAD = flags.DEFINE_string("eagle_head", "stdlib-eagle", "The head of --drafter=eagle: a "
+                                  "directory written by experiments/train_eagle.py, or "
+                                  "stdlib-eagle (shipped, for --model=stdlib-target).")
+
+
+def _drafter():
+  """--drafter, with --eagle_head for a bare 'eagle'."""
+  d = drafters.parse(_DRAFTER.value)
+  if d.kind == "eagle" and ":" not in _DRAFTER.value:
+    d = eagle.EagleDrafter(_EAGLE_HEAD.value)
+  return d
 
 
 def main(argv):
   del argv
   gamma = _DRAFT.value
   rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
+  drafter = _drafter()
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
-  dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE_DRAFT.value or _GEN.dtype,
-                                              seed=_GEN.seed + 1, role="draft")
-  speculative.check_vocabularies(tcfg, dcfg)
-  tokenizer.check_same_tokens(tok, dtok)
+  if drafter.needs_draft_model:
+    dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value,
+                                                dtype=_DTYPE_DRAFT.value or _GEN.dtype,
+                                                seed=_GEN.seed + 1, role="draft")
+    speculative.check_vocabularies(tcfg, dcfg)
+    tokenizer.check_same_tokens(tok, dtok)
+  else:  # the drafter runs from the target (and its own files)
+    dcfg = drafter.draft_config(tcfg, None) or tcfg.replace(name=drafter.spec, n_layers=0)
+    dparams = None
   prompt = _GEN.prompt(tok, tcfg.vocab_size)
   sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)
-  target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
+  target = steps.Runner(tcfg, tparams)
+  draft = steps.Runner(dcfg, dparams) if drafter.needs_draft_model else None
   # One capacity for both sides: attention cost grows with it.
   capacity = generation.plan_capacity(tcfg, len(prompt), _N_PREDICT.value, extra=gamma,
                                       ctx_size=_CTX.value)
   kw = dict(seed=_GEN.seed, eos_id=eos, loop=_LOOP.value, capacity=capacity)
   spec = lambda: speculative.generate(target, draft, [prompt], _N_PREDICT.value, gamma,
-                                      sp=sp, rule=rule, p_min=_P_MIN.value, **kw)
+                                      sp=sp, rule=rule, p_min=_P_MIN.value,
+                                      drafter=drafter, **kw)
   base = lambda: generation.generate(target, [prompt], _N_PREDICT.value, sp, **kw)
   compile_s = spec().compile_s + (base().compile_s if _BASELINE.value else 0.0)  # warm-up
   spec_tps, base_tps = [], []
@@ -95,7 +118,8 @@ def _report(tcfg, dcfg, tok, prompt, rule, res, base, spec_tps, base_tps, capaci
   print("\n".join(st.summary_lines()))
   print()
   print(f"target: {tcfg.name} ({tcfg.num_params() / 1e6:.1f} M params), draft: {dcfg.name} "
-        f"({dcfg.num_params() / 1e6:.1f} M params), {tcfg.precision}, accept rule {rule}, "
+        f"({dcfg.num_params() / 1e6:.1f} M params; drafter {_drafter().spec}), "
+        f"{tcfg.precision}, accept rule {rule}, "
         f"loop={_LOOP.value}, cache capacity {capacity}")
   print(f"{'compile time':>18} = {1e3 * compile_s:10.2f} ms (excluded from all timings)")
   sp = _GEN.sampling()

@@ -49,9 +49,10 @@ cache holds pairs 0..P-2 and pending is the single real pair
 Invariant: after a draft phase's first part the head cache holds pairs
 0..n-2 (length n-1, the target cache's length).
 
-A row that finished rides along with start = n-1 (index -1, clipped to 0):
-its writes stay inside the capacity the engine plans (prompt + n_predict +
-gamma), as a draft model's do.
+A row that finished rides along and keeps its pending pairs (so its state
+stays that of its output: the next draft phase would still take the right
+index); its writes start at `start` <= n-1 and stay inside the capacity the
+engine plans (prompt + n_predict + gamma), as a draft model's do.
 
 Files: <dir>/eagle_config.json (the head's layer config, the target's
 config and name, provenance) and <dir>/model.safetensors (fc/*, block/*);
@@ -66,7 +67,7 @@ import functools
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import flax.linen as nn
 import jax
@@ -75,7 +76,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from specjax import acceptance, corpus, generation, sampling, sharding, speculative
+from specjax import corpus, drafters, sampling, speculative
 from specjax import kv_cache as kvc
 from specjax import model as model_lib
 from specjax import steps
@@ -85,8 +86,6 @@ from specjax.config import ModelConfig
 from specjax.errors import CheckpointError, ConfigError
 from specjax.layers import Block, _init
 from specjax.sampling import SamplingParams
-from specjax.stats import Records, SpecStats
-from specjax.timing import CompileWatch, block
 
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -97,9 +96,11 @@ SHIPPED_EAGLE = {"stdlib-eagle": Path(__file__).parent / "assets" / "stdlib-eagl
 
 
 def head_config(target: ModelConfig) -> ModelConfig:
-  """The head's layer: the target's shapes, one layer, float (an int8 target
-  keeps a float head)."""
-  return target.replace(name=f"{target.name}-eagle", n_layers=1, quant=None)
+  """The head's layer: the target's shapes, one layer, float32 (trained and
+  run in float32 whatever the target's precision; an int8 target keeps a
+  float head)."""
+  return target.replace(name=f"{target.name}-eagle", n_layers=1, quant=None,
+                        dtype="float32", param_dtype="float32", dot_dtype=None)
 
 
 def check_head(hcfg: ModelConfig, target: ModelConfig) -> None:
@@ -396,7 +397,7 @@ def load_eagle(path: str | os.PathLike = "stdlib-eagle") -> tuple[ModelConfig, A
   return hcfg, params, meta
 
 
-# ---------------------------------------------------------------- speculative loop
+# ---------------------------------------------------------------- the drafter
 
 
 @struct.dataclass
@@ -408,25 +409,16 @@ class Pending:
 
 
 @struct.dataclass
-class EagleState:
-  tcache: kvc.KVCache
+class HeadState:
+  """The drafter's state (SpecState.dcache): the head's cache and the pending pairs."""
   hcache: kvc.KVCache
   pending: Pending
-  tail: jax.Array  # [B, 2] (prev, last), as SpecState's
-  n: jax.Array     # [B]
 
 
-@dataclasses.dataclass(frozen=True)
-class EagleSpec:
-  """Static settings: the speculative config (target as draft: the head
-  shares its vocabulary) and the head's layer config."""
-  sc: speculative.SpecConfig
-  head: ModelConfig
-
-
-def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, es: EagleSpec):
-  """gamma drafts from the head. Returns (Drafted, hcache of length n-1+gamma-1)."""
-  sc, hcfg, tcfg, sp = es.sc, es.head, es.sc.target, es.sc.sp
+def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
+  """gamma drafts from the head (sc.draft is the head's layer config).
+  Returns (Drafted, hcache of length n-1+gamma-1)."""
+  hcfg, tcfg, sp = sc.draft, sc.target, sc.sp
   g1 = pending.tokens.shape[1]
   hcache = kvc.rollback(hcache, pending.start)
   pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
@@ -454,62 +446,8 @@ def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, es: EagleSpe
   tokens = jnp.concatenate([tok[:, None], toks.T], 1)  # [B, gamma]
   q = jnp.concatenate([q[:, None], jnp.swapaxes(qs, 0, 1)], 1)
   b = tokens.shape[0]
-  return speculative.Drafted(tokens=tokens, q=q,
-                             n_drafted=jnp.full((b,), sc.gamma, jnp.int32),
-                             caught_up=jnp.zeros((b,), bool)), hcache
-
-
-def verify_phase(tparams, tcache, tail, drafts, sc: speculative.SpecConfig):
-  """speculative.verify_phase plus the target's features [B, gamma+1, E]."""
-  tokens = jnp.concatenate([tail[:, 1:], drafts], 1)  # [B, gamma+1]
-  logits, tcache, hidden = model_lib.forward(tparams, tokens, tcache, sc.target,
-                                             return_hidden=True)
-  return sampling.probs(logits, sc.sp), tcache, hidden
-
-
-def _step(key, i, tparams, hparams, st: EagleState, out, count, done, es: EagleSpec,
-          n_predict: int, eos_id: int):
-  sc = es.sc
-  kd, ka = jax.random.split(jax.random.fold_in(key, i))
-  live = ~done
-  d, hcache = draft_phase(tparams, hparams, st.hcache, st.pending, st.n, kd, es)
-  p, tcache, hidden = verify_phase(tparams, st.tcache, st.tail, d.tokens, sc)
-  j = speculative.accept_phase(ka, jnp.zeros((sc.gamma,), jnp.float32), p, d, st.tail, st.n,
-                               live, sc)
-  out, count, new_done, kept = speculative.keep_tokens(out, count, done, j, eos_id, n_predict)
-  row = speculative._record_row(j, d, kept, live)  # pylint: disable=protected-access
-  s = speculative.commit(tcache, hcache, st.tail, j, kept, live)
-  start = jnp.where(live, st.n - 1, s.n - 1)  # a finished row: index -1 (clipped)
-  pending = Pending(feats=hidden, tokens=j.emitted, start=start)
-  new = EagleState(tcache=s.tcache, hcache=s.dcache, pending=pending, tail=s.tail, n=s.n)
-  return new, out, count, new_done, row, d
-
-
-@functools.partial(jax.jit, static_argnames=("es", "n_predict", "eos_id"),
-                   donate_argnames=("state",))
-def eagle_loop(tparams, hparams, state: EagleState, out, key, *, es: EagleSpec,
-               n_predict: int, eos_id: int):
-  """The whole generation on device; as speculative.spec_loop."""
-  b = out.shape[0]
-  fields = speculative.REC_FIELDS
-
-  def cond(c):
-    i, _, _, _, done, _ = c
-    return (i < n_predict) & ~jnp.all(done)
-
-  def body(c):
-    i, st, out, count, done, rec = c
-    st, out, count, new_done, row, _ = _step(key, i, tparams, hparams, st, out, count, done,
-                                             es, n_predict, eos_id)
-    rec = {k: rec[k].at[i].set(row[k]) for k in fields}
-    return i + 1, st, out, count, new_done, rec
-
-  count = jnp.ones((b,), jnp.int32)
-  done = (out[:, 0] == eos_id) | (n_predict <= 1)
-  rec = {k: jnp.zeros((n_predict, b), jnp.int32) for k in fields}
-  _, st, out, count, _, rec = jax.lax.while_loop(
-      cond, body, (jnp.int32(0), state, out, count, done, rec))
-  return out, count, rec, st
+  return drafters.Drafted(tokens=tokens, q=q, n_drafted=jnp.full((b,), sc.gamma, jnp.int32),
+                          caught_up=jnp.zeros((b,), bool)), hcache
 
 
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "gamma"))
@@ -525,66 +463,70 @@ def _prefill_head(hparams, tparams, hidden, tokens, lens, first, hcache, *, hcfg
   last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], 1)  # [B, 1, E]
   feats = jnp.concatenate([last, jnp.zeros((b, gamma, hidden.shape[-1]), hidden.dtype)], 1)
   toks = jnp.concatenate([first[:, None], jnp.zeros((b, gamma), jnp.int32)], 1)
-  return hcache, Pending(feats=feats, tokens=toks, start=lens - 1)
+  return HeadState(hcache=hcache, pending=Pending(feats=feats, tokens=toks, start=lens - 1))
 
 
-def prefill(target: steps.Runner, head: tuple[ModelConfig, Any], prompts, capacity: int,
-            gamma: int, sp: SamplingParams, key) -> tuple[EagleState, jax.Array]:
-  """Target prefill (with its features), the first token (as
-  speculative.prefill draws it), and the head's prefill."""
-  hcfg, hparams = head
-  logits, tcache, hidden = target.prefill(prompts, target.new_cache(len(prompts), capacity),
-                                          return_hidden=True)
-  first = generation.sample_jit(jax.random.fold_in(key, 0), logits, sp=sp)
-  tb = hidden.shape[1]
-  tokens = np.zeros((len(prompts), tb), np.int32)
-  for b, p in enumerate(prompts):
-    tokens[b, :len(p)] = p
-  lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
-  hcache, pending = _prefill_head(hparams, target.params, hidden, jnp.asarray(tokens), lens,
-                                  first, new_cache(hcfg, len(prompts), capacity), hcfg=hcfg,
-                                  tcfg=target.cfg, gamma=gamma)
-  prev = jnp.asarray([p[-1] for p in prompts], jnp.int32)
-  st = EagleState(tcache=tcache, hcache=hcache, pending=pending,
-                  tail=jnp.stack([prev, first], 1), n=tcache.lengths + 1)
-  return block(st), first
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str):
+  return load_eagle(path)
 
 
-def generate(target: steps.Runner, head: tuple[ModelConfig, Any], prompts, n_predict: int,
-             gamma: int, sp: SamplingParams = SamplingParams(), seed: int = 0,
-             eos_id: int | None = None, ctx_size: int | None = None,
-             keep_state: bool = False) -> speculative.SpecResult:
-  """Speculative generation with the EAGLE head as the drafter (real
-  acceptance: greedy, or exact sampling with the head's q); the same keys,
-  bookkeeping and statistics as speculative.generate's device loop."""
-  hcfg, _ = head
-  check_head(hcfg, target.cfg)
-  sc = speculative.SpecConfig(target.cfg, target.cfg, gamma, sp)
-  es = EagleSpec(sc, hcfg)
-  eos = generation.NO_EOS if eos_id is None else int(eos_id)
-  p_len = max(len(p) for p in prompts)
-  cap = generation.plan_capacity(target.cfg, p_len, n_predict, extra=gamma, ctx_size=ctx_size)
-  key = jax.random.PRNGKey(seed)
-  with CompileWatch() as cw:
-    t0 = time.perf_counter()
-    st, first = prefill(target, head, prompts, cap, gamma, sp, key)
-    prompt_s = time.perf_counter() - t0
-    out = jnp.full((len(prompts), n_predict + gamma + 1), eos, jnp.int32)
-    out = out.at[:, 0].set(first)
-    t0 = time.perf_counter()
-    out, count, rec, st = block(eagle_loop(target.params, head[1], st, out,
-                                           jax.random.fold_in(key, 1), es=es,
-                                           n_predict=n_predict, eos_id=eos))
-    eval_s = time.perf_counter() - t0
-  out, count = sharding.to_host(out), sharding.to_host(count)
-  rec = {k: sharding.to_host(v) for k, v in rec.items()}
-  rows = [out[b, :count[b]].tolist() for b in range(len(prompts))]
-  records = Records.from_arrays(rec)
-  stats = SpecStats.compute(records, gamma=gamma, n_predict=int(count.sum()), eval_s=eval_s,
-                            phase_s={})
-  return speculative.SpecResult(tokens=rows, stats=stats, prompt_s=prompt_s, eval_s=eval_s,
-                                compile_s=cw.seconds, records=records,
-                                state=st if keep_state else None)
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(drafters.Drafter):
+  """The EAGLE head at `path` as a drafter (spec 'eagle' or 'eagle:PATH';
+  default the shipped stdlib-eagle). State: HeadState; the verify's features
+  come through commit (needs_features). The prompt's features come from a
+  target prefill pass of init's own (the engine's prefill returns none):
+  one extra prompt pass per call, outside the decode loop. p_min is not
+  applied (the head always drafts gamma)."""
+  path: str = "stdlib-eagle"
+  kind: ClassVar[str] = "eagle"
+  needs_features: ClassVar[bool] = True
+
+  @property
+  def spec(self) -> str:
+    return "eagle" if self.path == "stdlib-eagle" else f"eagle:{self.path}"
+
+  def draft_config(self, target, draft):
+    hcfg = _load_cached(self.path)[0]
+    check_head(hcfg, target)
+    return hcfg
+
+  def draft_params(self, tparams, draft):
+    return {"head": _load_cached(self.path)[1], "target": tparams}
+
+  def init(self, sc, target, dparams, prompts, capacity, first):
+    _, _, hidden = target.prefill(prompts, target.new_cache(len(prompts), capacity),
+                                  return_hidden=True)
+    tokens = np.zeros((len(prompts), hidden.shape[1]), np.int32)
+    for b, p in enumerate(prompts):
+      tokens[b, :len(p)] = p
+    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    return _prefill_head(dparams["head"], dparams["target"], hidden, jnp.asarray(tokens),
+                         lens, jnp.asarray(first, jnp.int32),
+                         new_cache(sc.draft, len(prompts), capacity), hcfg=sc.draft,
+                         tcfg=sc.target, gamma=sc.gamma)
+
+  def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
+    d, hcache = draft_phase(dparams["target"], dparams["head"], dstate.hcache,
+                            dstate.pending, n, key, sc)
+    return d, dstate.replace(hcache=hcache), tcache
+
+  def commit(self, dstate, c):
+    # The next draft phase feeds the verified features with the kept tokens
+    # from the old length's slot. A row that was not live keeps its pending
+    # pairs: its state stays that of its output.
+    new = Pending(feats=c.features, tokens=c.emitted, start=c.n_prev - 1)
+    pick = lambda a, b: jnp.where(c.live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    return dstate.replace(pending=jax.tree_util.tree_map(pick, new, dstate.pending))
+
+
+def generate(target: steps.Runner, head: str, prompts, n_predict: int, gamma: int,
+             sp: SamplingParams = SamplingParams(), seed: int = 0, **kw):
+  """speculative.generate with the head at `head` (a path or 'stdlib-eagle')
+  as the drafter."""
+  return speculative.generate(target, None, prompts, n_predict, gamma, sp=sp, seed=seed,
+                              drafter=EagleDrafter(str(head)), **kw)
 
 
 # ---------------------------------------------------------------- the pipeline
@@ -608,10 +550,10 @@ def _streams(c, tok, work: Path) -> tuple[np.ndarray, np.ndarray]:
   return tr, he
 
 
-def measure_alpha(target: steps.Runner, head, drafts: dict[str, steps.Runner], prompts,
+def measure_alpha(target: steps.Runner, head: str, drafts: dict[str, steps.Runner], prompts,
                   gamma: int, n_predict: int, temps, seed: int = 0) -> dict[str, Any]:
-  """Real acceptance (engine, same prompts, gamma, seed) of the head and of
-  each draft model, per temperature."""
+  """Real acceptance (the engine, same prompts, gamma, seed) of the head at
+  `head` (drafter eagle:PATH) and of each draft model, per temperature."""
   from specjax import pair  # pylint: disable=import-outside-toplevel
   out: dict[str, Any] = {"eagle": {}}
   for t in temps:
@@ -633,7 +575,8 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   <export_dir>/<target>-eagle's files ('stdlib-eagle'). Returns the summary."""
   from specjax import checkpoint, pair  # pylint: disable=import-outside-toplevel
   work = Path(workdir)
-  tcfg, tparams, tok = checkpoint.load_model(str(c.eagle_target))
+  # float32, as the pair was trained (the shipped files are bfloat16)
+  tcfg, tparams, tok = checkpoint.load_model(str(c.eagle_target), dtype="float32")
   if tok is None:
     raise ConfigError(f"target {c.eagle_target} has no tokenizer: the corpus needs one")
   train_stream, held_stream = _streams(c, tok, work)
@@ -646,8 +589,9 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
                   progress=progress, log=log)
   plot_training(work / "head", work / "training.png")
   dt = str(c.export_dtype)
-  rounded = jax.tree_util.tree_map(lambda x: jnp.asarray(x.astype(dt), jnp.float32), hparams)
-  head = (hcfg, rounded)
+  name = str(c.eagle_target).replace("-target", "") + "-eagle"
+  head_dir = save_head(work / name, hcfg, hparams, tcfg, str(c.eagle_target), dt)
+  _, rounded, _ = load_eagle(head_dir)  # measured as shipped: rounded to dt, run in f32
   target = steps.Runner(tcfg, tparams)
   prompts = [tok.encode(t) for t in pair.shipped_prompts(int(c.alpha_prompts))]
   alpha_file = work / "alpha.json"
@@ -657,9 +601,9 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
     log("eagle: measuring real acceptance of the head and the draft(s)")
     drafts = {}
     for name in c.eagle_drafts:
-      dcfg, dparams, _ = checkpoint.load_model(str(name), role="draft")
+      dcfg, dparams, _ = checkpoint.load_model(str(name), dtype="float32", role="draft")
       drafts[name] = steps.Runner(dcfg, dparams)
-    alpha = measure_alpha(target, head, drafts, prompts, int(c.alpha_gamma),
+    alpha = measure_alpha(target, str(head_dir), drafts, prompts, int(c.alpha_gamma),
                           int(c.alpha_n_predict), tuple(c.alpha_temps))
     alpha.update(gamma=int(c.alpha_gamma), n_predict=int(c.alpha_n_predict),
                  prompts=len(prompts))
@@ -676,7 +620,7 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
              "alpha": alpha, "export_dtype": dt}
   wd.write_json(work / SUMMARY_FILE, summary)
   if export_dir is not None:
-    d = save_head(Path(export_dir) / f"{c.eagle_target}-eagle".replace("-target", ""),
-                  hcfg, hparams, tcfg, str(c.eagle_target), dt, {"training": summary})
+    d = save_head(Path(export_dir) / name, hcfg, hparams, tcfg, str(c.eagle_target), dt,
+                  {"training": summary})
     summary["exported"] = str(d)
   return summary
