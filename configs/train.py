@@ -56,8 +56,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   # EAGLE-1 head of the shipped target (specjax/eagle.py): one decoder
   # layer over fc([embedding ; target feature]); ce_weight is the paper's w.
   c.eagle_target = "stdlib-target"
-  # Sized to ~22 min at the ~570 tokens/s measured on 2 shared cores.
-  c.eagle_train = _train(180, 16, 256, 3e-3, 12, seed=3, ce_weight=0.1, eval_every=45,
+  # Sized to ~20-25 min at the 350-550 tokens/s measured on 2 shared cores.
+  c.eagle_train = _train(120, 16, 256, 3e-3, 10, seed=3, ce_weight=0.1, eval_every=40,
                          ckpt_every=30, log_every=5)
   c.eagle_drafts = ("stdlib-draft",)  # compared with the head (alpha, same prompts)
   if arg in ("eagle_tiny",):
