@@ -600,9 +600,9 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   else:
     log("eagle: measuring real acceptance of the head and the draft(s)")
     drafts = {}
-    for name in c.eagle_drafts:
-      dcfg, dparams, _ = checkpoint.load_model(str(name), dtype="float32", role="draft")
-      drafts[name] = steps.Runner(dcfg, dparams)
+    for dname in c.eagle_drafts:
+      dcfg, dparams, _ = checkpoint.load_model(str(dname), dtype="float32", role="draft")
+      drafts[dname] = steps.Runner(dcfg, dparams)
     alpha = measure_alpha(target, str(head_dir), drafts, prompts, int(c.alpha_gamma),
                           int(c.alpha_n_predict), tuple(c.alpha_temps))
     alpha.update(gamma=int(c.alpha_gamma), n_predict=int(c.alpha_n_predict),

@@ -147,3 +147,32 @@ def test_first_draft_equals_the_teacher_forced_head(shipped):
                               target.cfg)
     want = jax.nn.softmax(model.head_logits(target.params, g[0, n - 2], target.cfg))
     np.testing.assert_allclose(np.asarray(d.q[b, 0]), np.asarray(want), atol=1e-4)
+
+
+def test_sampled_output_follows_the_target_law(tmp_path):
+  """Exact sampling with the head drafting (its own q) leaves the output law
+  the target's: tests/test_lossless.py's chi-square machinery on its V=6
+  target, T=1 and top-p 0.8 at gamma 2 (a random head: many rejections, so
+  the residual path carries the law)."""
+  import test_lossless as lossless  # pylint: disable=import-outside-toplevel
+  from specjax import config  # pylint: disable=import-outside-toplevel
+  cfg = config.ModelConfig(name="v6", vocab_size=lossless.V, dim=32, n_layers=1, n_heads=2,
+                           n_kv_heads=1, ffn_dim=64, max_seq_len=32)
+  target = lossless._sharpen(steps.Runner(cfg, model.init_params(cfg, 11)), 4.0)
+  hcfg = eagle.head_config(cfg)
+  hp = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, eagle.init_head(hcfg, 4))
+  eagle.save_head(tmp_path / "v6-eagle", hcfg, hp, cfg, "v6")
+  drafter = eagle.EagleDrafter(str(tmp_path / "v6-eagle"))
+  ps = {}
+  for name, gamma in (("T1", 2), ("top_p0.8", 2)):
+    sp = lossless.SAMPLINGS[name]
+    tokens, ks, which = lossless.sample(target, None, sp, gamma, lossless.ROWS, drafter=drafter)
+    assert ks[:, 0].max() > 0  # some drafts were accepted
+    for i, prompt in enumerate(lossless.PROMPTS):
+      laws = lossless.exact_laws(target, target, prompt, sp, gamma)
+      t = tokens[which == i]
+      for j, law in enumerate(laws.pairs):
+        counts = np.bincount(t[:, j] * lossless.V + t[:, j + 1], minlength=lossless.V ** 2)
+        ps[f"{name} prompt {i} pair t{j},t{j + 1}"] = lossless.chi2_pvalue(counts, law)
+  assert min(ps.values()) * len(ps) > lossless.ALPHA, {
+      k: v for k, v in ps.items() if v * len(ps) <= lossless.ALPHA}
