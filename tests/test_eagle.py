@@ -32,17 +32,21 @@ def test_returned_hidden_states_are_the_lm_heads_input(init_params):
   params = init_params(CFG)
   toks = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 11)), jnp.int32)
   cache = lambda: kvc.init_cache(CFG, 2, 16)
-  logits0, _ = model.forward(params, toks, cache(), CFG)
-  logits, c, hidden = model.forward(params, toks, cache(), CFG, return_hidden=True)
-  # independently: final_norm's output captured from the default path
-  _, inter = model.Llama(CFG).apply(
-      {"params": params}, toks, jnp.broadcast_to(jnp.arange(11), (2, 11)), cache(),
-      capture_intermediates=lambda m, _: m.name == "final_norm", mutable=["intermediates"])
-  want = inter["intermediates"]["final_norm"]["__call__"][0]
-  np.testing.assert_array_equal(np.asarray(hidden), np.asarray(want))
+  fwd = jax.jit(model.forward, static_argnames=("cfg", "return_hidden"))
+  logits0, _ = fwd(params, toks, cache(), CFG)
+  logits, _, hidden = fwd(params, toks, cache(), CFG, return_hidden=True)
+
+  @jax.jit
+  def captured(params, toks, cache):  # independently: final_norm's output on the default path
+    _, inter = model.Llama(CFG).apply(
+        {"params": params}, toks, jnp.broadcast_to(jnp.arange(11), (2, 11)), cache,
+        capture_intermediates=lambda m, _: m.name == "final_norm", mutable=["intermediates"])
+    return inter["intermediates"]["final_norm"]["__call__"][0]
+  want = captured(params, toks, cache())
+  np.testing.assert_allclose(np.asarray(hidden), np.asarray(want), atol=1e-6)
   np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits0))
-  np.testing.assert_allclose(np.asarray(model.head_logits(params, hidden, CFG)),
-                             np.asarray(logits0), atol=1e-5)
+  np.testing.assert_allclose(np.asarray(jax.jit(model.head_logits, static_argnums=2)(
+      params, hidden, CFG)), np.asarray(logits0), atol=1e-5)
   # a ragged prefill returns the same features at every prompt position
   runner = steps.Runner(CFG, params)
   prompts = [np.asarray(toks[0, :5]).tolist(), np.asarray(toks[1]).tolist()]
@@ -122,18 +126,21 @@ def test_greedy_with_the_head_equals_greedy_target_only(shipped, gamma):
     assert max(np.nonzero(res.stats.accept_hist)[0]) == gamma  # and full acceptance
 
 
-def test_first_draft_equals_the_teacher_forced_head(shipped):
+def test_drafts_equal_the_teacher_forced_head(shipped):
   """After a run, the next draft phase's first distribution is the head's
   output at pair n-2 of a teacher-forced pass over the whole sequence (true
   features f_0..f_{n-2}, tokens x_1..x_{n-1}): the refresh pairs the verified
-  features with the right tokens, drops the padding and takes the right index."""
+  features with the right tokens and takes the right index. Its second is the
+  output at pair n-1 = (g_{n-2}, d_1) of the same pass extended by that pair:
+  the T=1 steps continue at the right slot, with no padding pair left."""
   target, prompts = shipped
-  sp = SamplingParams(1.0)
-  gamma, drafter = 3, eagle.EagleDrafter()
-  res = speculative.generate(target, None, prompts, 13, gamma, sp=sp, keep_state=True,
+  # the greedy gamma-4 run above (compiled once); then one sampled draft
+  # phase (its q) from the final state
+  gamma, drafter = 4, eagle.EagleDrafter()
+  res = speculative.generate(target, None, prompts, 24, gamma, keep_state=True,
                              drafter=drafter)
   st = res.state
-  sc = speculative.SpecConfig(target.cfg, None, gamma, sp, drafter=drafter)
+  sc = speculative.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter=drafter)
   hcfg, hparams = sc.draft, drafter.draft_params(target.params, None)["head"]
   d, _ = eagle.draft_phase(target.params, hparams, st.dcache.hcache, st.dcache.pending,
                            st.n, jax.random.PRNGKey(5), sc)
@@ -147,13 +154,20 @@ def test_first_draft_equals_the_teacher_forced_head(shipped):
                               target.cfg)
     want = jax.nn.softmax(model.head_logits(target.params, g[0, n - 2], target.cfg))
     np.testing.assert_allclose(np.asarray(d.q[b, 0]), np.asarray(want), atol=1e-4)
+    g2, _ = eagle.head_forward(hparams, target.params,
+                               jnp.concatenate([feats[:, :n - 1], g[:, n - 2:n - 1]], 1),
+                               jnp.concatenate([seq[:, 1:], d.tokens[b:b + 1, :1]], 1),
+                               eagle.new_cache(hcfg, 1, n + 1), hcfg.replace(attn_block=0),
+                               target.cfg)
+    want = jax.nn.softmax(model.head_logits(target.params, g2[0, n - 1], target.cfg))
+    np.testing.assert_allclose(np.asarray(d.q[b, 1]), np.asarray(want), atol=1e-4)
 
 
 def test_sampled_output_follows_the_target_law(tmp_path):
   """Exact sampling with the head drafting (its own q) leaves the output law
   the target's: tests/test_lossless.py's chi-square machinery on its V=6
-  target, T=1 and top-p 0.8 at gamma 2 (a random head: many rejections, so
-  the residual path carries the law)."""
+  target, top-p 0.8 at gamma 2 (a random head: many rejections, so the
+  residual path carries the law)."""
   import test_lossless as lossless  # pylint: disable=import-outside-toplevel
   from specjax import config  # pylint: disable=import-outside-toplevel
   cfg = config.ModelConfig(name="v6", vocab_size=lossless.V, dim=32, n_layers=1, n_heads=2,
@@ -164,7 +178,7 @@ def test_sampled_output_follows_the_target_law(tmp_path):
   eagle.save_head(tmp_path / "v6-eagle", hcfg, hp, cfg, "v6")
   drafter = eagle.EagleDrafter(str(tmp_path / "v6-eagle"))
   ps = {}
-  for name, gamma in (("T1", 2), ("top_p0.8", 2)):
+  for name, gamma in (("top_p0.8", 2),):
     sp = lossless.SAMPLINGS[name]
     tokens, ks, which = lossless.sample(target, None, sp, gamma, lossless.ROWS, drafter=drafter)
     assert ks[:, 0].max() > 0  # some drafts were accepted
