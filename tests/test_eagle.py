@@ -190,3 +190,18 @@ def test_sampled_output_follows_the_target_law(tmp_path):
         ps[f"{name} prompt {i} pair t{j},t{j + 1}"] = lossless.chi2_pvalue(counts, law)
   assert min(ps.values()) * len(ps) > lossless.ALPHA, {
       k: v for k, v in ps.items() if v * len(ps) <= lossless.ALPHA}
+
+
+def test_eagle_specs_and_errors(tmp_path):
+  from specjax import drafters
+  from specjax.errors import CheckpointError, ConfigError
+  assert drafters.parse("eagle") == eagle.EagleDrafter()
+  d = drafters.parse(f"eagle:{tmp_path}")
+  assert drafters.parse(d.spec) == d and hash(d) == hash(drafters.parse(d.spec))
+  with pytest.raises(CheckpointError, match="not found"):
+    speculative.SpecConfig(CFG, None, 2, drafter=d)
+  eagle.save_head(tmp_path / "h", eagle.head_config(CFG), eagle.init_head(eagle.head_config(CFG)),
+                  CFG, "tiny")
+  with pytest.raises(ConfigError, match="does not fit"):  # a tiny head on a wider target
+    speculative.SpecConfig(get_preset("tiny-draft").replace(vocab_size=256, dim=128), None, 2,
+                           drafter=f"eagle:{tmp_path / 'h'}")
