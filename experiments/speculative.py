@@ -33,7 +33,7 @@ import statistics
 import numpy as np
 from absl import flags
 
-from specjax import acceptance, autogamma, checkpoint, cli, drafters, generation, schema
+from specjax import acceptance, autogamma, checkpoint, cli, drafters, eagle, generation, schema
 from specjax import speculative, steps
 from specjax import tokenizer
 from specjax import workdir as wd
@@ -76,6 +76,17 @@ _AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY, "Steps between
                                    lower_bound=1)
 _AUTO_COSTS = flags.DEFINE_string("auto_costs", None, "A sweep's costs.json to take the costs at "
                                   "this batch from, instead of measuring them at start.")
+_EAGLE_HEAD = flags.DEFINE_string("eagle_head", "stdlib-eagle", "The head of --drafter=eagle: a "
+                                  "directory written by experiments/train_eagle.py, or "
+                                  "stdlib-eagle (shipped, for --model=stdlib-target).")
+
+
+def _drafter():
+  """--drafter, with --eagle_head for a bare 'eagle'."""
+  d = drafters.parse(_DRAFTER.value)
+  if d.kind == "eagle" and ":" not in _DRAFTER.value:
+    d = eagle.EagleDrafter(_EAGLE_HEAD.value)
+  return d
 
 
 def read_prompt_file(path: str, tok, vocab_size: int) -> list[list[int]]:
@@ -118,7 +129,7 @@ def main(argv):
   for g in auto or (gamma,):
     rule.resolve(g)
   rule = rule if auto else rule.resolve(gamma)
-  drafter = drafters.parse(_DRAFTER.value)
+  drafter = _drafter()
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
   draft = None
   if drafter.needs_draft_model:

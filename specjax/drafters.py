@@ -24,7 +24,9 @@ SpecConfig and so a jit static argument), parsed from one spec string
                   is exactly 0..N-1 is layerskip:N; any other keeps its own
                   cache for the kept layers, handled like the draft model's
                   (catch-up included).
-  eagle           reserved: a feature-level head (not available yet).
+  eagle[:PATH]    an EAGLE-1 head (specjax/eagle.py) over the target's
+                  features, with the target's embedding and LM head; PATH a
+                  head directory, default the shipped stdlib-eagle.
 
 The interface (speculative.py calls only these; every method but `init` and
 `draft_params` runs traced inside the jitted step):
@@ -341,8 +343,8 @@ def parse(spec: str | Drafter) -> Drafter:
     raise ConfigError(f"unknown drafter {text!r}; valid: model, ngram[:A-B], layerskip:N, "
                       "layerskip:LIST (e.g. 0-9,12,15), eagle")
   if kind == "eagle":
-    raise ConfigError("drafter 'eagle' is not available yet (reserved for a feature-level "
-                      "draft head); use model, ngram or layerskip")
+    from specjax import eagle  # pylint: disable=import-outside-toplevel
+    return eagle.EagleDrafter(arg.strip() or "stdlib-eagle")
   if kind == "model":
     if colon:
       raise ConfigError(f"drafter 'model' takes no argument, got {text!r}")

@@ -32,8 +32,8 @@ class Llama(nn.Module):
                return_hidden=False):
     # tokens, positions [B, T] -> logits [B, T, V] (f32), or [B, 1, V] at
     # logit_index [B] (prefill needs only the last real token's logits).
-    # return_hidden: also the final-normed hidden states [B, T, E] (the LM
-    # head's input; the features a feature-level drafter reads).
+    # return_hidden: also the final-normed hidden state [B, T, E] of every
+    # position (what the LM head reads; HF LlamaModel's output).
     cfg = self.cfg
     embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
                      param_dtype=cfg.jnp_param_dtype, embedding_init=_init,
@@ -45,9 +45,14 @@ class Llama(nn.Module):
           x, positions, cache.k[i], cache.v[i], cache.lengths)
       ks.append(k)
       vs.append(v)
-    if logit_index is not None:
-      x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, E]
-    x = RMSNorm(cfg, name="final_norm")(x)
+    if return_hidden:  # normed at every position, then taken (the norm is per position)
+      hidden = x = RMSNorm(cfg, name="final_norm")(x)  # [B, T, E]
+      if logit_index is not None:
+        x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, E]
+    else:
+      if logit_index is not None:
+        x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, E]
+      x = RMSNorm(cfg, name="final_norm")(x)
     if cfg.tie_embeddings:
       table = embed.embedding.astype(cfg.jnp_dtype)  # [V, E]
       logits = dot_general(cfg)(x.astype(cfg.jnp_dtype), table,
@@ -57,7 +62,7 @@ class Llama(nn.Module):
     t = tokens.shape[1]
     new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
     if return_hidden:
-      return logits.astype(jnp.float32), new_cache, x
+      return logits.astype(jnp.float32), new_cache, hidden
     return logits.astype(jnp.float32), new_cache
 
 
@@ -98,15 +103,38 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
     cfg: the model config (static under jit).
     positions: [B, T] absolute positions; defaults to lengths[:, None] + arange(T).
     logit_index: optional [B] index into T; then only those logits are computed.
-    return_hidden: also return the final-normed hidden states [B, T, E].
+    return_hidden: also return the final-normed hidden state of every input
+      position (the LM head's input, HF LlamaModel's output), from the same
+      pass: `head_logits(params, hidden, cfg)` gives the logits back.
   Returns:
     (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T), and
-    the hidden states third when `return_hidden`.
+    hidden [B, T, E] (cfg.dtype) last when return_hidden.
   """
   if positions is None:
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
   return Llama(cfg).apply({"params": params}, tokens, positions, cache,
                           logit_index, return_hidden)
+
+
+def embed_tokens(params, tokens, cfg: ModelConfig):
+  """The model's input embedding of tokens [B, T] -> [B, T, E] (cfg.dtype)."""
+  return nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
+                  param_dtype=cfg.jnp_param_dtype).apply(
+                      {"params": params["embed"]}, tokens)
+
+
+def head_logits(params, hidden, cfg: ModelConfig):
+  """The model's LM head on final-normed hidden states [..., E] -> float32
+  logits [..., V]: the same product as the forward's (tied embedding or
+  lm_head, int8 included), with the model's own weights (no copy)."""
+  if cfg.tie_embeddings:
+    table = params["embed"]["embedding"].astype(cfg.jnp_dtype)  # [V, E]
+    logits = dot_general(cfg)(hidden.astype(cfg.jnp_dtype), table,
+                              (((hidden.ndim - 1,), (1,)), ((), ())))
+  else:
+    logits = dense(cfg, cfg.vocab_size, "lm_head").apply(
+        {"params": params["lm_head"]}, hidden)
+  return logits.astype(jnp.float32)
 
 
 def param_count(params) -> int:

@@ -28,17 +28,21 @@ def prefill_bucket(n: int) -> int:
   return max(MIN_BUCKET, 1 << (int(n) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def prefill_step(params, tokens, n_valid, cache: kvc.KVCache, cfg: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "return_hidden"),
+                   donate_argnames=("cache",))
+def prefill_step(params, tokens, n_valid, cache: kvc.KVCache, cfg: ModelConfig,
+                 return_hidden: bool = False):
   """Prompts padded to a bucket: tokens [B, Tb], n_valid [B] real tokens per row.
 
   Returns (logits of each row's last real token [B, V], cache). Padding slots
   are written but lie past the new length, so they are never attended to.
+  return_hidden: also the final-normed hidden states [B, Tb, E] (model.forward).
   """
   start = cache.lengths
-  logits, cache = model.forward(params, tokens, cache, cfg,
-                                logit_index=n_valid - 1)
-  return logits[:, 0], kvc.rollback(cache, start + n_valid)
+  out = model.forward(params, tokens, cache, cfg, logit_index=n_valid - 1,
+                      return_hidden=return_hidden)
+  logits, cache = out[0], kvc.rollback(out[1], start + n_valid)
+  return (logits[:, 0], cache, out[2]) if return_hidden else (logits[:, 0], cache)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
@@ -60,10 +64,12 @@ class Runner:
     return kvc.init_cache(self.cfg, batch, capacity,
                           sharding=sharding.cache_sharding(self.params, batch))
 
-  def prefill(self, prompts, cache: kvc.KVCache):
+  def prefill(self, prompts, cache: kvc.KVCache, return_hidden: bool = False):
     """Prefills a list of B token lists (any lengths) at cache.lengths.
 
-    Returns (last-token logits [B, V], cache).
+    Returns (last-token logits [B, V], cache), and with return_hidden the
+    final-normed hidden states [B, Tb, E] of the padded bucket (row b's
+    first len(prompts[b]) are its prompt's).
     """
     if len(prompts) != cache.batch:
       raise ValueError(f"{len(prompts)} prompts for a cache of batch {cache.batch}")
@@ -83,7 +89,7 @@ class Runner:
     for b, p in enumerate(prompts):
       tokens[b, :len(p)] = p
     return prefill_step(self.params, jnp.asarray(tokens), jnp.asarray(lens),
-                        cache, cfg=self.cfg)
+                        cache, cfg=self.cfg, return_hidden=return_hidden)
 
   def forward(self, tokens, cache: kvc.KVCache, lengths=None):
     """tokens [B, T] -> (logits [B, T, V], cache). `lengths` (host copy of

@@ -262,7 +262,7 @@ def test_specs_parse_to_static_hashable_drafters():
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("medusa", "unknown drafter"), ("eagle", "not available"), ("ngram:3-1", "ngram_min"),
+    ("medusa", "unknown drafter"), ("ngram:3-1", "ngram_min"),
     ("ngram:0-2", ">= 1"), ("ngram:a", "not an integer"), ("layerskip", "needs N"),
     ("layerskip:0", "at least one"), ("layerskip:2,1", "increasing"),
     ("layerskip:1,1", "increasing"), ("layerskip:3-1", "bad layer range"),
