@@ -143,7 +143,7 @@ class TorchLlama:
                     "mlp_norm": layer(i, "post_attention_layernorm"),
                     "w_gate": layer(i, "mlp.gate_proj"), "w_up": layer(i, "mlp.up_proj"),
                     "w_down": layer(i, "mlp.down_proj")} for i in range(cfg.n_layers)]}
-    if abs(float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) - 1.0) > 0:
+    if float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) != 1.0:
       raise ConfigError(f"{cfg.name}: RoPE attention scaling != 1 is not supported")
     self.dtype = self.w["embed"].dtype
     self.compiled = bool(compile)
