@@ -126,11 +126,7 @@ def measure_costs(target: steps.Runner, draft: steps.Runner, batch: int, capacit
   drafter = drafters.parse(drafter)
   sc = speculative.SpecConfig(target.cfg, draft and draft.cfg, max(gammas), drafter=drafter)
   pt = costs.CostProbe(target, capacity, depth, batch=batch)
-  if sc.draft is not None:
-    pd = costs.CostProbe(steps.Runner(sc.draft, drafter.draft_params(target.params, draft)),
-                         capacity, depth, batch=batch)
-  else:
-    pd = costs.ProposeProbe(drafter, target.cfg, max(gammas), capacity, depth)
+  pd = costs.draft_probe(drafter, target, draft, max(gammas), capacity, depth, batch=batch)
   ns = sorted({1} | {g + 1 for g in gammas})
   t_target = {n: t.median for n, t in pt.times(ns, reps, sp=sp).items()}
   t_draft = pd.times([1], reps, sp=sp)[1].median

@@ -54,8 +54,8 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None,
 DRAFTER_HELP = ("What proposes the drafts: model (the --model_draft model) | ngram[:A-B] "
                 "(prompt lookup over the prompt and output, n-gram sizes B down to A; "
                 "default 1-4) | layerskip:N (the target's first N layers, sharing its "
-                "cache) | layerskip:LIST (listed target layers, e.g. 0-9,12,15) | eagle "
-                "(reserved, not available yet).")
+                "cache) | layerskip:LIST (listed target layers, e.g. 0-9,12,15) | eagle[:PATH] "
+                "(an EAGLE head; default the shipped stdlib-eagle, for stdlib-target).")
 
 
 def define_drafter_flag():

@@ -134,18 +134,22 @@ def _repeat_propose(dparams, dstate, tail, n, key, *, sc, k: int):
 
 
 class ProposeProbe:
-  """T_draft(1) of a model-free drafter (n-gram lookup): the time of one
-  proposal of gamma tokens (batch 1, a history of `depth` random tokens in
-  `capacity` slots), divided by gamma; k proposals per timed repetition in
-  one jitted loop. The same `times` interface as CostProbe (n must be 1)."""
+  """T_draft(1) of a drafter that is not a plain model (n-gram lookup, an
+  EAGLE head): the time of one whole proposal of gamma tokens (batch 1, a
+  history of `depth` random tokens in `capacity` slots), divided by gamma;
+  k proposals per timed repetition in one jitted loop. The same `times`
+  interface as CostProbe (n must be 1). `target` (a Runner) is needed by
+  drafters whose state starts from the target (eagle's prefill)."""
 
   def __init__(self, drafter, target_cfg, gamma: int, capacity: int, depth: int, seed: int = 0,
-               k: int = REPEATS):
+               k: int = REPEATS, target: steps.Runner | None = None):
     self.sc = speculative.SpecConfig(target_cfg, None, gamma, drafter=drafter, simulated=True)
     self.k, self.capacity, self.depth = k, capacity, depth
     rng = np.random.RandomState(seed)
     prompt = rng.randint(0, target_cfg.vocab_size, depth - 1).tolist()
-    self.dstate = self.sc.drafter.init(self.sc, None, None, [prompt], capacity,
+    self.dparams = (drafter.draft_params(target.params, None) if target is not None
+                    else drafter.draft_params(None, None))
+    self.dstate = self.sc.drafter.init(self.sc, target, self.dparams, [prompt], capacity,
                                        jnp.asarray([prompt[-1]]))
     self.tail = jnp.asarray([[prompt[-1], prompt[-1]]], jnp.int32)
     self.n = jnp.asarray([depth], jnp.int32)
@@ -156,12 +160,26 @@ class ProposeProbe:
     del sp  # a deterministic proposal does not depend on the sampling settings
     if set(ns) != {1}:
       raise ValueError(f"ProposeProbe times T_draft(1) only, asked for {sorted(set(ns))}")
-    run = lambda: _repeat_propose(None, self.dstate, self.tail, self.n, jax.random.PRNGKey(0),
+    run = lambda: _repeat_propose(self.dparams, self.dstate, self.tail, self.n,
+                                  jax.random.PRNGKey(0),
                                   sc=self.sc, k=self.k)
     t = timing.measure(run, reps=reps, warmup=0 if self.warm else 1)
     self.warm = True
     per = self.k * self.sc.gamma
     return {1: dataclasses.replace(t, times=[x / per for x in t.times])}
+
+
+def draft_probe(drafter, target: steps.Runner, draft: steps.Runner | None, gamma: int,
+                capacity: int, depth: int, batch: int = 1, k: int = REPEATS):
+  """The probe of T_draft(1) for a drafter: a CostProbe of the model it runs
+  (the draft model, or the target's layer subset), otherwise (ngram, eagle)
+  a ProposeProbe of its whole proposal per token, at batch 1."""
+  from specjax import drafters  # pylint: disable=import-outside-toplevel
+  if isinstance(drafter, (drafters.ModelDrafter, drafters.LayerSkipDrafter)):
+    cfg = drafter.draft_config(target.cfg, draft and draft.cfg)
+    return CostProbe(steps.Runner(cfg, drafter.draft_params(target.params, draft)), capacity,
+                     depth, k=k, batch=batch)
+  return ProposeProbe(drafter, target.cfg, gamma, capacity, depth, k=k, target=target)
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "k"))

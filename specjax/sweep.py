@@ -387,13 +387,8 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   benches = {}
   for drafter in specs:  # one bench per drafter; the target and its probe are shared
     # the model the drafter runs (the draft, a layer subset of the target, or none)
-    d_cfg = drafter.draft_config(tcfg, draft and draft.cfg)
-    if d_cfg is not None:
-      probe_d = costs.CostProbe(steps.Runner(d_cfg, drafter.draft_params(tparams, draft)),
-                                capacity, depth, k=costs.PROBE_REPEATS)
-    else:  # a model-free drafter: its proposal's time / gamma
-      probe_d = costs.ProposeProbe(drafter, tcfg, max(gammas), capacity, depth,
-                                   k=costs.PROBE_REPEATS)
+    probe_d = costs.draft_probe(drafter, target, draft, max(gammas), capacity, depth,
+                                k=costs.PROBE_REPEATS)
     benches[drafter.spec] = Bench(target, draft if drafter.needs_draft_model else None,
                                   prompts, capacity, probe_t, probe_d, cfg, drafter=drafter)
   batches = sorted(int(b) for b in cfg.get("batches", (1,)))
@@ -423,7 +418,7 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
     rec = run_point(bench, p)
     prompt_set = ({"prompt_set": str(cfg.get("prompt_set", "continuation"))}
                   if int(cfg.get("heldout_prompts", 0)) else {})
-    d_cfg = bench.probe_d.m.cfg if isinstance(bench.probe_d, costs.CostProbe) else None
+    d_cfg = bench.drafter.draft_config(tcfg, draft and draft.cfg)
     rec.update(target=tcfg.name, draft=d_cfg.name if d_cfg is not None else None,
                drafter=p.drafter, **prompt_set,
                precision=tcfg.precision, env=env)

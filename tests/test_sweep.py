@@ -108,12 +108,12 @@ def test_drafters_config_on_the_shipped_target(tmp_path):
   """The drafters dimension: every drafter on the shipped target, one sweep,
   the editing prompts (the `real` rule: the pair's real acceptance)."""
   c = sweep_gamma.get_config("drafters")
-  c.drafters = ("model", "ngram", "layerskip:4")
+  c.drafters = ("model", "ngram", "layerskip:4", "eagle")
   c.gammas, c.temps, c.heldout_prompts, c.prompt_set = (3,), (0.0,), 2, "editing"
   c.n_predict, c.reps = 16, 1
   records = sweep.run_sweep(c, str(tmp_path), progress=False)
   by = {r["drafter"]: r for r in records}
-  assert sorted(by) == ["layerskip:4", "model", "ngram:1-4"]
+  assert sorted(by) == ["eagle", "layerskip:4", "model", "ngram:1-4"]
   for r in records:
     assert r["n_prompts"] == 2 and r["target"] == "stdlib-target"
     assert r["n_kept"] == 2 * 15 and r["prompt_set"] == "editing"
