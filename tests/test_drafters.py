@@ -59,10 +59,10 @@ def test_greedy_ragged_batch_equals_target_only(target, base, drafter):
   for b, (prompt, out) in enumerate(zip(PROMPTS, res.tokens)):
     seq = prompt + out[:-1]  # the last token is the next verify's input
     ref = lossless._full_forward_kv(target, seq)
-    assert int(cache.lengths[b]) == len(seq) - 1
+    assert int(cache.lengths[b]) == len(seq)
     for layer in range(CFG3.n_layers):
       for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
-        np.testing.assert_allclose(got[b, :, :len(seq) - 1], want[0, :, :len(seq) - 1],
+        np.testing.assert_allclose(got[b, :, :len(seq)], want[0, :, :len(seq)],
                                    atol=1e-5, err_msg=f"row {b} layer {layer}")
 
 
