@@ -99,6 +99,28 @@ def test_layerskip_with_every_layer_is_the_target(target):
   assert st.n_accept == st.n_drafted == 4 * st.n_steps, st
   assert st.n_catchup == 0
 
+def test_shared_prefix_drafts_what_its_own_cache_would(target):
+  """layerskip:2 on the target's cache proposes the q that the same two layers
+  give from a cache of their own prefilled with the sequence (a draft reading
+  the wrong slots of the shared cache changes q, and only the acceptance law,
+  which the chi-square test sees weakly)."""
+  prompt = PROMPTS[0]
+  res = speculative.generate(target, None, [prompt], 13, 4, drafter="layerskip:2",
+                             keep_state=True)
+  st = res.state
+  sc = speculative.SpecConfig(target.cfg, None, 4, SamplingParams(1.0), drafter="layerskip:2")
+  dparams = sc.drafter.draft_params(target.params, None)
+  live, key = jnp.ones((1,), bool), jax.random.PRNGKey(7)
+  got = jax.jit(lambda tc: sc.drafter.propose(dparams, (), tc, st.tail, st.n, live, key,
+                                              sc)[0])(st.tcache)
+  sub = steps.Runner(sc.draft, dparams)
+  own = sub.prefill([prompt + res.tokens[0][:-1]], sub.new_cache(1, st.tcache.capacity))[1]
+  want = jax.jit(lambda c: speculative.draft_phase(dparams, c, st.tail, st.n, live, key,
+                                                   sc)[0])(own)
+  assert not bool(want.caught_up[0])
+  np.testing.assert_allclose(got.q, want.q, atol=1e-4)
+
+
 # ---------------------------------------------------------------- n-gram lookup
 
 
