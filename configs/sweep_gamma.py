@@ -60,6 +60,15 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.n_predict = 128
     c.ctx_size = 512
     c.measure_split = False
+  elif arg == "gpu_batch":  # experiments/gpu_check.py's batch part: where the speedup crosses 1x
+    c.target, c.draft, c.dtype = "llama-7b", "llama-160m", "bfloat16"
+    c.batches = (1, 8, 32)
+    c.gammas = (1, 4)
+    c.accepts = ("bernoulli:0.8",)
+    c.n_predict = 64
+    c.ctx_size = 256
+    c.reps = 2
+    c.measure_split = False
   elif arg == "real":  # the shipped trained pair: real acceptance (about 10 minutes)
     c.target, c.draft, c.dtype = "stdlib-target", "stdlib-draft", "float32"
     c.gammas = (1, 2, 3, 4, 6, 8)
@@ -96,6 +105,6 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.ctx_size = 256
     c.measure_split = False
   elif arg != "default":
-    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, batch, "
+    raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, gpu_batch, batch, "
                      f"batch_quick or drafters")
   return c

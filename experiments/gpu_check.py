@@ -14,8 +14,9 @@ about 5 minutes on one GPU).
 4. The sweep, llama-160m draft / llama-7b target, bf16
    (configs/sweep_gamma.py:gpu): measured speedup next to Leviathan's and
    the measured-cost prediction.
-5. Speculative decoding at batch > 1: not built yet (the batch issue); the
-   summary says so.
+5. Speculative decoding at batch > 1 (configs/sweep_gamma.py:gpu_batch):
+   llama-7b / llama-160m, bf16, batches 1, 8, 32, gamma 1 and 4, bernoulli:0.8:
+   speedup per batch, the tail model's steps, the crossover batch.
 6. The loop overhead of the speculative device loop (gamma 4).
 7. With several local GPUs: llama-7b T(1) and T(5) on data:1,model:M for
    M = 1, 2, 4, 8 up to the number of GPUs (tensor parallelism); with one,
@@ -117,6 +118,27 @@ def sweep_part(cfg, workdir) -> list[str]:
   return lines
 
 
+def batch_part(cfg, workdir) -> list[str]:
+  from specjax import sweep_report  # pylint: disable=import-outside-toplevel
+  points = sweep.run_sweep(cfg, os.path.join(workdir, "sweep_batch"), progress=False)
+  lines = [f"## Batch > 1: {cfg.draft} draft / {cfg.target} target ({cfg.dtype or 'own dtype'})",
+           "", "| batch | gamma | accept rule | speedup | loop steps (measured / tail model) | "
+           "T(B,g+1)/T(B,1) | predicted |", "|---" * 7 + "|"]
+  for r in sorted(points, key=lambda r: (r["accept_rule"], r["gamma"], r["batch"])):
+    lines.append(f"| {r['batch']} | {r['gamma']} | {r['accept_rule']} | {r['speedup']:.2f}x | "
+                 f"{r['steps_measured']:.1f} / {r['steps_predicted']:.1f} | "
+                 f"{r['verify_ratio']:.2f} | {r['predicted_tail']:.2f}x |")
+  lines.append("")
+  for g in sorted({r["gamma"] for r in points}):
+    for rule in sorted({r["accept_rule"] for r in points}):
+      xs = [(r["batch"], r["speedup"]) for r in points
+            if r["gamma"] == g and r["accept_rule"] == rule]
+      b = sweep_report.crossover(xs)
+      lines.append(f"Crossover, gamma {g}, {rule}: "
+                   + (f"batch {b}" if b else f"none up to batch {max(x for x, _ in xs)}") + ".")
+  return lines
+
+
 def overhead_part(target, draft, dtype, gamma, reps, out) -> list[str]:
   tcfg, tparams, _ = checkpoint.load_model(target, dtype=dtype)
   dcfg, dparams, _ = checkpoint.load_model(draft, dtype=dtype, seed=1, role="draft")
@@ -158,8 +180,10 @@ def main(argv):
   print(f"backend {jax.default_backend()}, device {dev.device_kind}, jax {jax.__version__}",
         flush=True)
   out, reps, skip = Out(_WORKDIR.value), _REPS.value, set(_SKIP.value)
-  scfg = sweep_gamma.get_config("gpu")
+  scfg, bcfg = sweep_gamma.get_config("gpu"), sweep_gamma.get_config("gpu_batch")
   if _SMOKE.value:
+    bcfg.target, bcfg.draft, bcfg.dtype = "tiny", "tiny-draft", "float32"
+    bcfg.batches, bcfg.gammas, bcfg.n_predict, bcfg.ctx_size, bcfg.reps = (1, 2), (2,), 8, 48, 1
     scfg.target, scfg.draft, scfg.dtype = "tiny", "tiny-draft", "float32"
     scfg.gammas, scfg.n_predict, scfg.ctx_size, scfg.reps = (1, 2), 8, 48, 1
     scfg.accepts = ("bernoulli:0.8", "always")
@@ -176,6 +200,7 @@ def main(argv):
       ("attention", lambda: attention_part(attn_model, scfg.dtype, attn_points, attn_gen,
                                            reps, out)),
       ("sweep", lambda: sweep_part(scfg, _WORKDIR.value)),
+      ("batch", lambda: batch_part(bcfg, _WORKDIR.value)),
       ("overhead", lambda: overhead_part(scfg.target, scfg.draft, scfg.dtype, 4 if not
                                          _SMOKE.value else 2, reps, out)),
       ("mesh", lambda: mesh_part("tiny" if _SMOKE.value else "llama-7b", scfg.dtype, reps,
@@ -187,9 +212,7 @@ def main(argv):
     t = time.perf_counter()
     lines += part() + ["", f"({name}: {time.perf_counter() - t:.0f} s)", ""]
     print(f"{name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
-  lines += ["## Batch > 1", "", "Not measured: speculative decoding at batch > 1 is the batch "
-            "issue's, not built yet.", "",
-            f"Machine: {wd.machine_line(out.env)}. Total {time.perf_counter() - t0:.0f} s."]
+  lines += [f"Machine: {wd.machine_line(out.env)}. Total {time.perf_counter() - t0:.0f} s."]
   text = "\n".join(lines) + "\n"
   summary = os.path.join(_WORKDIR.value, "gpu_summary.md")
   with open(summary, "w") as f:

@@ -117,7 +117,7 @@ def test_gpu_check_smoke(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = (tmp_path / "gpu_summary.md").read_text()
   assert "T(2)/T(1)" in summary and "| tiny |" in summary and "efficiency" in summary
-  assert "| data:1,model:2 |" in summary
+  assert "| data:1,model:2 |" in summary and "Crossover, gamma 2" in summary
   assert (tmp_path / "sweep" / "results.jsonl").exists()
 
 
