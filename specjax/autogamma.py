@@ -163,10 +163,13 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
 
   Same keys, capacity rule and outputs as speculative.generate (for one
   gamma of the set it emits the same tokens). `fixed` (tests, warm-up)
-  forces the gamma of each chunk in turn instead of choosing. Every drafter
-  works: its state does not depend on gamma.
+  forces the gamma of each chunk in turn instead of choosing. Every
+  drafter whose state does not depend on gamma works (not eagle).
   """
   drafter = drafters.parse(drafter)
+  if not drafter.gamma_free_state:
+    raise ConfigError(f"drafter {drafter.spec} keeps state shaped by gamma: gamma cannot be "
+                      "chosen at run time (use model, ngram or layerskip)")
   gammas = parse_set(gammas)
   if every < 1:
     raise ConfigError(f"every (steps per gamma choice) must be >= 1, got {every}")

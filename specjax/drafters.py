@@ -102,6 +102,9 @@ class Drafter:
   deterministic: ClassVar[bool] = False
   needs_draft_model: ClassVar[bool] = False
   needs_features: ClassVar[bool] = False
+  # the state's shapes do not depend on gamma, so steps of different gammas
+  # continue each other (autogamma's requirement)
+  gamma_free_state: ClassVar[bool] = True
 
   @property
   def spec(self) -> str:

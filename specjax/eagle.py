@@ -482,6 +482,7 @@ class EagleDrafter(drafters.Drafter):
   path: str = "stdlib-eagle"
   kind: ClassVar[str] = "eagle"
   needs_features: ClassVar[bool] = True
+  gamma_free_state: ClassVar[bool] = False  # pending pairs are [B, gamma+1, ...]
 
   @property
   def spec(self) -> str:

@@ -313,3 +313,16 @@ def test_ngram_cost_probe_times_a_proposal(target):
   assert len(t.times) == 2 and 0 < t.median < 0.1
   with pytest.raises(ValueError):
     probe.times([2])
+
+
+def test_auto_gamma_runs_a_model_free_drafter(target, base):
+  """The n-gram history does not depend on gamma: chunks of gamma 1 and 4
+  continue each other (greedy: target-only tokens); eagle's pending pairs
+  are [B, gamma+1, E], so it is refused."""
+  from specjax import autogamma  # pylint: disable=import-outside-toplevel
+  cost = autogamma.BatchCosts(3, {1: 1.0, 2: 1.1, 5: 1.5}, 0.0, {1: 0.0, 4: 0.0})
+  res = autogamma.generate(target, None, PROMPTS, N, cost, (1, 4), fixed=[1, 4, 4, 1],
+                           every=2, drafter="ngram")
+  assert res.tokens == base and set(res.gammas_used) == {1, 4}
+  with pytest.raises(ConfigError, match="shaped by gamma"):
+    autogamma.generate(target, None, PROMPTS, N, cost, (1, 4), drafter="eagle")
