@@ -40,7 +40,7 @@ from specjax.tokenizer import load_tokenizer
 
 PROMPTS_FILE = "heldout_prompts.json"
 EDITING_FILE = "editing_prompts.json"
-EDITING_PROMPT_TOKENS = 200  # longest editing prompt (tokens)
+EDITING_PROMPT_TOKENS = 160  # longest editing prompt (tokens)
 PROMPT_FILES = {"continuation": PROMPTS_FILE, "editing": EDITING_FILE}
 SUMMARY_FILE = "training.json"
 

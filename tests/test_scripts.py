@@ -81,7 +81,10 @@ def test_speculative_writes_json(tmp_path):
      r"error: .*acceptance rule"),
     ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--draft=0"], r"draft"),
     ("speculative.py", ["--model=tiny", "--drafter=layerskip:0,5"], r"error: .*out of range"),
-    ("loop_overhead.py", ["--model=tiny", "--drafter=eagle"], r"error: .*not available"),
+    ("loop_overhead.py", ["--model=tiny", "--drafter=ngram:3-1"], r"error: .*ngram_min"),
+    ("speculative.py", ["--model=tiny", "--drafter=eagle"], r"error: EAGLE head .* does not fit"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny-draft", "--gamma_auto",
+                        "--auto_set=0,2"], r"error: .*auto"),
 ])
 def test_bad_input_is_one_line(script, args, pattern):
   assert_one_line_error(run(script, *args), pattern)

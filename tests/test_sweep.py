@@ -109,14 +109,14 @@ def test_drafters_config_on_the_shipped_target(tmp_path):
   the editing prompts (the `real` rule: the pair's real acceptance)."""
   c = sweep_gamma.get_config("drafters")
   c.drafters = ("model", "ngram", "layerskip:4", "eagle")
-  c.gammas, c.temps, c.heldout_prompts, c.prompt_set = (3,), (0.0,), 2, "editing"
-  c.n_predict, c.reps = 16, 1
+  c.gammas, c.temps, c.heldout_prompts, c.prompt_set = (3,), (0.0,), 1, "editing"
+  c.n_predict, c.reps = 12, 1
   records = sweep.run_sweep(c, str(tmp_path), progress=False)
   by = {r["drafter"]: r for r in records}
   assert sorted(by) == ["eagle", "layerskip:4", "model", "ngram:1-4"]
   for r in records:
-    assert r["n_prompts"] == 2 and r["target"] == "stdlib-target"
-    assert r["n_kept"] == 2 * 15 and r["prompt_set"] == "editing"
+    assert r["n_prompts"] == 1 and r["target"] == "stdlib-target"
+    assert r["n_kept"] == 11 and r["prompt_set"] == "editing"
   assert by["model"]["draft"] == "stdlib-draft" and by["model"]["mean_accepted"] > 0.5
   assert by["ngram:1-4"]["draft"] is None and by["ngram:1-4"]["c"] < 0.2
   assert by["layerskip:4"]["draft"].endswith("[layerskip:4]")
