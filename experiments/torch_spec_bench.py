@@ -66,28 +66,15 @@ def specjax_point(target, draft, prompts, n_predict, gamma, rule, reps, seed, ca
   with timing.CompileWatch() as cw:
     base(), spec()
   warmup_s = time.perf_counter() - t0
-  rows = []
   with timing.CompileWatch() as late:
-    for rep in range(reps):
-      if rep % 2:
-        res, b = spec(), base()
-      else:
-        b, res = base(), spec()
-      rows.append({"base_s": b.eval_s / (len(prompts) * b.n_eval),
-                   "spec_s": res.eval_s / res.stats.n_kept})
+    rows, res, b = ts.paired_reps(base, spec, reps, len(prompts))
   if late.count:
     raise RuntimeError(f"{late.count} compilation(s) inside timed repetitions")
-  speedups = [r["base_s"] / r["spec_s"] for r in rows]
   st = res.stats
   return {"engine": "specjax", "batch": len(prompts), "gamma": gamma,
           "accept_rule": rule, "n_predict": n_predict, "capacity": cap, "reps": reps,
-          "seed": seed, "baseline_tps": 1 / statistics.median(r["base_s"] for r in rows),
-          "spec_tps": 1 / statistics.median(r["spec_s"] for r in rows),
-          "speedup": statistics.median(speedups), "speedup_reps": speedups,
+          "seed": seed, **ts.point_fields(rows, st),
           "n_loop": int(res.records.steps_per_row().max()) if st.n_steps else 0,
-          "n_steps": st.n_steps, "n_kept": st.n_kept, "n_accept": st.n_accept,
-          "n_drafted": st.n_drafted, "n_catchup": st.n_catchup, "accept_rate": st.accept_rate,
-          "mean_accepted": st.mean_accepted, "tokens_per_step": st.tokens_per_step,
           "warmup_s": warmup_s, "compile_s": cw.seconds}, res.tokens, b.tokens
 
 

@@ -24,7 +24,7 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -64,14 +64,17 @@ def list_files(root: Path | None = None, heldout_per_mille: int = 50
   return train, held
 
 
-def read_texts(files: Iterable[Path]) -> list[str]:
-  out = []
+def readable(files: Iterable[Path]) -> Iterator[tuple[Path, str]]:
+  """(path, UTF-8 text) of each file that reads as UTF-8."""
   for p in files:
     try:
-      out.append(p.read_text(encoding="utf-8"))
+      yield p, p.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError):
       continue  # a handful of stdlib files are latin-1 test data
-  return out
+
+
+def read_texts(files: Iterable[Path]) -> list[str]:
+  return [text for _, text in readable(files)]
 
 
 def bos_post_processor():
@@ -149,11 +152,7 @@ def heldout_prompts(files: Sequence[Path], tokenizer, n: int, n_tokens: int,
   """
   root = stdlib_root() if root is None else Path(root)
   out = []
-  for p in files:
-    try:
-      text = p.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-      continue
+  for p, text in readable(files):
     lines = text.splitlines(keepends=True)
     starts = [i for i, l in enumerate(lines) if l.lstrip().startswith(("def ", "class "))]
     if not starts:
@@ -217,11 +216,7 @@ def editing_prompts(files: Sequence[Path], tokenizer, n: int, max_tokens: int,
   """
   root = stdlib_root() if root is None else Path(root)
   out = []
-  for p in files:
-    try:
-      text = p.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-      continue
+  for p, text in readable(files):
     blocks = function_blocks(text)
     mid = len(blocks) // 2
     for k in sorted(range(len(blocks)), key=lambda k: abs(k - mid)):

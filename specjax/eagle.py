@@ -271,42 +271,9 @@ def train(tcfg: ModelConfig, tparams, tc, workdir: str | os.PathLike,
                                 int(tc.seq_len) + 1)
   ce_weight = float(tc.ce_weight)
   step_fn = functools.partial(train_step, hcfg=hcfg, tcfg=tcfg, opt=opt, ce_weight=ce_weight)
-  bar = train_lib._bar(total, start, progress, workdir.name)  # pylint: disable=protected-access
-  acc: dict[str, list] = {}
-  t_last, tokens_last, compile_s = time.perf_counter(), 0, None
-  for step in range(start, end):
-    batch = jnp.asarray(corpus.batch_at(train_stream, step, int(tc.batch),
-                                        int(tc.seq_len) + 1, int(tc.seed)))
-    t0 = time.perf_counter()
-    state, m = step_fn(state, batch, tparams)
-    if compile_s is None:  # the first step compiles: keep it out of tok/s
-      jax.block_until_ready(m)
-      compile_s = time.perf_counter() - t0
-      t_last, tokens_last = time.perf_counter(), 0
-    for k, v in m.items():
-      acc.setdefault(k, []).append(v)
-    tokens_last += int(tc.batch) * int(tc.seq_len)
-    done = step + 1
-    if done % int(tc.log_every) == 0 or done == end:
-      vals = {k: float(np.mean(jax.device_get(v))) for k, v in acc.items()}
-      dt = time.perf_counter() - t_last
-      rec = {"step": done, **vals, "lr": float(schedule(done - 1)),
-             "tokens": done * int(tc.batch) * int(tc.seq_len),
-             "tok_s": tokens_last / dt if dt > 0 else None, "compile_s": compile_s}
-      wd.append_jsonl(metrics_path, [rec])
-      bar.set_postfix(loss=f"{vals['loss']:.3f}", acc=f"{vals['acc']:.3f}")
-      acc, t_last, tokens_last = {}, time.perf_counter(), 0
-    if done % int(tc.eval_every) == 0 or done == total:
-      ev = evaluate(state["params"], hcfg, tparams, tcfg, windows, int(tc.batch), ce_weight)
-      wd.append_jsonl(metrics_path, [{"step": done, **ev}])
-      bar.write(f"{workdir.name} step {done}: " +
-                ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-      t_last = time.perf_counter()  # eval time is not training time
-    if done % int(tc.ckpt_every) == 0 or done == end:
-      train_lib._save(mngr, done, state)  # pylint: disable=protected-access
-    bar.update(1)
-  mngr.wait_until_finished()
-  bar.close()
+  eval_fn = lambda p: evaluate(p, hcfg, tparams, tcfg, windows, int(tc.batch), ce_weight)
+  state = train_lib.run_loop(state, step_fn, tparams, eval_fn, tc, schedule, mngr, metrics_path,
+                             train_stream, start, end, progress, workdir.name)
   return state["params"]
 
 

@@ -277,14 +277,29 @@ def train(cfg: ModelConfig, tc, workdir: str | os.PathLike, train_stream: np.nda
   tcfg, tparams = teacher if teacher is not None else (None, None)
   step_fn = functools.partial(train_step, cfg=cfg, opt=opt, tcfg=tcfg,
                               ce_weight=float(tc.ce_weight))
-  bar = _bar(total, start, progress, workdir.name)
+  eval_fn = lambda params: evaluate(params, cfg, windows, int(tc.batch), teacher)
+  state = run_loop(state, step_fn, tparams, eval_fn, tc, schedule, mngr, metrics_path,
+                   train_stream, start, end, progress, workdir.name)
+  return state["params"]
+
+
+def run_loop(state, step_fn, aux, eval_fn, tc, schedule, mngr, metrics_path, train_stream,
+             start: int, end: int, progress: bool, name: str):
+  """Steps start..end-1 of a training run: batch s = batch_at(stream, s)
+  (so a resume continues exactly), `step_fn(state, batch, aux)`, metrics
+  JSONL every log_every steps (tokens/s without the first step's compile),
+  `eval_fn(params)` every eval_every steps, an orbax checkpoint every
+  ckpt_every steps and at `end`. Shared by the LM / distillation training
+  and the EAGLE head's. Returns the final state."""
+  total = int(tc.steps)
+  bar = _bar(total, start, progress, name)
   acc: dict[str, list] = {}
   t_last, tokens_last, compile_s = time.perf_counter(), 0, None
   for step in range(start, end):
     batch = jnp.asarray(corpus.batch_at(train_stream, step, int(tc.batch),
                                         int(tc.seq_len) + 1, int(tc.seed)))
     t0 = time.perf_counter()
-    state, m = step_fn(state, batch, tparams)
+    state, m = step_fn(state, batch, aux)
     if compile_s is None:  # the first step compiles: keep it out of tok/s
       jax.block_until_ready(m)
       compile_s = time.perf_counter() - t0
@@ -304,17 +319,16 @@ def train(cfg: ModelConfig, tc, workdir: str | os.PathLike, train_stream: np.nda
       bar.set_postfix(loss=f"{vals['loss']:.3f}", tok_s=f"{rec['tok_s'] or 0:.0f}")
       acc, t_last, tokens_last = {}, time.perf_counter(), 0
     if done % int(tc.eval_every) == 0 or done == total:
-      ev = evaluate(state["params"], cfg, windows, int(tc.batch), teacher)
+      ev = eval_fn(state["params"])
       wd.append_jsonl(metrics_path, [{"step": done, **ev}])
-      bar.write(f"{workdir.name} step {done}: " +
-                ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+      bar.write(f"{name} step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
       t_last = time.perf_counter()  # eval time is not training time
     if done % int(tc.ckpt_every) == 0 or done == end:
       _save(mngr, done, state)
     bar.update(1)
   mngr.wait_until_finished()
   bar.close()
-  return state["params"]
+  return state
 
 
 def _bar(total: int, initial: int, enabled: bool, desc: str):

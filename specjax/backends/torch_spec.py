@@ -406,30 +406,44 @@ def time_point(engine: TorchSpec, prompts, n_predict: int, gamma: int, rule: str
   base(), spec()
   warmup_s = time.perf_counter() - t0
   graphs = _dynamo_graphs()
-  rows, res = [], None
+  rows, res, _ = paired_reps(base, spec, reps, len(prompts))
+  if _dynamo_graphs() != graphs:
+    raise RuntimeError(f"{_dynamo_graphs() - graphs} torch.compile graph(s) built inside "
+                       f"the timed repetitions: shapes changed between runs")
+  return {"engine": "torch" + ("-compile" if engine.target.compiled else "-eager"),
+          "batch": len(prompts), "gamma": gamma, "accept_rule": str(rule),
+          "n_predict": n_predict, "capacity": cap, "reps": reps, "seed": seed,
+          **point_fields(rows, res.stats), "n_loop": res.n_loop, "warmup_s": warmup_s,
+          "graphs_built": graphs - graphs0, "compile_note": engine.target.compile_note}
+
+
+def paired_reps(base, spec, reps: int, n_rows: int):
+  """`reps` repetitions of target-only and speculative generation, the order
+  alternating (sweep.run_point's pairing). Returns (rows of per-token
+  seconds {base_s, spec_s}, the last speculative result, the last
+  target-only result); any engine whose results carry eval_s, n_eval and
+  stats.n_kept."""
+  rows, res, b = [], None, None
   for rep in range(reps):
     if rep % 2:
       res, b = spec(), base()
     else:
       b, res = base(), spec()
-    rows.append({"base_s": b.eval_s / (len(prompts) * b.n_eval),
+    rows.append({"base_s": b.eval_s / (n_rows * b.n_eval),
                  "spec_s": res.eval_s / res.stats.n_kept})
-  if _dynamo_graphs() != graphs:
-    raise RuntimeError(f"{_dynamo_graphs() - graphs} torch.compile graph(s) built inside "
-                       f"the timed repetitions: shapes changed between runs")
+  return rows, res, b
+
+
+def point_fields(rows, st) -> dict[str, Any]:
+  """A point's speeds (medians over the paired repetitions; speedup the
+  median of each repetition's ratio) and acceptance counts."""
   speedups = [r["base_s"] / r["spec_s"] for r in rows]
-  st = res.stats
-  return {"engine": "torch" + ("-compile" if engine.target.compiled else "-eager"),
-          "batch": len(prompts), "gamma": gamma, "accept_rule": str(rule),
-          "n_predict": n_predict, "capacity": cap, "reps": reps, "seed": seed,
-          "baseline_tps": 1 / _median([r["base_s"] for r in rows]),
+  return {"baseline_tps": 1 / _median([r["base_s"] for r in rows]),
           "spec_tps": 1 / _median([r["spec_s"] for r in rows]),
           "speedup": _median(speedups), "speedup_reps": speedups,
-          "n_loop": res.n_loop, "n_steps": st.n_steps, "n_kept": st.n_kept,
-          "n_accept": st.n_accept, "n_drafted": st.n_drafted, "n_catchup": st.n_catchup,
-          "accept_rate": st.accept_rate, "mean_accepted": st.mean_accepted,
-          "tokens_per_step": st.tokens_per_step, "warmup_s": warmup_s,
-          "graphs_built": graphs - graphs0, "compile_note": engine.target.compile_note}
+          "n_steps": st.n_steps, "n_kept": st.n_kept, "n_accept": st.n_accept,
+          "n_drafted": st.n_drafted, "n_catchup": st.n_catchup, "accept_rate": st.accept_rate,
+          "mean_accepted": st.mean_accepted, "tokens_per_step": st.tokens_per_step}
 
 
 class TorchCostProbe:
