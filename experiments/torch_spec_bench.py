@@ -23,6 +23,16 @@ The simulated rules draw their acceptances from different generators (torch
 vs JAX): bernoulli points compare engines at the same rule, not the same
 draws (n_steps and tokens_per_step are reported for both); `always` emits the
 same tokens on both (`tokens_equal`).
+With --auto (specjax): per B, the chooser's costs are measured first
+(autogamma.measure_costs: T(B, 1), T(B, gamma+1), T_draft(B, 1), the accept
+cost), and after the fixed gammas of each rule a point with gamma chosen at
+run time from --gamma (autogamma.generate, every chunk program compiled in
+the warm-up), timed with the same pairing.
+With --out_dir: summary.md (speedups, crossover batch per engine, rule and
+gamma, auto against the best fixed gamma in hindsight, the cost surfaces),
+speedup_vs_batch.png (one panel per rule and engine, the 1x line) and
+verify_surface_<engine>.png (T(B, N)/T(B, 1)), rewritten after every batch:
+an interrupted run keeps the report of every finished batch.
 """
 
 import os
@@ -33,7 +43,8 @@ from absl import flags
 import jax
 import numpy as np
 
-from specjax import checkpoint, cli, config, costs, generation, speculative, steps, timing
+from specjax import autogamma, checkpoint, cli, config, costs, generation, speculative, steps
+from specjax import sweep_report, timing
 from specjax import workdir as wd
 from specjax.backends import torch_spec as ts
 from specjax.errors import ConfigError
@@ -54,6 +65,11 @@ _COMPILE = flags.DEFINE_bool("compile", True, "torch.compile the torch forwards 
 _THREADS = flags.DEFINE_integer("threads", 0, "torch threads (0: every core, as XLA).")
 _COSTS = flags.DEFINE_bool("costs", True, "Also measure T(B, N), N = 1 and gamma + 1.")
 _K = flags.DEFINE_integer("k", 4, "Forwards per cost repetition.", lower_bound=1)
+_AUTO = flags.DEFINE_bool("auto", True, "specjax: also gamma chosen at run time from --gamma.")
+_AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY,
+                                   "Steps between auto gamma choices (once warmed in).",
+                                   lower_bound=1)
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Write summary.md and the plots here.")
 _OUT = cli.RecordFlags("point")
 
 
@@ -96,6 +112,29 @@ def specjax_costs(m, batch, cap, depth, ns, reps, k, seed):
   return out
 
 
+def auto_point(target, draft, prompts, n_predict, gammas, rule, reps, seed, cap, bc, every):
+  """The specjax auto-gamma point: same pairing and fields as specjax_point."""
+  kw = dict(rule=rule, seed=seed, capacity=cap, every=every)
+  base = lambda: generation.generate(target, prompts, n_predict, seed=seed, capacity=cap)
+  spec = lambda: autogamma.generate(target, draft, prompts, n_predict, bc, gammas, **kw)
+  t0 = time.perf_counter()
+  with timing.CompileWatch() as cw:
+    base()
+    autogamma.warm_up(target, draft, prompts, n_predict, bc, gammas, **kw)
+  warmup_s = time.perf_counter() - t0
+  with timing.CompileWatch() as late:
+    rows, res, _ = ts.paired_reps(base, spec, reps, len(prompts))
+  if late.count:
+    raise RuntimeError(f"{late.count} compilation(s) inside timed repetitions")
+  st = res.stats
+  return {"engine": "specjax", "batch": len(prompts), "gamma": "auto", "auto_set": list(gammas),
+          "auto_every": every, "accept_rule": rule, "n_predict": n_predict, "capacity": cap,
+          "reps": reps, "seed": seed, **ts.point_fields(rows, st),
+          "n_loop": int(res.records.steps_per_row().max()) if st.n_steps else 0,
+          "gammas_used": {str(g): res.gammas_used.count(g) for g in gammas},
+          "warmup_s": warmup_s, "compile_s": cw.seconds}
+
+
 def _row(r):
   return (f"B={r['batch']} gamma={r['gamma']} {r['accept_rule']:<13} {r['engine']:<13} "
           f"base {r['baseline_tps']:7.1f} t/s  spec {r['spec_tps']:7.1f} t/s  "
@@ -105,7 +144,8 @@ def _row(r):
 
 def table(records):
   pts = [r for r in records if r.get("kind") == "point"]
-  keys = sorted({(r["batch"], r["gamma"], r["accept_rule"]) for r in pts})
+  keys = sorted({(r["batch"], r["gamma"], r["accept_rule"]) for r in pts},
+                key=lambda k: (k[0], k[2], k[1] == "auto", k[1] if k[1] != "auto" else 0))
   by = {(r["batch"], r["gamma"], r["accept_rule"], r["engine"].split("-")[0]): r for r in pts}
   lines = ["| B | gamma | rule | torch base t/s | torch spec t/s | torch speedup | torch tok/step "
            "| specjax base t/s | specjax spec t/s | specjax speedup | specjax tok/step |",
@@ -127,6 +167,123 @@ def table(records):
   return "\n".join(lines)
 
 
+def _engine(r) -> str:
+  return r["engine"].split("-")[0]
+
+
+def summary(records) -> str:
+  """summary.md: the point and cost tables, crossover, auto vs fixed."""
+  pts = [r for r in records if r.get("kind") == "point"]
+  fixed = [r for r in pts if r["gamma"] != "auto"]
+  auto = [r for r in pts if r["gamma"] == "auto"]
+  env = records[0].get("env") if records else None
+  head = records[0] if records else {}
+  out = [f"# Batched speculative decoding: PyTorch vs specjax (XLA), {head.get('target')} / "
+         f"{head.get('draft')}, {head.get('precision')}", "",
+         f"Machine: {wd.machine_line(env or wd.environment())}.", "",
+         "Speedup = median over alternating repetitions of (target-only time / speculative "
+         "time), both engines on the same B ragged rows, tokens/s summed over rows.", "",
+         table(records), ""]
+  engines = sorted({_engine(r) for r in fixed})
+  rules = list(dict.fromkeys(r["accept_rule"] for r in fixed))
+  gammas = sorted({r["gamma"] for r in fixed})
+  out += ["## Crossover: the first batch where speculative decoding is slower (speedup < 1)", "",
+          "| rule | gamma | " + " | ".join(engines) + " |",
+          "|---|---|" + "---|" * len(engines)]
+  for rule in rules:
+    for g in gammas:
+      cells = []
+      for e in engines:
+        pts_e = [(r["batch"], r["speedup"]) for r in fixed
+                 if (_engine(r), r["accept_rule"], r["gamma"]) == (e, rule, g)]
+        b = sweep_report.crossover(pts_e)
+        cells.append("-" if not pts_e else f"B = {b}" if b else
+                     f"none (>= 1x up to B = {max(p[0] for p in pts_e)})")
+      out.append(f"| {rule} | {g} | " + " | ".join(cells) + " |")
+  if auto:
+    sj = {(r["batch"], r["accept_rule"], r["gamma"]): r["speedup"] for r in fixed
+          if _engine(r) == "specjax"}
+    out += ["", "## Auto gamma (specjax) against the fixed gammas", "",
+            "Per point: auto's speedup over the best fixed gamma in hindsight (goal >= 0.95).", "",
+            "| B | rule | auto | gammas used (steps) | best fixed gamma | its speedup | auto / best |",
+            "|---|---|---|---|---|---|---|"]
+    ratios, per_gamma = [], {g: [] for g in gammas}
+    for r in auto:
+      fx = {g: sj[(r["batch"], r["accept_rule"], g)] for g in gammas
+            if (r["batch"], r["accept_rule"], g) in sj}
+      if not fx:
+        continue
+      best = max(fx, key=fx.get)
+      ratios.append(r["speedup"] / fx[best])
+      for g, v in fx.items():
+        per_gamma[g].append(r["speedup"] / v)
+      used = " ".join(f"{g}:{n}" for g, n in r["gammas_used"].items() if n)
+      out.append(f"| {r['batch']} | {r['accept_rule']} | {r['speedup']:.2f} | {used} | {best} | "
+                 f"{fx[best]:.2f} | {ratios[-1]:.3f} |")
+    if ratios:
+      within = sum(x >= 0.95 for x in ratios)
+      out += ["", f"auto / best fixed: median {statistics.median(ratios):.3f}, min "
+              f"{min(ratios):.3f}, within 5 % at {within} of {len(ratios)} points.",
+              "Geometric mean over the points of auto's speedup / each fixed gamma's: " +
+              ", ".join(f"gamma {g}: {sweep_report._gmean(v):.3f}"  # pylint: disable=protected-access
+                        for g, v in per_gamma.items() if v) +
+              (" (auto beats every single fixed gamma across the sweep)." if all(
+                  sweep_report._gmean(v) > 1 for v in per_gamma.values() if v)  # pylint: disable=protected-access
+               else " (some fixed gamma beats auto across the sweep).")]
+  return "\n".join(out) + "\n"
+
+
+def plot_speedups(path: str, records) -> None:
+  """Speedup against B: one panel per (rule, engine), one line per gamma,
+  auto as black stars, the 1x line."""
+  plt = wd.pyplot()
+  pts = [r for r in records if r.get("kind") == "point"]
+  rules = list(dict.fromkeys(r["accept_rule"] for r in pts))
+  engines = sorted({r["engine"] for r in pts}, key=lambda e: (e != "specjax", e))
+  gammas = sorted({r["gamma"] for r in pts if r["gamma"] != "auto"})
+  colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(gammas), 1)))
+  fig, axes = plt.subplots(len(rules), len(engines), figsize=(6 * len(engines), 4.5 * len(rules)),
+                           squeeze=False, sharey=True)
+  for i, rule in enumerate(rules):
+    for j, e in enumerate(engines):
+      ax = axes[i][j]
+      for g, col in zip(gammas, colors):
+        ps = sorted((r for r in pts if (r["engine"], r["accept_rule"], r["gamma"]) == (e, rule, g)),
+                    key=lambda r: r["batch"])
+        ax.plot([r["batch"] for r in ps], [r["speedup"] for r in ps], "o-", color=col,
+                label=f"gamma {g}")
+      ps = sorted((r for r in pts if (r["engine"], r["accept_rule"], r["gamma"]) ==
+                   (e, rule, "auto")), key=lambda r: r["batch"])
+      if ps:
+        ax.plot([r["batch"] for r in ps], [r["speedup"] for r in ps], "k*", ms=11,
+                label="auto gamma")
+      ax.axhline(1.0, color="red", lw=1, ls="--", label="1x (no gain)")
+      ax.set_xscale("log", base=2)
+      ax.set_xlabel("batch B (rows)")
+      ax.set_ylabel("speedup over target-only at the same B (x)")
+      ax.set_title(f"{'XLA (specjax)' if e == 'specjax' else 'PyTorch (' + e + ')'}: {rule}")
+      ax.grid(alpha=0.3, which="both")
+      ax.legend(fontsize=7)
+  wd.save_figure(fig, path)
+
+
+def write_report(out_dir: str, records) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "summary.md"), "w", encoding="utf-8") as f:
+    f.write(summary(records))
+  if any(r.get("kind") == "point" for r in records):
+    plot_speedups(os.path.join(out_dir, "speedup_vs_batch.png"), records)
+  cs = [r for r in records if r.get("kind") == "cost"]
+  for e in sorted({r["engine"] for r in cs}):
+    er = [r for r in cs if r["engine"] == e]
+    bs, ns = sorted({r["batch"] for r in er}), sorted({r["n_tokens"] for r in er})
+    got = {(r["batch"], r["n_tokens"]): r["ratio"] for r in er}
+    if all((b, n) in got for b in bs for n in ns):
+      ratio = np.array([[got[(b, n)] for n in ns] for b in bs])
+      sweep_report.plot_verify_surface(os.path.join(out_dir, f"verify_surface_{e}.png"), bs, ns,
+                                       ratio)
+
+
 def main(argv):
   del argv
   batches = sorted({int(x) for x in _BATCH.value})
@@ -146,7 +303,11 @@ def main(argv):
   records = []
   emit = _OUT.on_record(lambda r: _row(r) if r["kind"] == "point" else
                         f"B={r['batch']} N={r['n_tokens']} {r['engine']}: T "
-                        f"{1e3 * r['median_s']:.2f} ms, ratio {r['ratio']:.2f}")
+                        f"{1e3 * r['median_s']:.2f} ms, ratio {r['ratio']:.2f}"
+                        if r["kind"] == "cost" else
+                        f"B={r['batch']} auto gamma costs: T_target(n) ms " + ", ".join(
+                            f"{n}: {1e3 * t:.2f}" for n, t in r["t_target_s"].items()) +
+                        f"; T_draft {1e3 * r['t_draft_s']:.2f} ms")
 
   def record(r):
     r.update(target=tcfg.name, draft=dcfg.name, precision=tcfg.precision,
@@ -163,8 +324,13 @@ def main(argv):
     prompts = [rng.randint(0, tcfg.vocab_size, _PROMPT_LEN.value - 2 * (i % 4)).tolist()
                for i in range(bsz)]
     cap = generation.plan_capacity(tcfg, _PROMPT_LEN.value, n, extra=max(gammas))
-    for gamma in gammas:
-      for rule in _RULES.value:
+    bc = None
+    if _AUTO.value and "specjax" in engines:  # the chooser's costs, measured before its runs
+      bc = autogamma.measure_costs(target, draft, bsz, cap, _PROMPT_LEN.value, gammas,
+                                   rule=_RULES.value[0], reps=_REPS.value)
+      record({"kind": "batch_costs", **bc.to_dict()})
+    for rule in _RULES.value:
+      for gamma in gammas:
         got = {}
         if "torch" in engines:
           r = ts.time_point(engine, prompts, n, gamma, rule, _REPS.value, _SEED.value, cap)
@@ -181,6 +347,10 @@ def main(argv):
             r["baseline_tokens_equal"] = (  # once per batch size
                 engine.generate_target(prompts, n, capacity=cap).tokens == base_toks)
           record({"kind": "point", **r})
+      if bc is not None:
+        record({"kind": "point", **auto_point(target, draft, prompts, n, gammas, rule,
+                                              _REPS.value, _SEED.value, cap, bc,
+                                              _AUTO_EVERY.value)})
     if _COSTS.value:
       ns = sorted({1} | {g + 1 for g in gammas})
       depth = _PROMPT_LEN.value
@@ -198,6 +368,8 @@ def main(argv):
           med = statistics.median(ts_[m])
           record({"kind": "cost", "engine": name, "batch": bsz, "n_tokens": m, "depth": depth,
                   "capacity": cap, "times_s": ts_[m], "median_s": med, "ratio": med / t1})
+    if _OUT_DIR.value:
+      write_report(_OUT_DIR.value, records)
   print(table(records))
   _OUT.finish(records)
 

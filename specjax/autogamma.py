@@ -12,12 +12,17 @@ and an acceptance estimate alpha (i.i.d., capped geometric law):
                 slowest row is done (theory.batch_speedup).
 The catch-up share is P(some row accepted all g drafts) = 1 - (1 - alpha^g)^B.
 
-At run time (`generate`): the loop runs on device in chunks of `every` steps
-(speculative.spec_chunk, one program per gamma of the set, compiled on the
-first chunk of that gamma: `warm_up` compiles them all), and between chunks
-the host re-estimates alpha from the accepted counts so far and re-chooses
-gamma. The SpecState does not depend on gamma; the output buffer is as wide
-as the largest gamma needs, so no shape changes and nothing recompiles.
+At run time (`generate`): the loop runs on device in chunks
+(speculative.spec_chunk, one program per gamma of the set whatever the
+chunk's length, compiled on the first chunk of that gamma: `warm_up`
+compiles them all), and between chunks the host re-estimates alpha from the
+accepted counts so far and re-chooses gamma. Chunks double in length from 1
+step to `every` (1, 2, 4, .., every): the first choice, made on the prior
+alone, lasts one step, and a short run still gets several choices. Each
+choice is tail-aware: the predicted speedup of what is left (the most tokens
+any live row still needs, over the live rows), not the steady state. The
+SpecState does not depend on gamma; the output buffer is as wide as the
+largest gamma needs, so no shape changes and nothing recompiles.
 
 alpha estimate: the capped geometric law's maximum likelihood, accepted
 drafts / (accepted drafts + rejections) (a step that accepted all it drafted
@@ -43,8 +48,8 @@ from specjax.timing import CompileWatch, block
 
 DEFAULT_SET = (1, 2, 4, 8)
 PRIOR_ALPHA = 0.7
-PRIOR_WEIGHT = 8.0  # pseudo-observations (accept/reject events) at PRIOR_ALPHA
-EVERY = 8           # steps per chunk: gamma is re-chosen this often
+PRIOR_WEIGHT = 2.0  # pseudo-observations (accept/reject events) at PRIOR_ALPHA
+EVERY = 8           # steps per chunk once warmed in: gamma is re-chosen this often
 
 
 def parse_set(spec: str | Sequence[int]) -> tuple[int, ...]:
@@ -86,26 +91,29 @@ class BatchCosts:
 
 
 def predicted_speedups(c: BatchCosts, alpha: float, gammas: Sequence[int],
-                       n_tokens: int | None = None) -> dict[int, float]:
-  """Predicted speedup per gamma at c.batch (module docstring)."""
+                       n_tokens: int | None = None, rows: int | None = None) -> dict[int, float]:
+  """Predicted speedup per gamma at c.batch (module docstring): steady state,
+  or, given n_tokens, a run of n_tokens per row over `rows` rows (default
+  c.batch: the costs stay those measured at c.batch) with the tail model."""
+  rows = c.batch if rows is None else max(1, int(rows))
   out = {}
   for g in gammas:
     if g + 1 not in c.t_target:
       raise ConfigError(f"no measured T_target(B={c.batch}, {g + 1}) for gamma {g}")
-    catchup = float(theory.catchup_any_share(alpha, g, c.batch))
+    catchup = float(theory.catchup_any_share(alpha, g, rows))
     if n_tokens is None:
       out[g] = float(theory.expected_tokens_per_step(alpha, g)) * c.t_target[1] / c.step_s(g, catchup)
     else:
-      out[g] = theory.batch_speedup(theory.geometric_accept_pmf(alpha, g), n_tokens, c.batch, g,
+      out[g] = theory.batch_speedup(theory.geometric_accept_pmf(alpha, g), n_tokens, rows, g,
                                     c.t_target[1], c.t_target[g + 1], c.t_draft,
                                     c.t_accept.get(g, 0.0), catchup)
   return out
 
 
 def choose(c: BatchCosts, alpha: float, gammas: Sequence[int],
-           n_tokens: int | None = None) -> int:
+           n_tokens: int | None = None, rows: int | None = None) -> int:
   """The gamma of the set with the largest predicted speedup (the smallest on a tie)."""
-  pred = predicted_speedups(c, alpha, gammas, n_tokens)
+  pred = predicted_speedups(c, alpha, gammas, n_tokens, rows)
   return max(sorted(pred), key=lambda g: (pred[g], -g))
 
 
@@ -162,8 +170,9 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
   """Speculative generation with gamma re-chosen every `every` steps.
 
   Same keys, capacity rule and outputs as speculative.generate (for one
-  gamma of the set it emits the same tokens). `fixed` (tests, warm-up)
-  forces the gamma of each chunk in turn instead of choosing. Every
+  gamma of the set it emits the same tokens). Chunks of 1, 2, 4, .. `every`
+  steps; `fixed` (tests, warm-up) forces the gamma of each chunk in turn
+  instead of choosing. Every
   drafter whose state does not depend on gamma works (not eagle).
   """
   drafter = drafters.parse(drafter)
@@ -196,20 +205,24 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
     t0 = time.perf_counter()
     count, done, rec = speculative.loop_start(out, eos, n_predict)
     i, start, chunk = jnp.int32(0), 0, 0
+    remaining, rows = n_predict - 1, b
     while start < n_predict:
       if fixed is not None:
         g = fixed[chunk % len(fixed)]
       else:
         a = estimate_alpha(n_acc_total, n_rej_total, prior_alpha, prior_weight)
-        g = choose(cost, a, gammas)
+        g = choose(cost, a, gammas, n_tokens=max(1, remaining), rows=rows)
         alphas.append(a)
       i, st, out, count, done, rec = speculative.spec_chunk(
           target.params, dparams, st, out, count, done, i, rec, step_key, probs[g],
-          sc=scs[g], n_predict=n_predict, eos_id=eos, n_steps=every)
+          jnp.int32(min(every, 2 ** chunk)), sc=scs[g], n_predict=n_predict, eos_id=eos)
       end = int(i)  # waits for the chunk
       used += [g] * (end - start)
-      if end == start or end >= n_predict or np.asarray(done).all():
+      live_rows = ~np.asarray(done)
+      if end == start or end >= n_predict or not live_rows.any():
         break
+      remaining = n_predict - int(np.asarray(count)[live_rows].min())
+      rows = int(live_rows.sum())
       # the chunk's accepted counts (host copies: slicing on device would
       # compile a program per slice)
       live = np.asarray(rec["live"])[start:end].astype(bool)

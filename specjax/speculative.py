@@ -306,14 +306,15 @@ def spec_loop(tparams, dparams, state: SpecState, out, key, accept_probs, *, sc:
   return out, count, rec, st
 
 
-@functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id", "n_steps"),
+@functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id"),
                    donate_argnames=("state", "rec"))
 def spec_chunk(tparams, dparams, state: SpecState, out, count, done, i, rec, key, accept_probs,
-               *, sc: SpecConfig, n_predict: int, eos_id: int, n_steps: int):
-  """At most n_steps steps of spec_loop from step i (a traced index) and a
-  given (state, out, count, done, records): a host loop may switch gamma
-  between chunks (SpecState does not depend on gamma; `out` must be at least
-  n_predict + max gamma wide). Returns (i, state, out, count, done, rec)."""
+               n_steps, *, sc: SpecConfig, n_predict: int, eos_id: int):
+  """At most n_steps steps of spec_loop from step i (both traced: chunks of
+  any length share one program) and a given (state, out, count, done,
+  records): a host loop may switch gamma between chunks (SpecState does not
+  depend on gamma; `out` must be at least n_predict + max gamma wide).
+  Returns (i, state, out, count, done, rec)."""
   stop = jnp.minimum(i + n_steps, n_predict)
   return _run_steps(tparams, dparams, state, out, count, done, i, rec, key, accept_probs, stop,
                     sc, n_predict, eos_id)

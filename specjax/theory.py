@@ -335,18 +335,20 @@ def steps_cdf(accept_pmf: Sequence[float], n_tokens: int) -> np.ndarray:
     raise SpecjaxError(f"n_tokens must be >= 0, got {n_tokens!r}")
   if n == 0:
     return np.ones(1)
+  # one step as a matrix on the emitted total (n absorbing)
+  step = np.zeros((n + 1, n + 1))
+  step[n, n] = 1.0
+  for k, pk in enumerate(pmf):
+    np.add.at(step, (np.minimum(np.arange(n) + k + 1, n), np.arange(n)), pk)
   dist = np.zeros(n + 1)
   dist[0] = 1.0
-  cdf = np.zeros(n + 1)
+  cdf = np.ones(n + 1)
+  cdf[0] = 0.0  # n >= 1 tokens need a step
   for s in range(1, n + 1):   # each step emits >= 1 token: n steps always suffice
-    new = np.zeros(n + 1)
-    new[n] = dist[n]
-    for k, pk in enumerate(pmf):
-      moved = dist[:n] * pk
-      idx = np.minimum(np.arange(n) + k + 1, n)
-      np.add.at(new, idx, moved)
-    dist = new
+    dist = step @ dist
     cdf[s] = dist[n]
+    if dist[n] >= 1.0 - 1e-15:  # done to rounding: the rest is 1
+      break
   cdf[n] = 1.0
   return cdf
 

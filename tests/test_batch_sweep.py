@@ -93,13 +93,15 @@ def test_auto_gamma_switches_emits_target_only_tokens_and_compiles_nothing(
   assert auto.tokens == target_only and sched.tokens == target_only
   assert auto.gammas_used[0] == 2 and 1 in auto.gammas_used, auto.gammas_used
   # each choice's alpha is the estimate from every step before it
+  # chunks of 1, 2, 4, .. EVERY steps: chunk c starts at step starts[c]
+  starts = np.cumsum([0] + [min(EVERY, 2 ** c) for c in range(len(auto.alphas))])
   rec = auto.records
   for c, alpha in enumerate(auto.alphas):
-    before = rec.step < c * EVERY
+    before = rec.step < starts[c]
     acc, rej = rec.n_acc[before].sum(), (rec.n_acc < rec.n_drafted)[before].sum()
     assert alpha == pytest.approx(autogamma.estimate_alpha(acc, rej, 0.95)), c
   assert auto.alphas[-1] < 0.8
-  assert sched.gammas_used[:10] == [2, 2, 2, 1, 1, 1, 1, 1, 1, 2]
+  assert sched.gammas_used[:10] == [2, 1, 1, 1, 1, 1, 2, 2, 2, 2]
   # the records hold each step's own drafts: never more than its gamma
   live = auto.records
   used = np.asarray(auto.gammas_used)[live.step]
@@ -150,6 +152,13 @@ def test_chooser_on_hand_checked_costs():
   tail = autogamma.predicted_speedups(_synthetic(8), a, CHOOSER_SET, n_tokens=31)
   assert tail[2] == pytest.approx(theory.batch_speedup(
       theory.geometric_accept_pmf(a, 2), 31, 8, 2, 10, 18, 1, 0, 1 - (1 - a ** 2) ** 8))
+  # near the end of a run: one token left takes one step whatever gamma, so
+  # the cheapest step wins where the steady state wants the longest draft
+  assert autogamma.choose(_synthetic(1), a, CHOOSER_SET, n_tokens=1) == 1
+  # fewer live rows than the costs' batch: the tail and catch-up of those rows
+  one = autogamma.predicted_speedups(_synthetic(8), a, CHOOSER_SET, n_tokens=31, rows=1)
+  assert one[2] == pytest.approx(theory.batch_speedup(
+      theory.geometric_accept_pmf(a, 2), 31, 1, 2, 10, 18, 1, 0, a ** 2))
   assert autogamma.estimate_alpha(8, 2, 0.7, 8) == pytest.approx((8 + 5.6) / 18)
 
 
