@@ -72,7 +72,7 @@ _N_PARALLEL = flags.DEFINE_integer("n_parallel", 1, "Rows per prompt: each promp
 _GAMMA_AUTO = flags.DEFINE_bool("gamma_auto", False, "Choose gamma at run time from --auto_set "
                                 "(measured costs, acceptance so far); --draft is then unused.")
 _AUTO_SET = flags.DEFINE_string("auto_set", "1,2,4,8", "The gammas --gamma_auto chooses from.")
-_AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY, "Steps between gamma choices.",
+_AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY, "Steps between gamma choices (chunks of 1, 2, 4, .. up to this).",
                                    lower_bound=1)
 _AUTO_COSTS = flags.DEFINE_string("auto_costs", None, "A sweep's costs.json to take the costs at "
                                   "this batch from, instead of measuring them at start.")

@@ -164,3 +164,34 @@ def test_compiled_equals_eager_and_timing(pair, baseline):
   assert r["n_loop"] == math.ceil((N_PREDICT - 1) / 2) and len(r["speedup_reps"]) == 2
   t = ts.TorchCostProbe(engine.target, 2, 32, 8, k=2).times([1, 2], reps=2)
   assert set(t) == {1, 2} and all(x > 0 for v in t.values() for x in v.times)
+
+
+def test_bench_script_reports_both_engines_and_auto(transformers, tmp_path):
+  """experiments/torch_spec_bench.py end to end on tiny models: both
+  engines' points with identical tokens under `always`, an auto point, the
+  crossover and auto tables, the plots."""
+  import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  del transformers
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "out"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "experiments", "torch_spec_bench.py"),
+       "--target=tiny", "--draft=tiny-draft", "--batch=2", "--gamma=1,2", "--rules=always",
+       "--n_predict=8", "--prompt_len=9", "--reps=1", "--nocompile", "--threads=1", "--k=1",
+       f"--out_dir={out}", f"--jsonl_out={tmp_path / 'r.jsonl'}"],
+      capture_output=True, text=True, timeout=600, cwd=root)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  import json  # pylint: disable=import-outside-toplevel
+  recs = [json.loads(l) for l in (tmp_path / "r.jsonl").read_text().splitlines()]
+  pts = [r for r in recs if r["kind"] == "point"]
+  assert {(r["engine"], r["gamma"]) for r in pts} == {
+      ("torch-eager", 1), ("torch-eager", 2), ("specjax", 1), ("specjax", 2), ("specjax", "auto")}
+  assert all(r["tokens_equal"] for r in pts if r["engine"] == "specjax" and r["gamma"] != "auto")
+  auto = next(r for r in pts if r["gamma"] == "auto")
+  assert sum(auto["gammas_used"].values()) == auto["n_steps"] > 0
+  summary = (out / "summary.md").read_text()
+  for s in ("## Crossover", "| always | 2 |", "## Auto gamma (specjax)", "auto / best fixed"):
+    assert s in summary, s
+  for name in ("speedup_vs_batch.png", "verify_surface_specjax.png",
+               "verify_surface_torch-eager.png"):
+    assert (out / name).stat().st_size > 0, name
