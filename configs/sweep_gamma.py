@@ -45,6 +45,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.measure_split = True         # one host-loop run per point for the draft/verify/rest split
   c.batches = (1,)               # rows per run (ragged prompts); > 1 value: the batch outputs
   c.auto_gamma = False           # also points whose gamma is chosen at run time from gammas
+  c.auto_calibrate = True        # ... from each gamma's loop step timed after warm-up
   c.auto_every = 8               # ... re-chosen after chunks of 1, 2, 4, .. this many steps
   if arg == "quick":
     c.gammas = (1, 2, 4, 8)

@@ -19,7 +19,8 @@ Batches and gamma chosen at run time:
   --prompt_file=prompts.txt  one prompt per line (text with a tokenizer, else comma-separated ids)
   --n_parallel=4             each prompt repeated 4 times (rows of one batch)
   --gamma_auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps from costs
-                             measured at start (or --auto_costs=<sweep workdir>/costs.json)
+                             measured at start (or --auto_costs=<sweep workdir>/costs.json);
+                             each gamma's loop step timed after warm-up (--auto_calibrate)
 
 Each run also times target-only generation on the same prompt and the same
 cache capacity (--baseline), the two alternating over --reps repetitions, and
@@ -72,6 +73,9 @@ _N_PARALLEL = flags.DEFINE_integer("n_parallel", 1, "Rows per prompt: each promp
 _GAMMA_AUTO = flags.DEFINE_bool("gamma_auto", False, "Choose gamma at run time from --auto_set "
                                 "(measured costs, acceptance so far); --draft is then unused.")
 _AUTO_SET = flags.DEFINE_string("auto_set", "1,2,4,8", "The gammas --gamma_auto chooses from.")
+_AUTO_CALIBRATE = flags.DEFINE_bool(
+    "auto_calibrate", True, "--gamma_auto: time each gamma's loop step after the warm-up "
+    "(one run per gamma) and choose from those step costs.")
 _AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY, "Steps between gamma choices (chunks of 1, 2, 4, .. up to this).",
                                    lower_bound=1)
 _AUTO_COSTS = flags.DEFINE_string("auto_costs", None, "A sweep's costs.json to take the costs at "
@@ -160,6 +164,8 @@ def main(argv):
     akw = dict(sp=sp, rule=rule, every=_AUTO_EVERY.value, drafter=drafter, **kw)
     spec = lambda: autogamma.generate(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
     compile_s = autogamma.warm_up(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
+    if _AUTO_CALIBRATE.value:  # each gamma's loop step, timed in the loop itself
+      cost = autogamma.calibrate(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
   else:
     spec = lambda: speculative.generate(target, draft, prompts, _N_PREDICT.value, gamma,
                                         sp=sp, rule=rule, p_min=_P_MIN.value, loop=_LOOP.value,

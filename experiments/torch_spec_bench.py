@@ -27,7 +27,8 @@ With --auto (specjax): per B, the chooser's costs are measured first
 (autogamma.measure_costs: T(B, 1), T(B, gamma+1), T_draft(B, 1), the accept
 cost), and after the fixed gammas of each rule a point with gamma chosen at
 run time from --gamma (autogamma.generate, every chunk program compiled in
-the warm-up), timed with the same pairing.
+the warm-up; then, with --auto_calibrate, each gamma's loop step timed in
+one untimed run: autogamma.calibrate), timed with the same pairing.
 With --out_dir: summary.md (speedups, crossover batch per engine, rule and
 gamma, auto against the best fixed gamma in hindsight, the cost surfaces),
 speedup_vs_batch.png (one panel per rule and engine, the 1x line) and
@@ -69,6 +70,8 @@ _AUTO = flags.DEFINE_bool("auto", True, "specjax: also gamma chosen at run time 
 _AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY,
                                    "Steps between auto gamma choices (once warmed in).",
                                    lower_bound=1)
+_CALIBRATE = flags.DEFINE_bool("auto_calibrate", True, "Auto gamma: time each gamma's loop "
+                                "step after the warm-up (autogamma.calibrate) before choosing.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Write summary.md and the plots here.")
 _OUT = cli.RecordFlags("point")
 
@@ -112,16 +115,21 @@ def specjax_costs(m, batch, cap, depth, ns, reps, k, seed):
   return out
 
 
-def auto_point(target, draft, prompts, n_predict, gammas, rule, reps, seed, cap, bc, every):
-  """The specjax auto-gamma point: same pairing and fields as specjax_point."""
+def auto_point(target, draft, prompts, n_predict, gammas, rule, reps, seed, cap, bc, every,
+               calibrate=True):
+  """The specjax auto-gamma point: same pairing and fields as specjax_point
+  (with `calibrate`, each gamma's loop step is timed after the warm-up,
+  untimed for the point: autogamma.calibrate)."""
   kw = dict(rule=rule, seed=seed, capacity=cap, every=every)
   base = lambda: generation.generate(target, prompts, n_predict, seed=seed, capacity=cap)
-  spec = lambda: autogamma.generate(target, draft, prompts, n_predict, bc, gammas, **kw)
   t0 = time.perf_counter()
   with timing.CompileWatch() as cw:
     base()
     autogamma.warm_up(target, draft, prompts, n_predict, bc, gammas, **kw)
   warmup_s = time.perf_counter() - t0
+  if calibrate:
+    bc = autogamma.calibrate(target, draft, prompts, n_predict, bc, gammas, **kw)
+  spec = lambda: autogamma.generate(target, draft, prompts, n_predict, bc, gammas, **kw)
   with timing.CompileWatch() as late:
     rows, res, _ = ts.paired_reps(base, spec, reps, len(prompts))
   if late.count:
@@ -132,7 +140,7 @@ def auto_point(target, draft, prompts, n_predict, gammas, rule, reps, seed, cap,
           "reps": reps, "seed": seed, **ts.point_fields(rows, st),
           "n_loop": int(res.records.steps_per_row().max()) if st.n_steps else 0,
           "gammas_used": {str(g): res.gammas_used.count(g) for g in gammas},
-          "warmup_s": warmup_s, "compile_s": cw.seconds}
+          "auto_costs": bc.to_dict(), "warmup_s": warmup_s, "compile_s": cw.seconds}
 
 
 def _row(r):
@@ -350,7 +358,7 @@ def main(argv):
       if bc is not None:
         record({"kind": "point", **auto_point(target, draft, prompts, n, gammas, rule,
                                               _REPS.value, _SEED.value, cap, bc,
-                                              _AUTO_EVERY.value)})
+                                              _AUTO_EVERY.value, _CALIBRATE.value)})
     if _COSTS.value:
       ns = sorted({1} | {g + 1 for g in gammas})
       depth = _PROMPT_LEN.value

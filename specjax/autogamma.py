@@ -75,19 +75,26 @@ class BatchCosts:
   t_target: Mapping[int, float]       # n -> T_target(B, n); needs 1 and every gamma + 1
   t_draft: float                      # T_draft(B, 1)
   t_accept: Mapping[int, float] = dataclasses.field(default_factory=dict)  # gamma -> s
+  # gamma -> seconds per step of the auto loop itself at that gamma (`calibrate`):
+  # where known, it replaces the sum of the parts above
+  t_step: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
   def step_s(self, gamma: int, catchup: float) -> float:
+    if gamma in self.t_step:
+      return self.t_step[gamma]
     return ((gamma + catchup) * self.t_draft + self.t_target[gamma + 1]
             + self.t_accept.get(gamma, 0.0))
 
   def to_dict(self):
     return {"batch": self.batch, "t_target_s": {str(k): v for k, v in self.t_target.items()},
-            "t_draft_s": self.t_draft, "t_accept_s": {str(k): v for k, v in self.t_accept.items()}}
+            "t_draft_s": self.t_draft, "t_accept_s": {str(k): v for k, v in self.t_accept.items()},
+            **({"t_step_s": {str(k): v for k, v in self.t_step.items()}} if self.t_step else {})}
 
   @classmethod
   def from_dict(cls, d) -> "BatchCosts":
     return cls(int(d["batch"]), {int(k): float(v) for k, v in d["t_target_s"].items()},
-               float(d["t_draft_s"]), {int(k): float(v) for k, v in d.get("t_accept_s", {}).items()})
+               float(d["t_draft_s"]), {int(k): float(v) for k, v in d.get("t_accept_s", {}).items()},
+               {int(k): float(v) for k, v in d.get("t_step_s", {}).items()})
 
 
 def predicted_speedups(c: BatchCosts, alpha: float, gammas: Sequence[int],
@@ -240,6 +247,25 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
   stats = SpecStats.compute(records, gamma=gmax, n_predict=int(count.sum()), eval_s=eval_s)
   return AutoResult(tokens=rows, stats=stats, prompt_s=prompt_s, eval_s=eval_s,
                     compile_s=cw.seconds, records=records, gammas_used=used, alphas=alphas)
+
+
+def calibrate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
+              cost: BatchCosts, gammas: Sequence[int] = DEFAULT_SET, **kw) -> BatchCosts:
+  """`cost` with t_step: each gamma's seconds per step measured in the auto
+  loop itself (one run forcing that gamma, its chunks and host choices
+  included), for these prompts. Call after `warm_up` (a run that compiles
+  raises: its time would not be a step's). The probes' sum of parts can
+  miss what the loop pays (XLA fuses and lays out the loop's verify
+  differently, the chunks' host round trips): the chooser then compares the
+  gammas at what they really cost here."""
+  gammas = parse_set(gammas)
+  t_step = {}
+  for g in gammas:
+    r = generate(target, draft, prompts, n_predict, cost, gammas, fixed=[g], **kw)
+    if r.compile_s:
+      raise RuntimeError(f"calibrate compiled gamma {g}'s program: call warm_up first")
+    t_step[g] = r.eval_s / max(1, len(r.gammas_used))
+  return dataclasses.replace(cost, t_step=t_step)
 
 
 def warm_up(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,

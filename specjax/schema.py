@@ -83,7 +83,8 @@ FIELDS: dict[str, str] = {
     "efficiency_tail": "speedup / predicted_tail (median over repetitions)",
     # gamma chosen at run time (autogamma; gamma = 'auto')
     "auto_set": "the gammas an auto point chooses from",
-    "auto_every": "steps between choices",
+    "auto_every": "steps between choices (chunks of 1, 2, 4, .. up to this)",
+    "auto_step_s": "seconds per loop step at each gamma, timed after warm-up (what it chose from)",
     "gammas_used": "steps run at each gamma of the set",
     "auto_alpha": "the alpha estimate at the last choice, per run",
 }

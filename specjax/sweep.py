@@ -140,6 +140,7 @@ class Bench:
   drafter: drafters.Drafter = drafters.MODEL
   probes: dict = dataclasses.field(default_factory=dict)  # batch -> (target, draft) probes
   batch_costs: dict = dataclasses.field(default_factory=dict)  # batch -> autogamma.BatchCosts
+  auto_costs: dict = dataclasses.field(default_factory=dict)  # auto point key -> calibrated costs
 
   def probe(self, batch: int) -> tuple[costs.CostProbe, costs.CostProbe]:
     """The (target, draft) cost probes at `batch` (batch 1: probe_t, probe_d)."""
@@ -177,13 +178,22 @@ class Bench:
       if key not in self.compiled:
         compile_s += sum(r.compile_s for r in run())
         self.compiled.add(key)
+    if p.auto and p.key not in self.auto_costs and self.cfg.get("auto_calibrate", True):
+      # each gamma's loop step timed in the loop itself (first prompt group)
+      self.auto_costs[p.key] = autogamma.calibrate(
+          self.target, self.draft, batch_prompts(self.prompts, p.batch)[0],
+          int(self.cfg.n_predict), self.batch_costs[p.batch], self.auto_set, sp=p.sp,
+          rule=p.accept_rule, seed=int(self.cfg.seed), capacity=self.capacity,
+          every=int(self.cfg.get("auto_every", autogamma.EVERY)), drafter=self.drafter)
     return compile_s
 
   def spec(self, p: Point, loop: str = "device", fixed=None) -> list[speculative.SpecResult]:
     c = self.cfg
     if p.auto:
+      cost = (self.batch_costs[p.batch] if fixed is not None else
+              self.auto_costs.get(p.key, self.batch_costs[p.batch]))
       return [autogamma.generate(self.target, self.draft, rows, int(c.n_predict),
-                                 self.batch_costs[p.batch], self.auto_set, sp=p.sp,
+                                 cost, self.auto_set, sp=p.sp,
                                  rule=p.accept_rule, seed=int(c.seed), capacity=self.capacity,
                                  every=int(c.get("auto_every", autogamma.EVERY)), fixed=fixed,
                                  drafter=self.drafter)
@@ -313,7 +323,9 @@ def run_point(bench: Bench, p: Point) -> Record:
         st, **common, gamma=AUTO, auto_set=list(bench.auto_set),
         auto_every=int(bench.cfg.get("auto_every", autogamma.EVERY)),
         gammas_used={str(g): used.count(g) for g in bench.auto_set},
-        auto_alpha=[r.alphas[-1] if r.alphas else None for r in res])
+        auto_alpha=[r.alphas[-1] if r.alphas else None for r in res],
+        auto_step_s={str(g): t for g, t in getattr(bench.auto_costs.get(p.key), "t_step",
+                                                   {}).items()})
   exp_steps = expected_steps(p, st, groups, int(bench.cfg.n_predict))
 
   def predictions(c: costs.StepCosts) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Speculative decoding at batch > 1: batched tokens, gamma chosen at run
 time, the tail model, the chooser, and the batch sweep end to end."""
 
+import dataclasses
 import json
 import math
 import os
@@ -89,7 +90,11 @@ def test_auto_gamma_switches_emits_target_only_tokens_and_compiles_nothing(
                               every=EVERY, prior_alpha=0.95)
     sched = autogamma.generate(t, d, PROMPTS, N_PREDICT, cost, AUTO_SET, capacity=CAPACITY,
                                every=EVERY, fixed=[2, 1, 1, 2])
+    cal = autogamma.calibrate(t, d, PROMPTS, N_PREDICT, cost, AUTO_SET, capacity=CAPACITY,
+                              every=EVERY)
   assert cw.count == 0, dict(cw.names)
+  assert sorted(cal.t_step) == sorted(AUTO_SET) and min(cal.t_step.values()) > 0
+  assert autogamma.BatchCosts.from_dict(cal.to_dict()) == cal
   assert auto.tokens == target_only and sched.tokens == target_only
   assert auto.gammas_used[0] == 2 and 1 in auto.gammas_used, auto.gammas_used
   # each choice's alpha is the estimate from every step before it
@@ -152,6 +157,11 @@ def test_chooser_on_hand_checked_costs():
   tail = autogamma.predicted_speedups(_synthetic(8), a, CHOOSER_SET, n_tokens=31)
   assert tail[2] == pytest.approx(theory.batch_speedup(
       theory.geometric_accept_pmf(a, 2), 31, 8, 2, 10, 18, 1, 0, 1 - (1 - a ** 2) ** 8))
+  # loop step times measured in the loop (calibrate) replace the sum of parts
+  slow4 = dataclasses.replace(_synthetic(1), t_step={1: 12.0, 2: 13.0, 4: 100.0})
+  assert autogamma.choose(slow4, a, CHOOSER_SET) == 2
+  assert autogamma.predicted_speedups(slow4, a, CHOOSER_SET)[1] == pytest.approx(
+      tokens[1] * 10 / 12.0)
   # near the end of a run: one token left takes one step whatever gamma, so
   # the cheapest step wins where the steady state wants the longest draft
   assert autogamma.choose(_synthetic(1), a, CHOOSER_SET, n_tokens=1) == 1

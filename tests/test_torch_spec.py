@@ -188,7 +188,7 @@ def test_bench_script_reports_both_engines_and_auto(transformers, tmp_path):
       ("torch-eager", 1), ("torch-eager", 2), ("specjax", 1), ("specjax", 2), ("specjax", "auto")}
   assert all(r["tokens_equal"] for r in pts if r["engine"] == "specjax" and r["gamma"] != "auto")
   auto = next(r for r in pts if r["gamma"] == "auto")
-  assert sum(auto["gammas_used"].values()) == auto["n_steps"] > 0
+  assert sum(auto["gammas_used"].values()) == auto["n_loop"] > 0  # loop steps, not row-steps
   summary = (out / "summary.md").read_text()
   for s in ("## Crossover", "| always | 2 |", "## Auto gamma (specjax)", "auto / best fixed"):
     assert s in summary, s
