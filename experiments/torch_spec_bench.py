@@ -269,7 +269,8 @@ def plot_speedups(path: str, records) -> None:
       ax.set_xscale("log", base=2)
       ax.set_xlabel("batch B (rows)")
       ax.set_ylabel("speedup over target-only at the same B (x)")
-      ax.set_title(f"{'XLA (specjax)' if e == 'specjax' else 'PyTorch (' + e + ')'}: {rule}")
+      prec = next((r.get("precision") for r in pts if r["engine"] == e), "")
+      ax.set_title(f"{'XLA (specjax)' if e == 'specjax' else 'PyTorch (' + e + ')'}, {prec}: {rule}")
       ax.grid(alpha=0.3, which="both")
       ax.legend(fontsize=7)
   wd.save_figure(fig, path)
@@ -288,8 +289,10 @@ def write_report(out_dir: str, records) -> None:
     got = {(r["batch"], r["n_tokens"]): r["ratio"] for r in er}
     if all((b, n) in got for b in bs for n in ns):
       ratio = np.array([[got[(b, n)] for n in ns] for b in bs])
+      prec = er[0].get("precision", "")
+      name = "XLA (specjax)" if e == "specjax" else f"PyTorch ({e})"
       sweep_report.plot_verify_surface(os.path.join(out_dir, f"verify_surface_{e}.png"), bs, ns,
-                                       ratio)
+                                       ratio, f"{name}, {prec}: verify cost T(B, n) / T(B, 1)")
 
 
 def main(argv):

@@ -380,7 +380,7 @@ def verify_surface(costs: dict[str, Any]):
   return bs, ns, ratio
 
 
-def plot_verify_surface(path: str, bs, ns, ratio) -> None:
+def plot_verify_surface(path: str, bs, ns, ratio, title: str = "Verify cost T(B, n) / T(B, 1)") -> None:
   fig, ax = plt.subplots(figsize=(1.0 * len(ns) + 3, 0.6 * len(bs) + 2))
   im = ax.imshow(ratio, aspect="auto", cmap="magma_r", origin="lower")
   for i in range(len(bs)):
@@ -391,7 +391,7 @@ def plot_verify_surface(path: str, bs, ns, ratio) -> None:
   ax.set_yticks(range(len(bs)), [str(b) for b in bs])
   ax.set_xlabel("n tokens per row in one target forward")
   ax.set_ylabel("batch B")
-  ax.set_title("Verify cost T(B, n) / T(B, 1)")
+  ax.set_title(title)
   fig.colorbar(im, ax=ax, label="T(B, n) / T(B, 1)")
   wd.save_figure(fig, path)
 
