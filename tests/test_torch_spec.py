@@ -190,7 +190,8 @@ def test_bench_script_reports_both_engines_and_auto(transformers, tmp_path):
   auto = next(r for r in pts if r["gamma"] == "auto")
   assert sum(auto["gammas_used"].values()) == auto["n_loop"] > 0  # loop steps, not row-steps
   summary = (out / "summary.md").read_text()
-  for s in ("## Crossover", "| always | 2 |", "## Auto gamma (specjax)", "auto / best fixed"):
+  for s in ("## Crossover", "| always | 2 |", "## Auto gamma (specjax)", "auto / best fixed",
+            "By speculative tokens/s alone"):
     assert s in summary, s
   for name in ("speedup_vs_batch.png", "verify_surface_specjax.png",
                "verify_surface_torch-eager.png"):
