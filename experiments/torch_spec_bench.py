@@ -76,25 +76,39 @@ _OUT_DIR = flags.DEFINE_string("out_dir", None, "Write summary.md and the plots 
 _OUT = cli.RecordFlags("point")
 
 
-def specjax_point(target, draft, prompts, n_predict, gamma, rule, reps, seed, cap):
-  """The specjax side of ts.time_point: same pairing, same fields."""
-  base = lambda: generation.generate(target, prompts, n_predict, seed=seed, capacity=cap)
-  spec = lambda: speculative.generate(target, draft, prompts, n_predict, gamma, rule=rule,
-                                      seed=seed, capacity=cap)
+def _timed(base, spec, warm, reps, n_rows):
+  """warm() untimed (compiles), then ts.paired_reps; raises if anything
+  compiles in the timed repetitions. Returns (rows, last spec, last base,
+  warm-up seconds, compile seconds)."""
   t0 = time.perf_counter()
   with timing.CompileWatch() as cw:
-    base(), spec()
+    warm()
   warmup_s = time.perf_counter() - t0
   with timing.CompileWatch() as late:
-    rows, res, b = ts.paired_reps(base, spec, reps, len(prompts))
+    rows, res, b = ts.paired_reps(base, spec, reps, n_rows)
   if late.count:
     raise RuntimeError(f"{late.count} compilation(s) inside timed repetitions")
+  return rows, res, b, warmup_s, cw.seconds
+
+
+def _fields(prompts, n_predict, gamma, rule, reps, seed, cap, rows, res, warmup_s, compile_s):
   st = res.stats
   return {"engine": "specjax", "batch": len(prompts), "gamma": gamma,
           "accept_rule": rule, "n_predict": n_predict, "capacity": cap, "reps": reps,
           "seed": seed, **ts.point_fields(rows, st),
           "n_loop": int(res.records.steps_per_row().max()) if st.n_steps else 0,
-          "warmup_s": warmup_s, "compile_s": cw.seconds}, res.tokens, b.tokens
+          "warmup_s": warmup_s, "compile_s": compile_s}
+
+
+def specjax_point(target, draft, prompts, n_predict, gamma, rule, reps, seed, cap):
+  """The specjax side of ts.time_point: same pairing, same fields."""
+  base = lambda: generation.generate(target, prompts, n_predict, seed=seed, capacity=cap)
+  spec = lambda: speculative.generate(target, draft, prompts, n_predict, gamma, rule=rule,
+                                      seed=seed, capacity=cap)
+  rows, res, b, warmup_s, compile_s = _timed(base, spec, lambda: (base(), spec()), reps,
+                                             len(prompts))
+  return (_fields(prompts, n_predict, gamma, rule, reps, seed, cap, rows, res, warmup_s,
+                  compile_s), res.tokens, b.tokens)
 
 
 def specjax_costs(m, batch, cap, depth, ns, reps, k, seed):
@@ -122,25 +136,21 @@ def auto_point(target, draft, prompts, n_predict, gammas, rule, reps, seed, cap,
   untimed for the point: autogamma.calibrate)."""
   kw = dict(rule=rule, seed=seed, capacity=cap, every=every)
   base = lambda: generation.generate(target, prompts, n_predict, seed=seed, capacity=cap)
-  t0 = time.perf_counter()
-  with timing.CompileWatch() as cw:
+  spec = lambda: autogamma.generate(target, draft, prompts, n_predict, bc, gammas, **kw)
+
+  def warm():
+    nonlocal bc
     base()
     autogamma.warm_up(target, draft, prompts, n_predict, bc, gammas, **kw)
-  warmup_s = time.perf_counter() - t0
-  if calibrate:
-    bc = autogamma.calibrate(target, draft, prompts, n_predict, bc, gammas, **kw)
-  spec = lambda: autogamma.generate(target, draft, prompts, n_predict, bc, gammas, **kw)
-  with timing.CompileWatch() as late:
-    rows, res, _ = ts.paired_reps(base, spec, reps, len(prompts))
-  if late.count:
-    raise RuntimeError(f"{late.count} compilation(s) inside timed repetitions")
-  st = res.stats
-  return {"engine": "specjax", "batch": len(prompts), "gamma": "auto", "auto_set": list(gammas),
-          "auto_every": every, "accept_rule": rule, "n_predict": n_predict, "capacity": cap,
-          "reps": reps, "seed": seed, **ts.point_fields(rows, st),
-          "n_loop": int(res.records.steps_per_row().max()) if st.n_steps else 0,
+    if calibrate:  # untimed for the point, after the compiles
+      bc = autogamma.calibrate(target, draft, prompts, n_predict, bc, gammas, **kw)
+
+  rows, res, _, warmup_s, compile_s = _timed(base, spec, warm, reps, len(prompts))
+  return {**_fields(prompts, n_predict, "auto", rule, reps, seed, cap, rows, res, warmup_s,
+                    compile_s),
+          "auto_set": list(gammas), "auto_every": every,
           "gammas_used": {str(g): res.gammas_used.count(g) for g in gammas},
-          "auto_costs": bc.to_dict(), "warmup_s": warmup_s, "compile_s": cw.seconds}
+          "auto_costs": bc.to_dict()}
 
 
 def _row(r):
@@ -177,6 +187,10 @@ def table(records):
 
 def _engine(r) -> str:
   return r["engine"].split("-")[0]
+
+
+def _label(engine: str) -> str:
+  return "XLA (specjax)" if engine == "specjax" else f"PyTorch ({engine})"
 
 
 def summary(records) -> str:
@@ -278,7 +292,7 @@ def plot_speedups(path: str, records) -> None:
       ax.set_xlabel("batch B (rows)")
       ax.set_ylabel("speedup over target-only at the same B (x)")
       prec = next((r.get("precision") for r in pts if r["engine"] == e), "")
-      ax.set_title(f"{'XLA (specjax)' if e == 'specjax' else 'PyTorch (' + e + ')'}, {prec}: {rule}")
+      ax.set_title(f"{_label(e)}, {prec}: {rule}")
       ax.grid(alpha=0.3, which="both")
       ax.legend(fontsize=7)
   wd.save_figure(fig, path)
@@ -298,9 +312,8 @@ def write_report(out_dir: str, records) -> None:
     if all((b, n) in got for b in bs for n in ns):
       ratio = np.array([[got[(b, n)] for n in ns] for b in bs])
       prec = er[0].get("precision", "")
-      name = "XLA (specjax)" if e == "specjax" else f"PyTorch ({e})"
       sweep_report.plot_verify_surface(os.path.join(out_dir, f"verify_surface_{e}.png"), bs, ns,
-                                       ratio, f"{name}, {prec}: verify cost T(B, n) / T(B, 1)")
+                                       ratio, f"{_label(e)}, {prec}: verify cost T(B, n) / T(B, 1)")
 
 
 def main(argv):

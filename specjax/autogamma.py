@@ -225,16 +225,16 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
           jnp.int32(min(every, 2 ** chunk)), sc=scs[g], n_predict=n_predict, eos_id=eos)
       end = int(i)  # waits for the chunk
       used += [g] * (end - start)
-      live_rows = ~np.asarray(done)
+      # one host copy per chunk (slicing on device would compile a program per slice)
+      done_h, count_h, live, acc, drafted = jax.device_get(
+          (done, count, rec["live"], rec["n_acc"], rec["n_drafted"]))
+      live_rows = ~done_h
       if end == start or end >= n_predict or not live_rows.any():
         break
-      remaining = n_predict - int(np.asarray(count)[live_rows].min())
+      remaining = n_predict - int(count_h[live_rows].min())
       rows = int(live_rows.sum())
-      # the chunk's accepted counts (host copies: slicing on device would
-      # compile a program per slice)
-      live = np.asarray(rec["live"])[start:end].astype(bool)
-      acc = np.asarray(rec["n_acc"])[start:end][live]
-      drafted = np.asarray(rec["n_drafted"])[start:end][live]
+      live = live[start:end].astype(bool)
+      acc, drafted = acc[start:end][live], drafted[start:end][live]
       n_acc_total += int(acc.sum())
       n_rej_total += int((acc < drafted).sum())
       start, chunk = end, chunk + 1
