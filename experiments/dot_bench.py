@@ -18,6 +18,14 @@ layer (and the LM head) at each M, in one run, alternating the variants:
 Each timing is k dots in one jitted loop (no dispatch), median of --reps,
 compile excluded; the output is ms per layer (all its projections) and the
 ratio to M = 1 of the same variant.
+
+With --roofline (default) it also measures this machine's float32 ceilings
+(bench.measure_peaks: a 2048^3 product's FLOP/s, a 512 MiB sum's read
+bandwidth) and prints, per M, the roofline's lower bound on T(M)/T(1) of
+the f32 layer (bench.roofline_bound: flat up to the ridge point) next to
+what XLA's product reaches (ms, GFLOP/s, share of the measured peak): how
+much of the steep f32 verify curve the hardware imposes, and how much the
+kernels add.
 """
 
 import functools
@@ -27,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from specjax import cli, timing
+from specjax import bench, cli, timing
 from specjax import workdir as wd
 from specjax.config import get_preset
 
@@ -36,6 +44,7 @@ _MS = flags.DEFINE_list("m", ["1", "2", "4", "8", "16"], "Rows per product (toke
 _REPS = flags.DEFINE_integer("reps", 7, "Repetitions (medians).", lower_bound=1)
 _K = flags.DEFINE_integer("k", 8, "Products per jitted loop.", lower_bound=1)
 _JSON = flags.DEFINE_string("json_out", None, "Write the table as JSON here.")
+_ROOF = flags.DEFINE_bool("roofline", True, "Also measure the f32 peaks and print the roofline bound.")
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "k"))
@@ -115,10 +124,36 @@ def main(argv):
   base1 = med["f32 x@W"][ms[0]]
   print("vs the model's layout at M=1: " + ", ".join(
       f"{kind} {med[kind][ms[0]] / base1:.2f}x" for kind in kinds[1:]))
+  roof = roofline(cfg, ms, med["f32 x@W"]) if _ROOF.value else None
   print(f"machine: {wd.machine_line(env)}")
   if _JSON.value:
     wd.write_json(_JSON.value, {"model": cfg.name, "ms": ms, "median_s": med, "env": env,
-                                 "compile_s": {f"{a}|{b}": v for (a, b), v in compile_s.items()}})
+                                 "compile_s": {f"{a}|{b}": v for (a, b), v in compile_s.items()},
+                                 "roofline": roof})
+
+
+def roofline(cfg, ms, measured):
+  """Prints the f32 layer's roofline bound per M next to `measured` ({M: s})."""
+  peaks = bench.measure_peaks(reps=_REPS.value)
+  e, f, d = cfg.dim, cfg.ffn_dim, cfg.d_head
+  q, kv = cfg.n_heads * d, cfg.n_kv_heads * d
+  n_params = e * (2 * q + 2 * kv) + 3 * e * f  # q, k, v, o; gate, up, down
+  gf, bw = peaks["peak_gflops"], peaks["read_gbs"]
+  bound = {m: bench.roofline_bound(m, n_params, 4, gf, bw) for m in ms}
+  ridge = gf * 4 / (2 * bw)
+  print(f"\nRoofline, f32 (measured here: {gf:.0f} GFLOP/s on a 2048^3 product, {bw:.1f} GB/s "
+        f"reading 512 MiB): one layer's {n_params / 1e6:.1f} M weights; ridge point at "
+        f"M = {ridge:.1f} rows (below it the weights' read sets the time)")
+  print("| M | bound ms | bound T(M)/T(1) | f32 x@W ms | T(M)/T(1) | GFLOP/s | % of peak | x bound |")
+  print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+  rows = []
+  for m in ms:
+    got = 2 * m * n_params / measured[m] / 1e9
+    rows.append({"m": m, "bound_s": bound[m], "measured_s": measured[m], "gflops": got})
+    print(f"| {m} | {1e3 * bound[m]:.3f} | {bound[m] / bound[ms[0]]:.2f} | "
+          f"{1e3 * measured[m]:.3f} | {measured[m] / measured[ms[0]]:.2f} | {got:.1f} | "
+          f"{100 * got / gf:.0f}% | {measured[m] / bound[m]:.2f} |")
+  return {**peaks, "ridge_m": ridge, "layer_params": n_params, "rows": rows}
 
 
 if __name__ == "__main__":

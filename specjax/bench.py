@@ -456,3 +456,28 @@ def roofline_fraction(cfg: ModelConfig, param_bytes: int, kv_slots: int, step_s:
                       bandwidth_gbs: float) -> float:
   """Achieved / peak bandwidth for a decode step of step_s seconds."""
   return decode_bytes(cfg, param_bytes, kv_slots) / step_s / (bandwidth_gbs * 1e9)
+
+
+def measure_peaks(reps: int = 5, n: int = 2048, read_mib: int = 512) -> Record:
+  """This backend's measured float32 ceilings: FLOP/s of one square n x n x n
+  product (compute-bound) and the bandwidth of summing a read_mib MiB array
+  (memory-bound); medians of `reps`, compile excluded. What a skinny product
+  could reach, next to what it does (experiments/dot_bench.py)."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+  big = jnp.ones((read_mib << 18,), jnp.float32)  # read_mib MiB of float32
+  mm, total = jax.jit(lambda x: x @ x), jax.jit(jnp.sum)
+  t_mm = timing.measure(lambda: mm(a), reps=reps)
+  t_rd = timing.measure(lambda: total(big), reps=reps)
+  return {"peak_gflops": 2 * n ** 3 / t_mm.median / 1e9,
+          "read_gbs": big.nbytes / t_rd.median / 1e9,
+          "compile_s": t_mm.compile_s + t_rd.compile_s}
+
+
+def roofline_bound(m: int, n_params: int, bytes_per_param: float, peak_gflops: float,
+                   read_gbs: float) -> float:
+  """Lower bound on the time of a product of m rows with n_params weights:
+  the weights read once at read_gbs, or 2 m n_params FLOPs at peak_gflops,
+  whichever is longer. Its ratio to m = 1 stays 1 up to the ridge point
+  m* = peak x bytes_per_param / (2 x bandwidth)."""
+  return max(n_params * bytes_per_param / (read_gbs * 1e9),
+             2.0 * m * n_params / (peak_gflops * 1e9))

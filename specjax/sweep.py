@@ -7,13 +7,14 @@ machine:
              their ratio, and the acceptance statistics (specjax.stats);
   costs      T_target(1), T_target(gamma), T_target(gamma+1) and T_draft(1)
              with the point's sampling settings, measured in every repetition
-             between the runs they predict, and the point's accept cost
-             (specjax.costs);
+             right after the runs they predict, and the point's accept cost
+             (specjax.costs); points that differ only in their rule share
+             the target-only runs and the probes (run_group);
   predicted  Leviathan's Theorem 3.8 at the measured alpha and c, the
              thread's approximation, and the measured-cost model
              (costs.predict);
   efficiency measured / measured-cost prediction, paired within each
-             repetition (run_point), median over repetitions;
+             repetition (run_group), median over repetitions;
   split      draft / verify / accept / rest shares of the step time, from
              one run of the host loop (which times each phase).
 Nothing may compile inside a timed repetition: it would be timed as work.
@@ -267,14 +268,30 @@ def _batch_predictions(p: Point, st, c: costs.StepCosts, steps: int, carried: in
           "catchup_any_share": share, "steps_measured": per_row_steps}
 
 
-def run_point(bench: Bench, p: Point) -> Record:
-  """Measures one point and its predictions.
+def group_key(p: Point) -> tuple:
+  """Points that share a group (run_group): same drafter, batch, gamma and
+  sampling settings; they differ only in the acceptance rule."""
+  return (p.drafter, p.batch, p.gamma, p.sp)
 
-  Each repetition runs target-only and speculative generation (at batch 1
-  each over every prompt, one after another; at batch B > 1 one run of B
-  ragged rows: batch_prompts; the order alternates between repetitions),
-  then the cost probes at the point's batch, and pairs them: its speedup is
-  the ratio of its two runs, its prediction comes from the probes taken right
+
+def run_point(bench: Bench, p: Point) -> Record:
+  """Measures one point and its predictions (run_group of one point)."""
+  return run_group(bench, [p])[0]
+
+
+def run_group(bench: Bench, ps: list[Point]) -> list[Record]:
+  """Measures the points of one group (group_key: they differ only in their
+  acceptance rule) and their predictions; one record per point, in order.
+
+  Each repetition runs target-only generation once and every point's
+  speculative generation (at batch 1 each over every prompt, one after
+  another; at batch B > 1 one run of B ragged rows: batch_prompts; the
+  target-only run goes first in even repetitions and last in odd ones), then
+  the cost probes at the group's batch and gamma, once. The target-only run
+  and the probes do not depend on the rule, so the group shares them: the
+  same quantities as measuring them per point, at a fraction of the time.
+  Each point pairs them with its own run: its speedup in a repetition is the
+  ratio of the two runs, its prediction comes from the probes taken right
   after them, and its efficiency is their ratio. The machine's speed drifts
   over seconds; pairing within a repetition cancels the drift that a ratio
   of medians taken apart would keep. Reported: the median over repetitions
@@ -282,26 +299,40 @@ def run_point(bench: Bench, p: Point) -> Record:
   the acceptance statistics (identical in every repetition: same seed).
   An auto point (gamma chosen at run time) has no cost prediction.
   """
-  split = bool(bench.cfg.measure_split) and not p.auto
-  compile_s = bench.warm_up(p, split)  # the probes warm up on their first call
-  if not p.auto:
-    sc = speculative.SpecConfig(bench.target.cfg, bench.draft and bench.draft.cfg, p.gamma, p.sp,
-                                acceptance.parse_rule(p.accept_rule).simulated,
-                                drafter=bench.drafter)
-    t_accept = costs.accept_cost(sc, int(bench.cfg.reps), batch=p.batch).median
-  reps = []
+  if len({group_key(p) for p in ps}) != 1:
+    raise ValueError(f"run_group: points of different groups {[p.key for p in ps]}")
+  p0 = ps[0]
+  split = bool(bench.cfg.measure_split) and not p0.auto
+  compile_s = [bench.warm_up(p, split) for p in ps]  # the probes warm up on their first call
+  t_accept = [None if p.auto else costs.accept_cost(
+      speculative.SpecConfig(bench.target.cfg, bench.draft and bench.draft.cfg, p.gamma, p.sp,
+                             acceptance.parse_rule(p.accept_rule).simulated,
+                             drafter=bench.drafter),
+      int(bench.cfg.reps), batch=p.batch).median for p in ps]
+  reps: list[list[dict]] = [[] for _ in ps]
   for rep in range(int(bench.cfg.reps)):
     with CompileWatch() as cw:
-      if rep % 2:
-        res, b = bench.spec(p), bench.base(p)
-      else:
-        b, res = bench.base(p), bench.spec(p)
+      first = rep % 2 == 0
+      b = bench.base(p0) if first else None
+      res = [bench.spec(p) for p in ps]
+      if not first:
+        b = bench.base(p0)
     if cw.count:
       raise SpecjaxError(f"{cw.count} compilation(s) inside timed repetition {rep} of "
-                         f"{p.key} ({dict(cw.names)}): shapes changed between runs")
-    reps.append({"base_s": sum(r.eval_s for r in b) / sum(r.n_eval * len(r.tokens) for r in b),
-                 "spec_s": sum(r.eval_s for r in res) / sum(r.stats.n_kept for r in res),
-                 **({} if p.auto else _rep_costs(bench, p))})
+                         f"{[p.key for p in ps]} ({dict(cw.names)}): shapes changed between runs")
+    probed = {} if p0.auto else _rep_costs(bench, p0)
+    base_s = sum(r.eval_s for r in b) / sum(r.n_eval * len(r.tokens) for r in b)
+    for i, r_i in enumerate(res):
+      reps[i].append({"base_s": base_s,
+                      "spec_s": sum(r.eval_s for r in r_i) / sum(r.stats.n_kept for r in r_i),
+                      **probed})
+  return [_point_record(bench, p, reps[i], res[i], compile_s[i], t_accept[i],
+                        split) for i, p in enumerate(ps)]
+
+
+def _point_record(bench: Bench, p: Point, reps: list[dict], res: list[speculative.SpecResult],
+                  compile_s: float, t_accept: float | None, split: bool) -> Record:
+  """One point's record from its repetitions (run_group) and its last runs."""
   pooled = stats_lib.Records.concat([r.records for r in res])
   gamma = max(bench.auto_set) if p.auto else p.gamma
   st = stats_lib.SpecStats.compute(pooled, gamma=gamma,
@@ -425,27 +456,32 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   records = list(done)
   bar = _progress(len(points), len(points) - len(todo), progress)
   t_start = time.perf_counter()
-  for i, p in enumerate(todo):
-    bench = benches[p.drafter]
-    rec = run_point(bench, p)
-    prompt_set = ({"prompt_set": str(cfg.get("prompt_set", "continuation"))}
-                  if int(cfg.get("heldout_prompts", 0)) else {})
-    d_cfg = bench.drafter.draft_config(tcfg, draft and draft.cfg)
-    rec.update(target=tcfg.name, draft=d_cfg.name if d_cfg is not None else None,
-               drafter=p.drafter, **prompt_set,
-               precision=tcfg.precision, env=env)
-    wd.append_jsonl(jsonl, [rec])
-    records.append(rec)
-    wd.write_csv(os.path.join(workdir, wd.CSV_FILE), records, schema.CSV_COLUMNS)
-    bar.update(1)
-    bar.set_postfix_str(f"{p.drafter} B={p.batch} g={p.gamma} {p.accept_rule} T={p.sp.temperature:g}: "
-                        f"{rec['speedup']:.2f}x")
-    if not progress:  # logs: one line per point with the time left
-      left = (time.perf_counter() - t_start) / (i + 1) * (len(todo) - i - 1)
-      eff = f", efficiency {rec['efficiency']:.3f}" if "efficiency" in rec else ""
-      print(f"point {len(records)}/{len(points)}: {p.drafter}, batch {p.batch}, gamma {p.gamma}, "
-            f"{p.accept_rule}, T={p.sp.temperature:g}: speedup {rec['speedup']:.3f}x{eff}; "
-            f"~{left / 60:.1f} min left", flush=True)
+  groups: dict[tuple, list[Point]] = {}
+  for p in todo:  # in order; a group's points follow one another in `points`
+    groups.setdefault(group_key(p), []).append(p)
+  i = -1
+  for group in groups.values():
+    bench = benches[group[0].drafter]
+    for p, rec in zip(group, run_group(bench, group)):
+      i += 1
+      prompt_set = ({"prompt_set": str(cfg.get("prompt_set", "continuation"))}
+                    if int(cfg.get("heldout_prompts", 0)) else {})
+      d_cfg = bench.drafter.draft_config(tcfg, draft and draft.cfg)
+      rec.update(target=tcfg.name, draft=d_cfg.name if d_cfg is not None else None,
+                 drafter=p.drafter, **prompt_set,
+                 precision=tcfg.precision, env=env)
+      wd.append_jsonl(jsonl, [rec])
+      records.append(rec)
+      wd.write_csv(os.path.join(workdir, wd.CSV_FILE), records, schema.CSV_COLUMNS)
+      bar.update(1)
+      bar.set_postfix_str(f"{p.drafter} B={p.batch} g={p.gamma} {p.accept_rule} "
+                          f"T={p.sp.temperature:g}: {rec['speedup']:.2f}x")
+      if not progress:  # logs: one line per point with the time left
+        left = (time.perf_counter() - t_start) / (i + 1) * (len(todo) - i - 1)
+        eff = f", efficiency {rec['efficiency']:.3f}" if "efficiency" in rec else ""
+        print(f"point {len(records)}/{len(points)}: {p.drafter}, batch {p.batch}, "
+              f"gamma {p.gamma}, {p.accept_rule}, T={p.sp.temperature:g}: speedup "
+              f"{rec['speedup']:.3f}x{eff}; ~{left / 60:.1f} min left", flush=True)
   bar.close()
   from specjax import sweep_report  # matplotlib only when writing the report
   sweep_report.write_report(workdir, records, curve_d, env, int(cfg.n_predict) - 1)

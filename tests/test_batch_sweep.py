@@ -233,8 +233,9 @@ def test_batch_sweep_end_to_end_and_resume(tmp_path, monkeypatch):
   lines = path.read_text().splitlines()
   path.write_text("\n".join(lines[:4]) + "\n")
   ran = []
-  real = sweep.run_point
-  monkeypatch.setattr(sweep, "run_point", lambda b, p: ran.append(p.key) or real(b, p))
+  real = sweep.run_group
+  monkeypatch.setattr(sweep, "run_group",
+                      lambda b, ps: ran.extend(p.key for p in ps) or real(b, ps))
   again = sweep.run_sweep(cfg, str(tmp_path), resume=True, progress=False)
   assert len(again) == 6 and sorted(map(str, ran)) == sorted(
       str(sweep.point_key(json.loads(l))) for l in lines[4:])

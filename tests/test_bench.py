@@ -119,3 +119,30 @@ def test_units_and_flag_parsing():
       bench.parse_ints(bad)
   with pytest.raises(ConfigError):
     bench.run_bench(["tiny"], ["float32"], [1], n_gen=1, n_depth=0, reps=0)
+
+
+def test_roofline_bound_is_flat_to_the_ridge_and_compute_bound_past_it():
+  # 1 M weights of 4 bytes at 10 GB/s: 0.4 ms to read; 2 M FLOPs per row at
+  # 100 GFLOP/s: 0.02 ms per row -> ridge at 100 * 4 / (2 * 10) = 20 rows.
+  read = 1e6 * 4 / 10e9
+  for m in (1, 8, 20):
+    assert bench.roofline_bound(m, 1_000_000, 4, 100.0, 10.0) == pytest.approx(read)
+  assert bench.roofline_bound(40, 1_000_000, 4, 100.0, 10.0) == pytest.approx(2 * read)
+  # half the bytes: half the read time, the same compute -> ridge at 10 rows
+  assert bench.roofline_bound(5, 1_000_000, 2, 100.0, 10.0) == pytest.approx(read / 2)
+  assert bench.roofline_bound(40, 1_000_000, 2, 100.0, 10.0) == pytest.approx(2 * read)
+  peaks = bench.measure_peaks(reps=1, n=64, read_mib=1)
+  assert peaks["peak_gflops"] > 0 and peaks["read_gbs"] > 0 and peaks["compile_s"] > 0
+
+
+def test_dot_bench_prints_the_roofline_next_to_the_measured_products(tmp_path):
+  import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "dot.json"
+  proc = subprocess.run([sys.executable, os.path.join(root, "experiments", "dot_bench.py"),
+                         "--model=tiny", "--m=1,2", "--reps=1", "--k=1", f"--json_out={out}"],
+                        capture_output=True, text=True, timeout=300, cwd=root)
+  assert proc.returncode == 0, proc.stderr
+  assert "ridge point at M =" in proc.stdout and "| 2 |" in proc.stdout
+  roof = json.loads(out.read_text())["roofline"]
+  assert [r["m"] for r in roof["rows"]] == [1, 2] and roof["layer_params"] == 64 * (2 * 64 + 2 * 32) + 3 * 64 * 128

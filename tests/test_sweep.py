@@ -127,3 +127,34 @@ def test_drafters_config_on_the_shipped_target(tmp_path):
   assert (tmp_path / "drafters.png").stat().st_size > 0
   saved = json.loads((tmp_path / "costs.json").read_text())
   assert sorted(saved["drafters"]) == sorted(by)
+
+
+def test_points_of_one_gamma_share_the_baseline_runs_and_the_probes(tmp_path, tiny_dir,
+                                                                     monkeypatch):
+  """Rules at one gamma form a group: target-only runs once per repetition
+  (plus one warm-up), the probes once per repetition, each point's own
+  speculative run once per repetition; the group's records share baseline."""
+  calls = {"base": 0, "spec": 0, "probes": 0}
+  for name, obj, attr in (("base", sweep.Bench, "base"), ("spec", sweep.Bench, "spec"),
+                          ("probes", sweep, "_rep_costs")):
+    real = getattr(obj, attr)
+    def counted(*a, _real=real, _name=name, **k):
+      calls[_name] += 1
+      return _real(*a, **k)
+    monkeypatch.setattr(obj, attr, counted)
+  cfg = _tiny_config(tiny_dir, gammas=(1, 3), accepts=("bernoulli:0.5", "always"), reps=2,
+                     measure_split=False)
+  records = sweep.run_sweep(cfg, str(tmp_path), progress=False)
+  assert len(records) == 4
+  # 2 groups x 2 reps, + 1 warm-up (one target-only program)
+  assert calls["base"] == 2 * 2 + 1
+  # 4 points x 2 reps, + 2 warm-ups (one program per gamma: both rules simulated)
+  assert calls["spec"] == 4 * 2 + 2
+  assert calls["probes"] == 2 * 2
+  by_gamma = {}
+  for r in records:
+    by_gamma.setdefault(r["gamma"], set()).add(r["baseline_tps"])
+  assert all(len(v) == 1 for v in by_gamma.values())
+  with pytest.raises(ValueError, match="different groups"):
+    sweep.run_group(None, [sweep.Point(1, "always", sweep.SamplingParams()),
+                           sweep.Point(2, "always", sweep.SamplingParams())])
