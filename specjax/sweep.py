@@ -459,11 +459,13 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   groups: dict[tuple, list[Point]] = {}
   for p in todo:  # in order; a group's points follow one another in `points`
     groups.setdefault(group_key(p), []).append(p)
-  i = -1
+  n_done = 0
   for group in groups.values():
     bench = benches[group[0].drafter]
-    for p, rec in zip(group, run_group(bench, group)):
-      i += 1
+    recs = run_group(bench, group)
+    n_done += len(group)
+    left = (time.perf_counter() - t_start) / n_done * (len(todo) - n_done)
+    for p, rec in zip(group, recs):
       prompt_set = ({"prompt_set": str(cfg.get("prompt_set", "continuation"))}
                     if int(cfg.get("heldout_prompts", 0)) else {})
       d_cfg = bench.drafter.draft_config(tcfg, draft and draft.cfg)
@@ -477,7 +479,6 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
       bar.set_postfix_str(f"{p.drafter} B={p.batch} g={p.gamma} {p.accept_rule} "
                           f"T={p.sp.temperature:g}: {rec['speedup']:.2f}x")
       if not progress:  # logs: one line per point with the time left
-        left = (time.perf_counter() - t_start) / (i + 1) * (len(todo) - i - 1)
         eff = f", efficiency {rec['efficiency']:.3f}" if "efficiency" in rec else ""
         print(f"point {len(records)}/{len(points)}: {p.drafter}, batch {p.batch}, "
               f"gamma {p.gamma}, {p.accept_rule}, T={p.sp.temperature:g}: speedup "
