@@ -2,6 +2,9 @@
 llama-batched-bench definitions, and the unrolled-vs-scan layer loop."""
 
 import json
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -135,14 +138,31 @@ def test_roofline_bound_is_flat_to_the_ridge_and_compute_bound_past_it():
   assert peaks["peak_gflops"] > 0 and peaks["read_gbs"] > 0 and peaks["compile_s"] > 0
 
 
-def test_dot_bench_prints_the_roofline_next_to_the_measured_products(tmp_path):
-  import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+def _script(name, *args):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = tmp_path / "dot.json"
-  proc = subprocess.run([sys.executable, os.path.join(root, "experiments", "dot_bench.py"),
-                         "--model=tiny", "--m=1,2", "--reps=1", "--k=1", f"--json_out={out}"],
+  return subprocess.run([sys.executable, os.path.join(root, "experiments", name), *args],
                         capture_output=True, text=True, timeout=300, cwd=root)
+
+
+def test_dot_bench_prints_the_roofline_next_to_the_measured_products(tmp_path):
+  out = tmp_path / "dot.json"
+  proc = _script("dot_bench.py", "--model=tiny", "--m=1,2", "--reps=1", "--k=1",
+                 f"--json_out={out}")
   assert proc.returncode == 0, proc.stderr
   assert "ridge point at M =" in proc.stdout and "| 2 |" in proc.stdout
   roof = json.loads(out.read_text())["roofline"]
   assert [r["m"] for r in roof["rows"]] == [1, 2] and roof["layer_params"] == 64 * (2 * 64 + 2 * 32) + 3 * 64 * 128
+
+
+def test_decode_profile_ablates_attention_and_times_the_projections(tmp_path):
+  out = tmp_path / "prof.json"
+  proc = _script("decode_profile.py", "--model=tiny", "--depth=8", "--reps=1", "--k=2",
+                 f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr
+  recs = json.loads(out.read_text())["results"]
+  assert [r["variant"] for r in recs] == ["full", "no attention", "no norms", "no rope",
+                                         "projections"]
+  assert all(r["ms"] > 0 and r["bound_ms"] > 0 for r in recs)
+  assert "| tiny | 8 |" in proc.stdout
+  bad = _script("decode_profile.py", "--model=tiny", "--dtype=int8", "--reps=1")
+  assert bad.returncode != 0 and "Traceback" not in bad.stderr and "int8" in bad.stderr
