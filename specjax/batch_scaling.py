@@ -282,15 +282,22 @@ def _draft_cost(run: Run, dtype: str, depth: int, capacity: int) -> float | None
   return t.median
 
 
-def _model_run(run: Run, spec: str, dtype: str, rng) -> None:
-  """Every depth and batch size for one model and dtype."""
-  c = run.c
-  cfg, params, _ = checkpoint.load_model(spec, dtype=dtype, seed=c.seed)
+def _check_depths(c, cfg) -> int:
+  """The largest N of the config; ConfigError if the deepest depth plus it
+  does not fit the model's max_seq_len."""
   max_n = max(max(c.n_tokens), max(c.batch_n_tokens))
   if max(c.depths) + max_n > cfg.max_seq_len:
     raise ConfigError(f"{cfg.name}: depth + largest N = "
                       f"{max(c.depths) + max_n} exceeds max_seq_len "
                       f"{cfg.max_seq_len}")
+  return max_n
+
+
+def _model_run(run: Run, spec: str, dtype: str, rng) -> None:
+  """Every depth and batch size for one model and dtype."""
+  c = run.c
+  cfg, params, _ = checkpoint.load_model(spec, dtype=dtype, seed=c.seed)
+  max_n = _check_depths(c, cfg)
   backends = _make_backends(run, cfg, params,
                             spec if gguf_file.is_gguf_file(spec) else None)
   try:
@@ -325,6 +332,9 @@ def run_batch_scaling(c, workdir: str, log: Callable[[str], None] | None = None
     ConfigError: bad settings. ParityError: two backends disagree.
   """
   c = settings(c)
+  for spec in c.models:  # presets: refused before anything runs (others when loaded)
+    if spec in config_lib.preset_names():
+      _check_depths(c, config_lib.get_preset(spec))
   os.makedirs(workdir, exist_ok=True)
   jsonl = os.path.join(workdir, wd.RESULTS)
   if os.path.exists(jsonl):

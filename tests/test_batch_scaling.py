@@ -220,6 +220,15 @@ def test_script_bad_config_is_one_line(tmp_path):
   assert proc.returncode == 1 and "Traceback" not in proc.stderr
   assert "error: config.backends must include 'xla'" in proc.stderr
 
+
+def test_a_depth_past_a_presets_max_seq_len_is_refused_before_anything_runs(tmp_path):
+  # both have max_seq_len 128: refused before the workdir gets a results file
+  with pytest.raises(ConfigError, match="tiny: depth"):
+    batch_scaling.run_batch_scaling(
+        tiny_config(models=("tiny", "tiny-mha"), depths=(8, 127), backends=("xla",),
+                    batches=(1,)), str(tmp_path), log=lambda s: None)
+  assert not (tmp_path / "results.jsonl").exists()
+
 # ---------------------------------------------------------------- reports
 
 
