@@ -222,10 +222,10 @@ def test_script_bad_config_is_one_line(tmp_path):
 
 
 def test_a_depth_past_a_presets_max_seq_len_is_refused_before_anything_runs(tmp_path):
-  # both have max_seq_len 128: refused before the workdir gets a results file
+  # cpu-draft (max_seq_len 1024) would run first; tiny (128) cannot take depth 127 + 2
   with pytest.raises(ConfigError, match="tiny: depth"):
     batch_scaling.run_batch_scaling(
-        tiny_config(models=("tiny", "tiny-mha"), depths=(8, 127), backends=("xla",),
+        tiny_config(models=("cpu-draft", "tiny"), depths=(8, 127), backends=("xla",),
                     batches=(1,)), str(tmp_path), log=lambda s: None)
   assert not (tmp_path / "results.jsonl").exists()
 
