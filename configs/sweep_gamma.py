@@ -1,7 +1,7 @@
 """The gamma x acceptance sweep.
 
-Default (random weights, no download; 14 minutes on a 2-core AVX-512 Xeon, about 30 on a 2-core
-AVX2-only machine, where every step is slower):
+Default (random weights, no download; 9 minutes on a 2-core AVX2-only AMD EPYC at commit 03bb959,
+14 before the rules of one gamma shared their target-only runs and probes):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py --workdir=/tmp/specjax_sweep
 Quick (about 9 minutes on a 2-core AVX2 machine):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick --workdir=/tmp/specjax_quick
