@@ -3,7 +3,7 @@
 Default (random weights, no download; 9 minutes on a 2-core AVX2-only AMD EPYC at commit 03bb959,
 14 before the rules of one gamma shared their target-only runs and probes):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py --workdir=/tmp/specjax_sweep
-Quick (about 9 minutes on a 2-core AVX2 machine):
+Quick (3 minutes on the same machine):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick --workdir=/tmp/specjax_quick
 Real acceptance with the shipped trained pair (held-out stdlib prompts, T=0 and 1):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:real --workdir=/tmp/specjax_real
