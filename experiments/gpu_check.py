@@ -3,7 +3,10 @@ about 5 minutes on one GPU).
 
   pip install --no-deps -e . && python experiments/gpu_check.py --workdir=/tmp/specjax_gpu
 
-1. Checks that JAX sees a GPU.
+1. Checks that JAX sees a GPU, and measures its ceilings: bf16 FLOP/s of
+   an 8192^3 product and the read bandwidth of summing 2 GiB (the ridge
+   point they imply: the tokens per verify below which reading the weights
+   sets the time).
 2. Decode and verify cost, llama-160m and llama-7b shapes in bf16 (random
    weights), depth 128: tg t/s, ms/token and the share of the HBM roofline
    (every weight and the attended KV slots read once per token), T(N)/T(1)
@@ -32,6 +35,8 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,7 +51,8 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny models on any backend: checks t
 _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", None, "Peak memory bandwidth (GB/s); default: "
                                 "looked up from the device kind.", lower_bound=1.0)
 _REPS = flags.DEFINE_integer("reps", 5, "Benchmark repetitions.", lower_bound=1)
-_SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: bench, attention, sweep, overhead, mesh.")
+_SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: peaks, bench, attention, sweep, batch, "
+                         "overhead, mesh.")
 
 
 class Out:
@@ -62,13 +68,30 @@ class Out:
     wd.append_jsonl(self.path, [{"part": part, **rec, "env": self.env}])
 
 
-def bench_part(models, dtype, n_prompt, n_gen, depth, reps, bandwidth, out) -> list[str]:
+def peaks_part(smoke: bool, reps: int, out, measured: dict) -> list[str]:
+  """The device's measured ceilings (bench.measure_peaks, bf16 on a GPU); the
+  bench part reports its roofline share against them too."""
+  n, mib, dtype = (256, 8, "float32") if smoke else (8192, 2048, "bfloat16")
+  peaks = bench.measure_peaks(reps=reps, n=n, read_mib=mib, dtype=dtype)
+  measured.update(peaks)
+  out("peaks", {"n": n, "read_mib": mib, "dtype": dtype, **peaks})
+  item = np.dtype(jnp.dtype(dtype)).itemsize  # bytes per weight
+  ridge = peaks["peak_gflops"] * item / (2 * peaks["read_gbs"])
+  return ["## Measured ceilings", "",
+          f"{dtype} {n}^3 product: {peaks['peak_gflops'] / 1e3:.1f} TFLOP/s; summing "
+          f"{mib} MiB: {peaks['read_gbs']:.0f} GB/s. Ridge point for {item}-byte weights at "
+          f"batch 1: N = {ridge:.0f} tokens per forward (below it the weights' read sets "
+          f"the time: T(N)/T(1) can stay near 1)."]
+
+
+def bench_part(models, dtype, n_prompt, n_gen, depth, reps, bandwidth, out,
+               measured_gbs=None) -> list[str]:
   records = bench.run_bench(models, [dtype], n_prompt=n_prompt, n_gen=n_gen, n_depth=depth,
                             reps=reps, on_record=lambda r: out("bench", r))
   lines = ["## Decode and verify cost (batch 1, depth %d)" % depth, "",
-           "| model | tg t/s | ms/token | roofline | " + " | ".join(
+           "| model | tg t/s | ms/token | roofline | measured read | " + " | ".join(
                f"T({n})/T(1)" for n in n_prompt[1:]) + " | leaves flat at N | TFLOP/s at N=%d |"
-           % max(n_prompt), "|---" * (6 + len(n_prompt) - 1) + "|"]
+           % max(n_prompt), "|---" * (7 + len(n_prompt) - 1) + "|"]
   for spec in models:
     cfg = config.get_preset(spec, dtype)
     rs = [r for r in records if r["model"] == cfg.name]
@@ -84,11 +107,14 @@ def bench_part(models, dtype, n_prompt, n_gen, depth, reps, bandwidth, out) -> l
     tflops = 2 * tg["n_params"] * n_max / pp[n_max]["median_s"] / 1e12
     lines.append(f"| {spec} | {1 / step_s:.1f} | {1e3 * step_s:.2f} | "
                  + (f"{100 * roof:.0f}% of {bandwidth:.0f} GB/s" if roof else "bandwidth unknown")
+                 + " | " + (f"{100 * bench.roofline_fraction(cfg, tg['size_bytes'], slots, step_s, measured_gbs):.0f}%"
+                            if measured_gbs else "-")
                  + " | " + " | ".join(f"{ratio.get(n, float('nan')):.2f}" for n in n_prompt[1:])
                  + f" | {leave or '-'} | {tflops:.1f} |")
   lines += ["", f"Leaves flat at N: the smallest N with T(N)/T(1) > {FLAT_LIMIT} (- if none). "
             "TFLOP/s: 2 x params x N / T(N) at the largest N; past the ridge point the "
-            "verify is compute-bound and T(N) grows with N."]
+            "verify is compute-bound and T(N) grows with N. Measured read: the roofline "
+            "share against the read bandwidth measured in the first part."]
   return lines
 
 
@@ -194,9 +220,11 @@ def main(argv):
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
   bandwidth = _BANDWIDTH.value or bench.device_bandwidth_gbs(dev.device_kind)
   lines, t0 = [f"# GPU check: {dev.device_kind}", ""], time.perf_counter()
+  measured = {}  # filled by the peaks part
   parts = [
+      ("peaks", lambda: peaks_part(_SMOKE.value, reps, out, measured)),
       ("bench", lambda: bench_part(models, scfg.dtype, n_prompt, n_gen, depth, reps,
-                                   bandwidth, out)),
+                                   bandwidth, out, measured.get("read_gbs"))),
       ("attention", lambda: attention_part(attn_model, scfg.dtype, attn_points, attn_gen,
                                            reps, out)),
       ("sweep", lambda: sweep_part(scfg, _WORKDIR.value)),
