@@ -15,7 +15,7 @@ dispatch, compile excluded) at --depth tokens already cached, for:
 
 next to the bandwidth bound: the step's bytes (every weight once, the
 attended K/V slots: bench.decode_bytes) over the read bandwidth measured
-here (bench.measure_peaks, once per repetition: it drifts). Variants
+here (bench.measure_read, once per repetition: it drifts). Variants
 alternate within each repetition; medians of --reps. An ablated variant computes something else: only its
 time means anything.
 """
@@ -91,12 +91,15 @@ def profile(spec: str) -> list[dict]:
     raise ConfigError("decode_profile times float weights; --dtype=int8 is not supported")
   depth = _DEPTH.value
   capacity = depth + 16
-  probes = {}
+  probes, logits = {}, {}
+  tokens = np.arange(1, 9)[None] % cfg.vocab_size
   for v in VARIANTS:  # each variant its own config name: its own trace
     with ablated(v):
       m = steps.Runner(cfg.replace(name=f"{cfg.name}|{v}"), params)
       probes[v] = costs.CostProbe(m, capacity, depth, k=_K.value)
       probes[v].times([1])  # compile while patched
+      # what the variant computes, to show the ablation took effect
+      logits[v] = np.asarray(m.forward(tokens, m.new_cache(1, capacity))[0], np.float32)
   ws = kernels(params)
   x = jnp.asarray(np.random.default_rng(0).standard_normal(max(max(w.shape[0] for w in ws), 1)),
                   jnp.float32)
@@ -109,7 +112,7 @@ def profile(spec: str) -> list[dict]:
       with ablated(v):
         times[v].append(probes[v].times([1])[1].median)
     times["projections"].append(timing.measure(proj, reps=1, warmup=0).median / _K.value)
-    read_gbs.append(bench.measure_peaks(reps=1)["read_gbs"])
+    read_gbs.append((512 << 20) / bench.measure_read(reps=1, read_mib=512).median / 1e9)
   peaks = {"read_gbs": float(np.median(read_gbs))}
   n_bytes = bench.decode_bytes(cfg, sum(int(w.size) * w.dtype.itemsize for w in ws),
                                bench.attended_slots(cfg, capacity, depth + 1))
@@ -118,6 +121,8 @@ def profile(spec: str) -> list[dict]:
   env = wd.environment()
   return [{"model": cfg.name, "precision": cfg.precision, "depth": depth, "capacity": capacity,
            "variant": v, "ms": 1e3 * s, "share_of_full": s / med["full"],
+           "max_abs_logit_diff": (float(np.abs(logits[v] - logits["full"]).max())
+                                  if v in logits else None),
            "bound_ms": 1e3 * bound, "read_gbs": peaks["read_gbs"], "env": env}
           for v, s in med.items()]
 

@@ -36,7 +36,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,7 +74,7 @@ def peaks_part(smoke: bool, reps: int, out, measured: dict) -> list[str]:
   peaks = bench.measure_peaks(reps=reps, n=n, read_mib=mib, dtype=dtype)
   measured.update(peaks)
   out("peaks", {"n": n, "read_mib": mib, "dtype": dtype, **peaks})
-  item = np.dtype(jnp.dtype(dtype)).itemsize  # bytes per weight
+  item = jnp.dtype(dtype).itemsize  # bytes per weight
   ridge = peaks["peak_gflops"] * item / (2 * peaks["read_gbs"])
   return ["## Measured ceilings", "",
           f"{dtype} {n}^3 product: {peaks['peak_gflops'] / 1e3:.1f} TFLOP/s; summing "

@@ -8,7 +8,7 @@ greedy generation of n_predict tokens for B ragged prompts (lengths
 prompt_len, prompt_len - 2, ...), the two alternating over --reps
 repetitions after an untimed warm-up (compile: torch.compile's graphs, XLA's
 programs); tokens/s are summed over rows, first token excluded; speedup is
-the median of each repetition's ratio (sweep.run_point's pairing).
+the median of each repetition's ratio (sweep.run_group's pairing).
   torch    backends/torch_spec.TorchSpec: a host loop of torch.compile'd
            forwards (T = 1 decode and draft, T = gamma + 1 verify).
   specjax  speculative.generate / generation.generate (device loops).

@@ -458,22 +458,28 @@ def roofline_fraction(cfg: ModelConfig, param_bytes: int, kv_slots: int, step_s:
   return decode_bytes(cfg, param_bytes, kv_slots) / step_s / (bandwidth_gbs * 1e9)
 
 
+def measure_read(reps: int = 5, read_mib: int = 512, dtype=jnp.float32) -> timing.Timing:
+  """Time of summing a read_mib MiB array of `dtype` (memory-bound): the
+  read bandwidth is read_mib MiB / its median."""
+  dtype = jnp.dtype(dtype)
+  big = jnp.ones(((read_mib << 20) // dtype.itemsize,), dtype)
+  total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+  return timing.measure(lambda: total(big), reps=reps)
+
+
 def measure_peaks(reps: int = 5, n: int = 2048, read_mib: int = 512,
                   dtype=jnp.float32) -> Record:
   """This backend's measured ceilings in `dtype` (float32 by default): FLOP/s
   of one square n x n x n product (compute-bound) and the bandwidth of
-  summing a read_mib MiB array (memory-bound); medians of `reps`, compile
+  summing a read_mib MiB array (measure_read); medians of `reps`, compile
   excluded. What a skinny product could reach, next to what it does
   (experiments/dot_bench.py, experiments/gpu_check.py)."""
-  dtype = jnp.dtype(dtype)
-  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
-  big = jnp.ones(((read_mib << 20) // dtype.itemsize,), dtype)  # read_mib MiB
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.dtype(dtype))
   mm = jax.jit(lambda x: x @ x)
-  total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
   t_mm = timing.measure(lambda: mm(a), reps=reps)
-  t_rd = timing.measure(lambda: total(big), reps=reps)
+  t_rd = measure_read(reps, read_mib, dtype)
   return {"peak_gflops": 2 * n ** 3 / t_mm.median / 1e9,
-          "read_gbs": big.nbytes / t_rd.median / 1e9,
+          "read_gbs": (read_mib << 20) / t_rd.median / 1e9,
           "compile_s": t_mm.compile_s + t_rd.compile_s}
 
 

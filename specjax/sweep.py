@@ -274,11 +274,6 @@ def group_key(p: Point) -> tuple:
   return (p.drafter, p.batch, p.gamma, p.sp)
 
 
-def run_point(bench: Bench, p: Point) -> Record:
-  """Measures one point and its predictions (run_group of one point)."""
-  return run_group(bench, [p])[0]
-
-
 def run_group(bench: Bench, ps: list[Point]) -> list[Record]:
   """Measures the points of one group (group_key: they differ only in their
   acceptance rule) and their predictions; one record per point, in order.

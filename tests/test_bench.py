@@ -163,6 +163,8 @@ def test_decode_profile_ablates_attention_and_times_the_projections(tmp_path):
   assert [r["variant"] for r in recs] == ["full", "no attention", "no norms", "no rope",
                                          "projections"]
   assert all(r["ms"] > 0 and r["bound_ms"] > 0 for r in recs)
+  diff = {r["variant"]: r["max_abs_logit_diff"] for r in recs}
+  assert diff["full"] == 0 and all(diff[v] > 0 for v in ("no attention", "no norms", "no rope"))
   assert "| tiny | 8 |" in proc.stdout
   bad = _script("decode_profile.py", "--model=tiny", "--dtype=int8", "--reps=1")
   assert bad.returncode != 0 and "Traceback" not in bad.stderr and "int8" in bad.stderr

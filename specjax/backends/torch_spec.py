@@ -28,7 +28,7 @@ Every row's tokens equal batch-1 target-only generation's and specjax's
 specjax's (`stats.Records`, `stats.SpecStats`).
 
 Timing (`time_point`, `TorchCostProbe`): the shape of specjax's sweep
-(`sweep.run_point`: target-only and speculative alternating, medians,
+(`sweep.run_group`: target-only and speculative alternating, medians,
 compile / warm-up excluded and reported apart) and of `costs.CostProbe`
 (T(n): k forwards from the same cache state, time per forward), with the
 batch as a dimension. torch is imported on first use.
@@ -394,7 +394,7 @@ def time_point(engine: TorchSpec, prompts, n_predict: int, gamma: int, rule: str
   """Target-only and speculative tokens/s at batch B = len(prompts), summed
   over rows (first token excluded, as specjax's), each repetition running
   both, the order alternating; medians over repetitions, speedup the median
-  of each repetition's ratio (sweep.run_point's pairing). The first call of
+  of each repetition's ratio (sweep.run_group's pairing). The first call of
   each (warm-up: torch.compile) is timed apart (`warmup_s`); a graph built
   during the timed repetitions raises (shapes changed)."""
   cap = capacity or generation.plan_capacity(
@@ -419,7 +419,7 @@ def time_point(engine: TorchSpec, prompts, n_predict: int, gamma: int, rule: str
 
 def paired_reps(base, spec, reps: int, n_rows: int):
   """`reps` repetitions of target-only and speculative generation, the order
-  alternating (sweep.run_point's pairing). Returns (rows of per-token
+  alternating (sweep.run_group's pairing). Returns (rows of per-token
   seconds {base_s, spec_s}, the last speculative result, the last
   target-only result); any engine whose results carry eval_s, n_eval and
   stats.n_kept."""
