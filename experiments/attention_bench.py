@@ -12,7 +12,10 @@ masked pass over the whole capacity (attn_block 0), alternating, medians of
 
 from absl import flags
 
-from specjax import bench, checkpoint, cli, steps
+from specjax.bench import llama_bench as bench
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.model import steps
 from specjax.errors import ConfigError
 
 _MODEL = flags.DEFINE_list("model", ["llama-160m"], "Models: preset names, HF or orbax directories.")

@@ -14,7 +14,8 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from specjax import batch_scaling, cli
+from specjax.bench import batch_scaling
+from specjax import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "batch_scaling.py"),

@@ -10,7 +10,11 @@ N_KV = B*(PP+TG), S_PP = B*PP/T_PP, S_TG = B*TG/T_TG, T = T_PP+T_TG, S = N_KV/T.
 
 from absl import flags
 
-from specjax import bench, checkpoint, cli, config, steps
+from specjax.bench import llama_bench as bench
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.model import config
+from specjax.model import steps
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Preset name, HF directory or orbax directory.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute and parameter dtype (float32, bfloat16, float16).")

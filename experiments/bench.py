@@ -13,7 +13,8 @@ on random weights: speed does not depend on their values.
 
 from absl import flags
 
-from specjax import bench, cli
+from specjax.bench import llama_bench as bench
+from specjax import cli
 
 _MODEL = flags.DEFINE_list("model", ["cpu-target"], "Models: preset names, HF or orbax directories.")
 _DTYPE = flags.DEFINE_list("dtype", ["float32"], "Compute and parameter dtypes (float32, bfloat16, float16, bf16-mixed).")

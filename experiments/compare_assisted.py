@@ -18,7 +18,13 @@ import os
 
 from absl import flags
 
-from specjax import assisted, bench, checkpoint, cli, speculative, steps, tokenizer
+from specjax.bench import assisted
+from specjax.bench import llama_bench as bench
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.decode import speculative
+from specjax.model import steps
+from specjax.formats import tokenizer
 from specjax import workdir as wd
 from specjax.errors import ConfigError
 

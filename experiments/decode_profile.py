@@ -28,7 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from specjax import bench, checkpoint, cli, costs, layers, steps, timing
+from specjax.bench import llama_bench as bench
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.bench import costs
+from specjax.model import layers
+from specjax.model import steps
+from specjax.metrics import timing
 from specjax import workdir as wd
 from specjax.errors import ConfigError
 

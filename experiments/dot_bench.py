@@ -35,9 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from specjax import bench, cli, timing
+from specjax.bench import llama_bench as bench
+from specjax import cli
+from specjax.metrics import timing
 from specjax import workdir as wd
-from specjax.config import get_preset
+from specjax.model.config import get_preset
 
 _MODEL = flags.DEFINE_string("model", "llama-160m", "Preset whose shapes are timed.")
 _MS = flags.DEFINE_list("m", ["1", "2", "4", "8", "16"], "Rows per product (tokens).")

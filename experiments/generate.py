@@ -11,7 +11,10 @@ directory written by specjax) works the same way:
 
 from absl import flags
 
-from specjax import checkpoint, cli, generation, steps
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.decode import generation
+from specjax.model import steps
 from specjax import workdir as wd
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Preset name, HF directory or orbax directory.")

@@ -21,12 +21,17 @@ import time
 import jax
 from absl import flags
 
-from specjax import checkpoint, cli, costs, gguf_file, steps, timing
-from specjax import model as model_lib
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.bench import costs
+from specjax.formats import gguf as gguf_file
+from specjax.model import steps
+from specjax.metrics import timing
+from specjax.model import llama as model_lib
 from specjax import workdir as wd
-from specjax.backends import llamacpp
-from specjax.bench import format_size, markdown_table
-from specjax.config import get_preset
+from specjax.bench.backends import llamacpp
+from specjax.bench.llama_bench import format_size, markdown_table
+from specjax.model.config import get_preset
 
 _MODEL = flags.DEFINE_string("model", "llama-160m", "Preset whose shapes are written and timed.")
 _TYPES = flags.DEFINE_list("types", ["F16", "Q8_0"], "GGUF tensor types to write and load.")

@@ -40,8 +40,16 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # noqa: E402
-from specjax import bench, checkpoint, cli, config, costs, mesh_plan, sharding, steps, sweep
-from specjax.batch_scaling_report import FLAT_LIMIT, scaling_report
+from specjax.bench import llama_bench as bench
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.model import config
+from specjax.bench import costs
+from specjax.parallel import mesh_plan
+from specjax.model import sharding
+from specjax.model import steps
+from specjax.bench import sweep
+from specjax.bench.batch_scaling_report import FLAT_LIMIT, scaling_report
 from specjax import workdir as wd
 from specjax.errors import SpecjaxError
 
@@ -144,7 +152,7 @@ def sweep_part(cfg, workdir) -> list[str]:
 
 
 def batch_part(cfg, workdir) -> list[str]:
-  from specjax import sweep_report  # pylint: disable=import-outside-toplevel
+  from specjax.bench import sweep_report  # pylint: disable=import-outside-toplevel
   points = sweep.run_sweep(cfg, os.path.join(workdir, "sweep_batch"), progress=False)
   lines = [f"## Batch > 1: {cfg.draft} draft / {cfg.target} target ({cfg.dtype or 'own dtype'})",
            "", "| batch | gamma | accept rule | speedup | loop steps (measured / tail model) | "

@@ -13,7 +13,8 @@ allocated, nothing runs; only compile seconds are reported.
 
 from absl import flags
 
-from specjax import cli, layer_loop
+from specjax import cli
+from specjax.bench import layer_loop
 
 _MODEL = flags.DEFINE_string("model", "llama-160m", "Model whose decode is timed: preset, HF or orbax directory.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute and parameter dtype.")

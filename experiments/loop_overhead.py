@@ -15,7 +15,12 @@ while loop, the bookkeeping, the records and the call itself.
 import numpy as np
 from absl import flags
 
-from specjax import checkpoint, cli, costs, drafters, speculative, steps
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.bench import costs
+from specjax.drafters import base as drafters
+from specjax.decode import speculative
+from specjax.model import steps
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory or orbax directory.")
 _MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset name, HF directory or "

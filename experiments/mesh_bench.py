@@ -35,9 +35,17 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import numpy as np
 from absl import flags
 
-from specjax import bench, checkpoint, cli, costs, generation, mesh_plan, sharding
-from specjax import speculative, steps, workdir
-from specjax.config import get_preset
+from specjax.bench import llama_bench as bench
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.bench import costs
+from specjax.decode import generation
+from specjax.parallel import mesh_plan
+from specjax.model import sharding
+from specjax.decode import speculative
+from specjax.model import steps
+from specjax import workdir
+from specjax.model.config import get_preset
 from specjax.errors import ConfigError
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset, HF or orbax directory.")

@@ -1,4 +1,4 @@
-"""Reproduces the published speculative-decoding numbers from specjax.theory alone.
+"""Reproduces the published speculative-decoding numbers from specjax.metrics.theory alone.
 
 Run (after `pip install -e .`):
 
@@ -12,7 +12,8 @@ summary.md.
 
 from absl import flags
 
-from specjax import cli, paper
+from specjax import cli
+from specjax.bench import paper
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_paper", "Output folder (created if missing).")
 _MAX_GAMMA = flags.DEFINE_integer("max_gamma", 10, "Largest draft length gamma in the plot and tables.",

@@ -34,9 +34,17 @@ import statistics
 import numpy as np
 from absl import flags
 
-from specjax import acceptance, autogamma, checkpoint, cli, drafters, eagle, generation, schema
-from specjax import speculative, steps
-from specjax import tokenizer
+from specjax.decode import acceptance
+from specjax.decode import autogamma
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.drafters import base as drafters
+from specjax.drafters import eagle
+from specjax.decode import generation
+from specjax.metrics import schema
+from specjax.decode import speculative
+from specjax.model import steps
+from specjax.formats import tokenizer
 from specjax import workdir as wd
 from specjax.errors import ConfigError
 

@@ -13,7 +13,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from specjax import cli, sweep
+from specjax import cli
+from specjax.bench import sweep
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "sweep_gamma.py"),

@@ -44,12 +44,20 @@ from absl import flags
 import jax
 import numpy as np
 
-from specjax import autogamma, checkpoint, cli, config, costs, generation, speculative, steps
-from specjax import sweep_report, timing
+from specjax.decode import autogamma
+from specjax.formats import checkpoint
+from specjax import cli
+from specjax.model import config
+from specjax.bench import costs
+from specjax.decode import generation
+from specjax.decode import speculative
+from specjax.model import steps
+from specjax.bench import sweep_report
+from specjax.metrics import timing
 from specjax import workdir as wd
-from specjax.backends import torch_spec as ts
+from specjax.bench.backends import torch_spec as ts
 from specjax.errors import ConfigError
-from specjax.sampling import SamplingParams
+from specjax.decode.sampling import SamplingParams
 
 _TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset, HF or orbax directory.")
 _DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset, HF or orbax directory.")

@@ -15,7 +15,8 @@ import sys
 from absl import flags
 from ml_collections import config_flags
 
-from specjax import cli, pair
+from specjax import cli
+from specjax.train import pair
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "train.py"),

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from absl import app, flags, logging
 
 from specjax.errors import SpecjaxError
-from specjax.sampling import SamplingParams
+from specjax.decode.sampling import SamplingParams
 
 # Used when a model has no tokenizer and no prompt is given: 32 fixed ids.
 DEFAULT_PROMPT_TOKENS = [1] + list(range(100, 131))
@@ -43,7 +43,7 @@ _DRAFT_SHARDING = flags.DEFINE_enum(
     "('auto').")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-process runs: host:port of process 0 "
-    "(or SPECJAX_COORDINATOR; python -m specjax.launch sets it).")
+    "(or SPECJAX_COORDINATOR; python -m specjax.parallel.launch sets it).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
                                       "Multi-process runs: number of processes.",
                                       lower_bound=1)
@@ -59,14 +59,14 @@ DRAFTER_HELP = ("What proposes the drafts: model (the --model_draft model) | ngr
 
 
 def define_drafter_flag():
-  """--drafter (see specjax.drafters.parse); call at import time of a script."""
+  """--drafter (see specjax.drafters.base.parse); call at import time of a script."""
   return flags.DEFINE_string("drafter", "model", DRAFTER_HELP)
 
 
 def setup_devices() -> None:
   """jax.distributed (if asked for) and the --mesh, before the script runs.
   Processes other than 0 print nothing on stdout and write no files."""
-  from specjax import sharding  # pylint: disable=import-outside-toplevel
+  from specjax.model import sharding  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   multi = sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
                                           _PROCESS_ID.value)

@@ -220,7 +220,7 @@ def environment() -> Record:
   """What every record carries: versions, backend, device, CPU, host, load."""
   import jax  # pylint: disable=import-outside-toplevel
   import jaxlib  # pylint: disable=import-outside-toplevel
-  from specjax import sharding  # pylint: disable=import-outside-toplevel
+  from specjax.model import sharding  # pylint: disable=import-outside-toplevel
   dev = jax.devices()[0]
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
           "backend": jax.default_backend(), "device_kind": dev.device_kind,

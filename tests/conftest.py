@@ -4,7 +4,7 @@ import functools
 
 import pytest
 
-from specjax import model as model_lib
+from specjax.model import llama as model_lib
 
 
 @pytest.fixture(scope="session")

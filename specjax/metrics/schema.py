@@ -1,0 +1,110 @@
+"""The record of a speculative run, defined once.
+
+Every output that describes a speculative run uses these fields, with these
+meanings: experiments/speculative.py's --json_out, the sweep's results.jsonl,
+results.csv and plots. `run_record` builds one and refuses a field that is
+not defined here, so a name cannot drift between outputs (as `accept` once
+meant the rule in one place and the rate in another).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specjax.metrics.stats import SpecStats
+
+# 2: accept_rule / accept_rate named apart; tokens_per_step and speed count
+# the same (kept) tokens; catch-up steps counted; accept cost per point.
+SCHEMA_VERSION = 2
+
+_STATS = {f.name: "stats.SpecStats (see its docstring)" for f in dataclasses.fields(SpecStats)}
+
+FIELDS: dict[str, str] = {
+    # what ran
+    "target": "target model name",
+    "draft": "draft model name (the model the drafter runs; none for ngram)",
+    "drafter": "what drafted: model | ngram:A-B | layerskip:N | layerskip:LIST | eagle "
+               "(drafters.parse)",
+    "precision": "compute precision of both models: float32, bfloat16, bf16-mixed, ...",
+    "accept_rule": "acceptance rule: real | always | bernoulli:P | fraction:F | mean_length:L",
+    "temperature": "sampling temperature of both models (0 = greedy)",
+    "top_k": "top-k filter of both models (0 = off)",
+    "top_p": "top-p filter of both models (1 = off)",
+    "p_min": "draft early stop: stop drafting when the draft's top probability is below it",
+    "seed": "sampling seed",
+    "loop": "device (one lax.while_loop) or host (a Python loop of timed phases)",
+    "capacity": "KV cache slots per row (both models, both runs)",
+    "n_prompts": "prompts run one after another (statistics pooled)",
+    "prompt_set": "the shipped held-out prompts used: continuation | editing (pair.shipped_prompts)",
+    "reps": "timed repetitions (target-only and speculative alternating); speeds are medians",
+    "prompt_tokens": "prompt token ids (single-prompt runs)",
+    "tokens": "speculative output token ids (single-prompt runs)",
+    "baseline_tokens": "target-only output token ids (single-prompt runs)",
+    # acceptance and step statistics
+    **_STATS,
+    # speed
+    "baseline_tps": "target-only decode tokens/s (first token excluded), median",
+    "spec_tps": "speculative decode tokens/s (first token excluded), median",
+    "speedup": "speculative over target-only speed: same prompts, same cache capacity, "
+               "same run (the sweep: median over repetitions of each repetition's ratio)",
+    "prompt_s": "prefill seconds (both models)",
+    "compile_s": "compilation seconds, excluded from every timing",
+    # measured costs (costs.py), seconds, medians
+    "t_target_s": "T_target(1): one target-only decode step",
+    "t_target_gamma_s": "T_target(gamma)",
+    "t_verify_s": "T_target(gamma+1): the verify",
+    "t_draft_s": "T_draft(1)",
+    "t_accept_s": "one accept phase and its bookkeeping",
+    "c": "T_draft(1) / T_target(1)",
+    "verify_ratio": "T_target(gamma+1) / T_target(1)",
+    # predictions (costs.predict) and how the measurement compares
+    "predicted_step_s": "the cost model's seconds per step",
+    "predicted_measured_cost": "the measured-cost model's speedup",
+    "predicted_leviathan": "Leviathan et al. Theorem 3.8 at the measured alpha and c",
+    "predicted_thread": "ggerganov's approximation in llama.cpp #3649",
+    "efficiency": "speedup / predicted_measured_cost (the sweep: median over repetitions, "
+                  "each repetition's runs against the probes taken right after them)",
+    "efficiency_reps": "each repetition's efficiency",
+    "draft_share": "share of the host loop's step time in the draft phase",
+    "verify_share": "... in the verify phase",
+    "accept_share": "... in the accept phase",
+    "rest_share": "... elsewhere (bookkeeping, dispatch)",
+    "geometric": "accepted lengths against the capped geometric law (stats.geometric_check)",
+    "env": "workdir.environment(): versions, device, CPU model and flags, load, commit",
+    # batches (the sweep's `batches`; absent = 1) and the tail effect
+    "batch": "rows per generate call (ragged prompts, sweep.batch_prompts); speeds sum the rows",
+    "loop_steps": "loop steps, summed over the point's runs (a batch runs until its slowest row is done)",
+    "steps_measured": "loop steps per run, measured",
+    "steps_predicted": "loop steps per run, the tail model's expectation "
+                       "(theory.expected_batch_steps at the rule's law / the measured alpha)",
+    "catchup_any_share": "share of loop steps whose draft phase fed some row's d_gamma first",
+    "predicted_tail": "the measured-cost model with the tail model's expected steps",
+    "efficiency_tail": "speedup / predicted_tail (median over repetitions)",
+    # gamma chosen at run time (autogamma; gamma = 'auto')
+    "auto_set": "the gammas an auto point chooses from",
+    "auto_every": "steps between choices (chunks of 1, 2, 4, .. up to this)",
+    "auto_step_s": "seconds per loop step at each gamma, timed after warm-up (what it chose from)",
+    "gammas_used": "steps run at each gamma of the set",
+    "auto_alpha": "the alpha estimate at the last choice, per run",
+}
+
+# The CSV's columns, in order (everything scalar a reader compares).
+CSV_COLUMNS = (
+    "drafter", "gamma", "accept_rule", "temperature", "top_k", "top_p", "baseline_tps", "spec_tps",
+    "speedup", "accept_rate", "mean_accepted", "tokens_per_step", "alpha", "n_steps",
+    "n_catchup", "c", "verify_ratio", "t_target_s", "t_verify_s", "t_draft_s", "t_accept_s",
+    "predicted_leviathan", "predicted_thread", "predicted_measured_cost", "efficiency",
+    "draft_share", "verify_share", "accept_share", "rest_share", "compile_s", "batch",
+    "steps_measured", "steps_predicted", "predicted_tail", "efficiency_tail")
+
+
+def run_record(stats: SpecStats | None = None, **fields: Any) -> dict[str, Any]:
+  """A run's record: the statistics' fields plus `fields`, every name
+  checked against FIELDS."""
+  unknown = sorted(set(fields) - set(FIELDS))
+  if unknown:
+    raise KeyError(f"fields not in specjax.metrics.schema.FIELDS: {unknown}")
+  rec = stats.to_dict() if stats is not None else {}
+  rec.update(fields)
+  return rec

@@ -1,0 +1,103 @@
+"""Preallocated KV cache: a plain pytree passed into the model and returned.
+
+Layout: one key and one value array per layer, each [B, K, S, D] (kv heads
+before slots: attention is then a batched product over (B, K) with no
+transpose of the cache), plus `lengths[B]`, the number of valid positions in
+each row. Slot j of a row holds the token at absolute position j. Invariants:
+  * a write of T new tokens lands at slots lengths[b] .. lengths[b] + T - 1;
+  * a query at position p attends to slots <= p only, so nothing at or past a
+    row's length is ever read before it is overwritten;
+  * rolling back is setting `lengths` (O(1), no copy);
+  * capacity is checked on the host *before* a write: XLA's
+    dynamic_update_slice clamps out-of-range starts, which would silently
+    overwrite valid entries.
+
+One array per layer (not one stacked [L, ...] array) because the model is
+unrolled over layers with separate per-layer weights; slicing a stacked array
+per layer costs a copy on XLA:CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.model.config import ModelConfig
+from specjax.errors import CacheOverflowError
+
+
+@struct.dataclass
+class KVCache:
+  k: tuple[jax.Array, ...]  # L x [B, K, S, D]
+  v: tuple[jax.Array, ...]  # L x [B, K, S, D]
+  lengths: jax.Array        # [B] int32, valid positions per row
+
+  @property
+  def capacity(self) -> int:
+    return self.k[0].shape[2]
+
+  @property
+  def batch(self) -> int:
+    return self.k[0].shape[0]
+
+  def nbytes(self) -> int:
+    return sum(x.nbytes for x in self.k + self.v)
+
+
+def init_cache(cfg: ModelConfig, batch: int, capacity: int,
+               dtype=None, sharding=None) -> KVCache:
+  """An empty cache of `capacity` slots per row, in the compute dtype.
+
+  `sharding` (a NamedSharding of one [B, K, S, D] array, see
+  sharding.cache_sharding) allocates every device's shard in place, at the
+  full capacity; `lengths` are then replicated on the same mesh.
+  """
+  if capacity <= 0 or batch <= 0:
+    raise CacheOverflowError(f"cache needs batch>0 and capacity>0, got "
+                             f"batch={batch}, capacity={capacity}")
+  dtype = dtype or cfg.jnp_dtype
+  shape = (batch, cfg.n_kv_heads, capacity, cfg.d_head)  # [B, K, S, D]
+  zeros = lambda: tuple(jnp.zeros(shape, dtype, device=sharding)
+                        for _ in range(cfg.n_layers))
+  lengths_sharding = (None if sharding is None else
+                      jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+  return KVCache(k=zeros(), v=zeros(),
+                 lengths=jnp.zeros((batch,), jnp.int32, device=lengths_sharding))
+
+
+CAPACITY_ROUND = 16  # capacities are rounded up to a multiple of this (fewer shapes)
+
+
+def round_capacity(n_slots: int) -> int:
+  """n_slots rounded up to a multiple of CAPACITY_ROUND."""
+  return -(-int(n_slots) // CAPACITY_ROUND) * CAPACITY_ROUND
+
+
+def rollback(cache: KVCache, lengths) -> KVCache:
+  """Forgets everything at or past `lengths[b]` in each row (no copy)."""
+  lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), cache.lengths.shape)
+  return cache.replace(lengths=lengths)
+
+
+def check_capacity(lengths, n_new: int, capacity: int) -> None:
+  """Raises CacheOverflowError if writing n_new tokens at `lengths` overflows.
+
+  `lengths` is a host value (numpy or list) or a device array (fetched).
+  """
+  longest = int(np.max(np.asarray(lengths)))
+  if longest + n_new > capacity:
+    raise CacheOverflowError(
+        f"KV cache overflow: writing {n_new} token(s) at position {longest} "
+        f"needs {longest + n_new} slots but the cache holds {capacity}")
+
+
+def write(cache_arr: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array:
+  """Writes new[b] ([T, K, D]) at slots lengths[b].. of row b of cache_arr."""
+  # cache_arr [B, K, S, D], new [B, T, K, D], lengths [B]
+  new = jnp.swapaxes(new, 1, 2).astype(cache_arr.dtype)  # [B, K, T, D]: small
+  if cache_arr.shape[0] == 1:  # one row: a plain in-place update slice
+    return jax.lax.dynamic_update_slice(cache_arr, new, (0, 0, lengths[0], 0))
+  upd = lambda c, n, l: jax.lax.dynamic_update_slice(c, n, (0, l, 0))
+  return jax.vmap(upd)(cache_arr, new, lengths)

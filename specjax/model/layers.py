@@ -1,0 +1,279 @@
+"""LLaMA building blocks as Flax linen modules: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+No mutable collections: the attention layer takes its slice of the KV cache
+as an argument and returns the updated slice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.model import kv_cache
+from specjax.model.config import ModelConfig
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def dot_general(cfg: ModelConfig):
+  """The matmul of every projection: lax.dot_general, or with cfg.dot_dtype
+  operands accumulated in cfg.dtype.
+
+  In that mixed mode a single-row product (a batch-1 decode step) is padded
+  to two rows on CPU: XLA:CPU's one-row bf16 product takes a slow path, about
+  2.4x the time of two rows (experiments/dot_bench.py), while two rows read
+  the weights once, as one row does.
+  """
+  if cfg.dot_dtype is None or cfg.dot_dtype == cfg.dtype:
+    return jax.lax.dot_general
+  op_dtype, acc_dtype = jnp.dtype(cfg.dot_dtype), cfg.jnp_dtype
+
+  def mixed(lhs, rhs, dims, precision=None, preferred_element_type=None):
+    del preferred_element_type
+    lhs, rhs = lhs.astype(op_dtype), rhs.astype(op_dtype)
+    pad = lhs.ndim >= 2 and int(np.prod(lhs.shape[:-1])) == 1 and \
+        jax.default_backend() == "cpu"
+    if pad:
+      lhs = jnp.concatenate([lhs, lhs], axis=-2)
+    out = jax.lax.dot_general(lhs, rhs, dims, precision=precision,
+                              preferred_element_type=acc_dtype)
+    return out[..., :1, :] if pad else out
+  return mixed
+
+
+# On CPU an int8 kernel is converted and multiplied chunk by chunk (about
+# 512 KB of float32 each) in a rolled loop: XLA:CPU does not fuse the convert
+# into the product, so a whole-kernel convert writes and re-reads a float
+# copy of every kernel each step (and the scheduler keeps them all alive at
+# once); a chunk stays in cache between its convert and its product. Chunk
+# sizes of 2^16-2^18 elements decode llama-160m alike on a 2-core EPYC, 2^20
+# is slower (experiments/gguf_bench.py).
+INT8_CHUNK = 1 << 17
+
+
+def _n_chunks(n: int, size: int) -> int:
+  """The smallest divisor c of n with size / c <= INT8_CHUNK (else n)."""
+  for c in range(max(1, -(-size // INT8_CHUNK)), n + 1):
+    if n % c == 0:
+      return c
+  return n
+
+
+def int8_matmul(x, kq, scale, dtype):
+  """(x @ kq.astype(dtype)) * scale, x [..., in], kq int8 [in, out], scale [out].
+
+  On one CPU device, in chunks of the larger of in / out (INT8_CHUNK); else
+  one convert next to its product, which GPU backends fuse. The kernel is
+  tied to x (an optimization barrier): in a loop (the device decode and
+  speculative loops) XLA would otherwise hoist the loop-invariant convert
+  out of the loop and hold a float copy of every kernel for the whole call.
+  """
+  from specjax.model import sharding  # pylint: disable=import-outside-toplevel
+  x = x.astype(dtype)
+  n_in, n_out = kq.shape
+  axis = 1 if n_out >= n_in else 0
+  c = _n_chunks(kq.shape[axis], kq.size)
+  if c == 1 or jax.default_backend() != "cpu" or sharding.current() is not None:
+    x, kq = jax.lax.optimization_barrier((x, kq))
+    return jnp.matmul(x, kq.astype(dtype)) * scale.astype(dtype)
+  w = kq.shape[axis] // c
+  last = x.ndim - 1
+  if axis == 1:  # split the output columns (the lm_head, q/k/v, gate/up)
+    def body(i, y):
+      part = jnp.matmul(x, jax.lax.dynamic_slice_in_dim(kq, i * w, w, 1).astype(dtype))
+      return jax.lax.dynamic_update_slice_in_dim(y, part, i * w, last)
+  else:  # split the contraction (o, down): contiguous rows, partial sums
+    def body(i, y):
+      xi = jax.lax.dynamic_slice_in_dim(x, i * w, w, last)
+      return y + jnp.matmul(xi, jax.lax.dynamic_slice_in_dim(kq, i * w, w, 0).astype(dtype))
+  y = jax.lax.fori_loop(0, c, body, jnp.zeros(x.shape[:-1] + (n_out,), dtype))
+  return y * scale.astype(dtype)
+
+
+class QDense(nn.Module):
+  """Weight-only int8 projection: kernel_q int8 [in, out] and kernel_scale
+  float32 [out] (one scale per output channel, specjax/quant.py);
+  y = (x @ kernel_q) * scale in cfg.dtype (int8_matmul). The int8 kernel is
+  what lives in device memory; its float conversion is transient."""
+  features: int
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    kq = self.param("kernel_q", nn.initializers.zeros_init(),
+                    (x.shape[-1], self.features), jnp.int8)
+    scale = self.param("kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
+    return int8_matmul(x, kq, scale, self.cfg.jnp_dtype)
+
+
+def dense(cfg: ModelConfig, features: int, name: str) -> nn.Module:
+  """A bias-free projection: nn.Dense, or QDense when cfg.quant is 'int8'."""
+  if cfg.quant:
+    return QDense(features, cfg, name=name)
+  return nn.Dense(features, use_bias=False, dtype=cfg.jnp_dtype,
+                  param_dtype=cfg.jnp_param_dtype, kernel_init=_init, name=name,
+                  dot_general=dot_general(cfg))
+
+
+class RMSNorm(nn.Module):
+  """x / rms(x) * scale, computed in f32 (as HF's LlamaRMSNorm)."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
+                       self.cfg.jnp_param_dtype)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True)
+                              + self.cfg.norm_eps)
+    return scale.astype(self.cfg.jnp_dtype) * x32.astype(self.cfg.jnp_dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """RoPE inverse frequencies [D/2], with LLaMA-3 scaling when configured."""
+  d = cfg.d_head
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  rs = cfg.rope_scaling
+  if rs is None:
+    return inv.astype(np.float32)
+  # Llama 3: long wavelengths are slowed by `factor`, short ones kept, and
+  # the band in between interpolated smoothly.
+  low_wavelen = rs.original_max_position / rs.low_freq_factor
+  high_wavelen = rs.original_max_position / rs.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+  smooth = ((rs.original_max_position / wavelen - rs.low_freq_factor)
+            / (rs.high_freq_factor - rs.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates x [B, T, N, D] by positions [B, T] (HF 'rotate_half' convention)."""
+  freqs = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+  cos = jnp.cos(freqs)[:, :, None, :].astype(x.dtype)  # [B, T, 1, D/2]
+  sin = jnp.sin(freqs)[:, :, None, :].astype(x.dtype)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attend_masked(q, k_cache, v_cache, positions, dtype):
+  """Attention of q over every cache slot, masked to slots <= each position.
+
+  q [B, T, K, G, D]; k_cache, v_cache [B, K, S, D]; positions [B, T].
+  Returns [B, T, K, G, D]. Cost grows with the capacity S; differentiable.
+  """
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, k_cache,
+                      preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+  slots = jnp.arange(k_cache.shape[2])
+  mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  return jnp.einsum("bkgts,bksd->btkgd", probs, v_cache)
+
+
+def attend_blocked(q, k_cache, v_cache, positions, block: int, dtype):
+  """The same attention over KV blocks of `block` slots with an online
+  softmax, visiting only the blocks that hold used slots: a loop whose trip
+  count is ceil((max position + 1) / block), so the cost follows the longest
+  used length in the batch, not the capacity (fixed shapes, no recompile as
+  the length grows). Accumulates in f32. Forward only (a while loop).
+
+  q [B, T, K, G, D]; k_cache, v_cache [B, K, S, D]; positions [B, T].
+  """
+  b, t, k, g, d = q.shape
+  s_cap = k_cache.shape[2]
+  q = q.astype(jnp.float32) / math.sqrt(d)
+  n_blocks = (jnp.max(positions) + block) // block
+
+  def body(i, carry):
+    m, l, acc = carry  # [B,K,G,T], [B,K,G,T], [B,K,G,T,D]
+    # The last block may be cut by the capacity: read the slots before it
+    # again, masked out (they belong to the previous block).
+    start = jnp.minimum(i * block, s_cap - block)
+    kb = jax.lax.dynamic_slice_in_dim(k_cache, start, block, 2)  # [B, K, blk, D]
+    vb = jax.lax.dynamic_slice_in_dim(v_cache, start, block, 2)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, kb, preferred_element_type=jnp.float32)
+    slots = start + jnp.arange(block)
+    mask = (slots[None, None, :] <= positions[:, :, None]) & (slots >= i * block)[None, None]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(scores, -1))
+    p = jnp.exp(scores - m_new[..., None])
+    scale = jnp.exp(m - m_new)
+    acc = acc * scale[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p, vb,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l * scale + jnp.sum(p, -1), acc
+
+  init = (jnp.full((b, k, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
+          jnp.zeros((b, k, g, t, d), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  return jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4)).astype(dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention over a preallocated cache.
+
+  The G = H // K query heads that share a kv head are grouped on their own
+  axis, so repeated kv heads are never materialised; the cache is laid out
+  [B, K, S, D], so scores and outputs are batched products over (B, K) that
+  read it in place. With cfg.attn_block (and a capacity larger than one
+  block) the cost follows the used length (attend_blocked); with 0, one
+  masked pass over the capacity (attend_masked: what training differentiates).
+  """
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, k_cache, v_cache, lengths):
+    # x [B, T, E]; positions [B, T]; k_cache, v_cache [B, K, S, D]; lengths [B]
+    cfg = self.cfg
+    b, t, _ = x.shape
+    h, k, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    q = dense(cfg, h * d, "wq")(x).reshape(b, t, h, d)
+    kk = dense(cfg, k * d, "wk")(x).reshape(b, t, k, d)
+    vv = dense(cfg, k * d, "wv")(x).reshape(b, t, k, d)
+    inv_freq = rope_inv_freq(cfg)
+    q, kk = apply_rope(q, positions, inv_freq), apply_rope(kk, positions, inv_freq)
+
+    # Write first, then attend: the new tokens see themselves and nothing
+    # stale past the row's length.
+    k_cache = kv_cache.write(k_cache, kk, lengths)
+    v_cache = kv_cache.write(v_cache, vv, lengths)
+
+    q = q.reshape(b, t, k, h // k, d)  # [B, T, K, G, D]
+    block = cfg.attn_block
+    if block and k_cache.shape[2] > block:
+      out = attend_blocked(q, k_cache, v_cache, positions, block, cfg.jnp_dtype)
+    else:
+      out = attend_masked(q, k_cache, v_cache, positions, cfg.jnp_dtype)
+    out = dense(cfg, cfg.dim, "wo")(out.reshape(b, t, h * d))
+    return out, k_cache, v_cache
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    gate = dense(cfg, cfg.ffn_dim, "w_gate")(x)
+    up = dense(cfg, cfg.ffn_dim, "w_up")(x)
+    return dense(cfg, cfg.dim, "w_down")(jax.nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, k_cache, v_cache, lengths):
+    h, k_cache, v_cache = Attention(self.cfg, name="attn")(
+        RMSNorm(self.cfg, name="attn_norm")(x), positions, k_cache, v_cache, lengths)
+    x = x + h
+    x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
+    return x, k_cache, v_cache

@@ -1,0 +1,101 @@
+"""Jitted model steps with fixed shapes: prefill (bucketed), decode, forward_n.
+
+Each step is compiled once per (config, shapes); the cache argument is donated
+so XLA updates it in place. `Runner` (a config bound to its params) checks
+capacity on the host before every call, because inside XLA an out-of-range
+cache write would be clamped silently rather than fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.model import kv_cache as kvc
+from specjax.model import llama as model
+from specjax.model import sharding
+from specjax.model.config import ModelConfig
+from specjax.errors import CacheOverflowError
+
+MIN_BUCKET = 16
+
+
+def prefill_bucket(n: int) -> int:
+  """The padded prompt length for an n-token prompt: a power of two >= 16."""
+  return max(MIN_BUCKET, 1 << (int(n) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "return_hidden"),
+                   donate_argnames=("cache",))
+def prefill_step(params, tokens, n_valid, cache: kvc.KVCache, cfg: ModelConfig,
+                 return_hidden: bool = False):
+  """Prompts padded to a bucket: tokens [B, Tb], n_valid [B] real tokens per row.
+
+  Returns (logits of each row's last real token [B, V], cache). Padding slots
+  are written but lie past the new length, so they are never attended to.
+  return_hidden: also the final-normed hidden states [B, Tb, E] (model.forward).
+  """
+  start = cache.lengths
+  out = model.forward(params, tokens, cache, cfg, logit_index=n_valid - 1,
+                      return_hidden=return_hidden)
+  logits, cache = out[0], kvc.rollback(out[1], start + n_valid)
+  return (logits[:, 0], cache, out[2]) if return_hidden else (logits[:, 0], cache)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def forward_step(params, tokens, cache: kvc.KVCache, cfg: ModelConfig):
+  """T new tokens per row [B, T] -> (logits [B, T, V], cache). T=1 is decode;
+  T=gamma+1 is the speculative verify shape."""
+  return model.forward(params, tokens, cache, cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+  """A config bound to its params: the host-side, capacity-checked step API
+  (`model.py` holds the pure model; this holds the jitted calls on it)."""
+  cfg: ModelConfig
+  params: dict
+
+  def new_cache(self, batch: int, capacity: int) -> kvc.KVCache:
+    """An empty cache, sharded like the params on the active mesh (if any)."""
+    return kvc.init_cache(self.cfg, batch, capacity,
+                          sharding=sharding.cache_sharding(self.params, batch))
+
+  def prefill(self, prompts, cache: kvc.KVCache, return_hidden: bool = False):
+    """Prefills a list of B token lists (any lengths) at cache.lengths.
+
+    Returns (last-token logits [B, V], cache), and with return_hidden the
+    final-normed hidden states [B, Tb, E] of the padded bucket (row b's
+    first len(prompts[b]) are its prompt's).
+    """
+    if len(prompts) != cache.batch:
+      raise ValueError(f"{len(prompts)} prompts for a cache of batch {cache.batch}")
+    lens = np.array([len(p) for p in prompts], np.int32)
+    if lens.min() <= 0:
+      raise CacheOverflowError("empty prompt: every row needs at least one token")
+    bucket = prefill_bucket(lens.max())
+    start = sharding.to_host(cache.lengths)
+    if (start + lens).max() > cache.capacity:
+      raise CacheOverflowError(
+          f"prompt of {lens.max()} tokens does not fit in the KV cache: "
+          f"{int(start.max())} used + {lens.max()} > capacity {cache.capacity}")
+    # The padded bucket is written whole; shrink it (a new shape) only when
+    # the cache cannot hold the padding.
+    bucket = min(bucket, cache.capacity - int(start.max()))
+    tokens = np.zeros((len(prompts), bucket), np.int32)
+    for b, p in enumerate(prompts):
+      tokens[b, :len(p)] = p
+    return prefill_step(self.params, jnp.asarray(tokens), jnp.asarray(lens),
+                        cache, cfg=self.cfg, return_hidden=return_hidden)
+
+  def forward(self, tokens, cache: kvc.KVCache, lengths=None):
+    """tokens [B, T] -> (logits [B, T, V], cache). `lengths` (host copy of
+    cache.lengths) spares a device->host sync for the capacity check."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    kvc.check_capacity(cache.lengths if lengths is None else lengths,
+                       tokens.shape[1], cache.capacity)
+    return forward_step(self.params, tokens, cache, cfg=self.cfg)

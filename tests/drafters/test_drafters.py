@@ -1,0 +1,333 @@
+"""Drafters beyond a second model (specjax/drafters.py): n-gram lookup and
+layer-skip self-speculation in the same fixed-shape loop, greedy-exact and
+lossless; the spec parser."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decode import acceptance
+from specjax.model import config
+from specjax.drafters import base as drafters
+from specjax.decode import generation
+from specjax.decode import speculative
+from specjax.model import steps
+from specjax.errors import ConfigError
+from specjax.decode.sampling import SamplingParams
+from specjax.metrics.timing import CompileWatch
+
+import lawcheck as lossless
+
+# The tiny preset with three layers: a prefix (layerskip:2) and a list that
+# skips the middle layer (layerskip:0,2).
+CFG3 = config.get_preset("tiny").replace(name="tiny3", n_layers=3)
+DRAFTERS = ("ngram", "layerskip:2", "layerskip:0,2")
+PROMPTS = [[5, 17, 42, 9, 100, 5, 17], [7, 7, 7], [200, 1, 64, 3, 9, 81, 27, 2, 64, 3]]
+N = 30
+
+
+@pytest.fixture(scope="module")
+def target(init_params):
+  """Peaked distributions (random init is flat): greedy output repeats, so
+  the n-gram drafter finds matches, and the layer subsets agree often."""
+  params = dict(init_params(CFG3, 1))
+  params["lm_head"] = {"kernel": params["lm_head"]["kernel"] * 40.0}
+  return steps.Runner(CFG3, params)
+
+
+@pytest.fixture(scope="module")
+def base(target):
+  """Greedy target-only output per prompt."""
+  return [generation.generate(target, [p], N).tokens[0] for p in PROMPTS]
+
+
+# ---------------------------------------------------------------- greedy == target-only
+# Each (drafter, gamma, batch, loop) compiles a loop (~5 s of CPU): the
+# ragged batch at gamma 4, batch one at gamma 1, the host loop once for each
+# new path of state through it (the n-gram history, the shared cache).
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_ragged_batch_equals_target_only(target, base, drafter):
+  """... and the target's cache ends equal to a full forward over the output:
+  whatever a drafter wrote into it (layerskip:N's shared layers) was rewritten."""
+  res = speculative.generate(target, None, PROMPTS, N, 4, drafter=drafter, keep_state=True)
+  assert res.tokens == base
+  st = res.stats
+  assert 0 < st.n_accept < st.n_drafted <= 4 * st.n_steps  # the drafts are real guesses
+  if drafter == "ngram":
+    assert st.n_drafted < 4 * st.n_steps  # some steps found no match or a short one
+  cache = res.state.tcache
+  for b, (prompt, out) in enumerate(zip(PROMPTS, res.tokens)):
+    seq = prompt + out[:-1]  # the last token is the next verify's input
+    ref = lossless.full_forward_kv(target, seq)
+    assert int(cache.lengths[b]) == len(seq)
+    for layer in range(CFG3.n_layers):
+      for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
+        np.testing.assert_allclose(got[b, :, :len(seq)], want[0, :, :len(seq)],
+                                   atol=1e-5, err_msg=f"row {b} layer {layer}")
+
+
+# (layerskip:0,2 runs the draft model's own-cache path: the ragged test covers it here)
+@pytest.mark.parametrize("drafter", ["ngram", "layerskip:2"])
+def test_greedy_batch_one_compiles_once(target, base, drafter):
+  """gamma 1, one row at a time: prompts of one bucket and other seeds share
+  one compilation per (drafter, gamma); a re-parsed spec is the same program."""
+  runs = [(prompt, want, seed) for seed in (0, 1) for prompt, want in zip(PROMPTS, base)]
+  for i, (prompt, want, seed) in enumerate(runs):
+    spec = drafter if i % 2 else drafters.parse(drafter).spec
+    with CompileWatch() as cw:
+      res = speculative.generate(target, None, [prompt], N, 1, drafter=spec, seed=seed)
+    assert res.tokens == [want]
+    assert cw.names["spec_loop"] == (1 if i == 0 else 0), (i, cw.names)
+  assert res.stats.n_accept > 0
+
+
+@pytest.mark.parametrize("drafter", ["layerskip:2"])  # the target cache through draft_jit
+def test_greedy_host_loop(target, base, drafter):
+  host = speculative.generate(target, None, PROMPTS, N, 4, drafter=drafter, loop="host")
+  dev = speculative.generate(target, None, PROMPTS, N, 4, drafter=drafter)
+  assert host.tokens == base
+  assert host.records.n_drafted.tolist() == dev.records.n_drafted.tolist()
+  assert host.records.n_acc.tolist() == dev.records.n_acc.tolist()
+
+
+def test_layerskip_with_every_layer_is_the_target(target):
+  """All layers kept (a list that is the target's): every draft accepted when
+  sampling; the shared cache needs no catch-up."""
+  assert drafters.parse("layerskip:0-2") == drafters.parse("layerskip:3")
+  res = speculative.generate(target, None, [PROMPTS[0]], N, 4, sp=SamplingParams(1.0), seed=3,
+                             drafter="layerskip:0-2")
+  st = res.stats
+  assert st.n_accept == st.n_drafted == 4 * st.n_steps, st
+  assert st.n_catchup == 0
+
+def test_shared_prefix_drafts_what_its_own_cache_would(target):
+  """layerskip:2 on the target's cache proposes the q that the same two layers
+  give from a cache of their own prefilled with the sequence (a draft reading
+  the wrong slots of the shared cache changes q, and only the acceptance law,
+  which the chi-square test sees weakly)."""
+  prompt = PROMPTS[0]
+  res = speculative.generate(target, None, [prompt], 13, 4, drafter="layerskip:2",
+                             keep_state=True)
+  st = res.state
+  sc = speculative.SpecConfig(target.cfg, None, 4, SamplingParams(1.0), drafter="layerskip:2")
+  dparams = sc.drafter.draft_params(target.params, None)
+  live, key = jnp.ones((1,), bool), jax.random.PRNGKey(7)
+  got = jax.jit(lambda tc: sc.drafter.propose(dparams, (), tc, st.tail, st.n, live, key,
+                                              sc)[0])(st.tcache)
+  sub = steps.Runner(sc.draft, dparams)
+  own = sub.prefill([prompt + res.tokens[0][:-1]], sub.new_cache(1, st.tcache.capacity))[1]
+  want = jax.jit(lambda c: speculative.draft_phase(dparams, c, st.tail, st.n, live, key,
+                                                   sc)[0])(own)
+  assert not bool(want.caught_up[0])
+  np.testing.assert_allclose(got.q, want.q, atol=1e-4)
+
+
+# ---------------------------------------------------------------- n-gram lookup
+
+
+_ngram_jit = jax.jit(drafters.ngram_propose, static_argnums=(2, 3, 4))
+
+
+def _propose(hist, n, gamma, n_min=1, n_max=3):
+  """(proposed tokens, all gamma token slots) for one history padded to 16."""
+  hist = jnp.asarray([hist + [0] * (16 - len(hist))], jnp.int32)
+  tokens, n_drafted = _ngram_jit(hist, jnp.asarray([n]), gamma, n_min, n_max)
+  return tokens[0, :int(n_drafted[0])].tolist(), tokens[0].tolist()
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
+  # the 3-gram [1, 2, 3] occurred at 0: its continuation
+  assert _propose([1, 2, 3, 4, 5, 9, 1, 2, 3], 9, 4)[0] == [4, 5, 9, 1]
+  # a longer match wins over a later shorter one ([7] last seen at 4)
+  assert _propose([5, 6, 7, 9, 7, 1, 5, 6, 7], 9, 4)[0] == [9, 7, 1, 5]
+  # the latest occurrence wins; the continuation stops at the end of history
+  assert _propose([1, 2, 1, 3, 1], 5, 4)[0] == [3, 1]
+  assert _propose([7, 8, 7], 3, 4)[0] == [8, 7]
+  # n_min: a 1-gram match is not enough for ngram:2-3
+  assert _propose([1, 2, 1, 3, 1], 5, 4, 2, 3)[0] == []
+  # nothing repeats: nothing proposed (tokens 0)
+  assert _propose([1, 2, 3, 4], 4, 4) == ([], [0, 0, 0, 0])
+  # slots past the row's length are not history (a stale match there is ignored)
+  assert _propose([3, 4, 5, 6, 4, 5], 4, 4) == ([], [0, 0, 0, 0])
+
+
+def test_ngram_without_a_match_still_emits_the_target_token(target):
+  """A step that proposed nothing accepts nothing and emits the target's own
+  token: greedy, its argmax; sampled, a draw from p (not from a residual)."""
+  candidates = ([10, 11, 12, 13], [20, 21, 22, 23], [30, 31, 32, 33])
+  outs = [generation.generate(target, [p], N).tokens[0] for p in candidates]
+  prompt, want = next((p, o) for p, o in zip(candidates, outs) if o[0] not in p)
+  res = speculative.generate(target, None, [prompt], N, 1, drafter="ngram")
+  assert res.records.at_step(0, "n_drafted").tolist() == [0]
+  assert res.records.at_step(0, "n_acc").tolist() == [0]
+  assert res.tokens == [want]
+  # the accept phase alone: drafts of token 5 at every position, none drafted;
+  # p at position 0 is half 5, half 3
+  b, gamma, v = 4000, 3, 8
+  p = jnp.zeros((b, gamma + 1, v)).at[:, :, 5].set(1.0).at[:, 0].set(
+      jnp.zeros(v).at[5].set(0.5).at[3].set(0.5))
+  sc = speculative.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter="ngram")
+  d = drafters.Drafted(tokens=jnp.full((b, gamma), 5), q=jnp.zeros((b, gamma, 0)),
+                       n_drafted=jnp.zeros((b,), jnp.int32), caught_up=jnp.zeros((b,), bool))
+  j = speculative.accept_jit(jax.random.PRNGKey(0), jnp.ones((gamma,)), p, d,
+                             jnp.zeros((b, 2), jnp.int32), jnp.full((b,), 9),
+                             jnp.ones((b,), bool), sc=sc)
+  assert int(jnp.max(j.n_acc)) == 0
+  share = float(jnp.mean(j.emitted[:, 0] == 5))
+  assert abs(share - 0.5) < 0.05, share  # a residual max(0, p - onehot(5)) never gives 5
+
+# ---------------------------------------------------------------- lossless at temperature 1
+
+
+def _ref_ngram(hist, gamma, n_min, n_max):
+  """Prompt lookup, plainly: the latest earlier match of the longest n-gram."""
+  n = len(hist)
+  for m in range(n_max, n_min - 1, -1):
+    for j in range(n - m - 1, -1, -1):
+      if hist[j:j + m] == hist[n - m:]:
+        return hist[j + m:j + m + gamma]
+  return []
+
+
+def ngram_accept_law(target, drafter: drafters.NgramDrafter):
+  """The law of (k1, 1[k2 > 0]) under n-gram drafting, by enumeration: a
+  drafted x is accepted with probability p(x), a rejection draws from p less
+  x; the second step drafts from the history the first one left."""
+  def law(prompt, sp, gamma):
+    p = [lossless.warp(x, sp) for x in lossless.next_token_logits(target, prompt, gamma + 2)]
+    at = lambda cont: p[len(cont)][sum(t * lossless.V ** i for i, t in enumerate(cont[::-1]))]
+    out = np.zeros((gamma + 1, 2))
+    for t0 in range(lossless.V):
+      drafts = _ref_ngram(prompt + [t0], gamma, drafter.n_min, drafter.n_max)
+      mass = at([])[t0]
+      for j in range(len(drafts) + 1):
+        pj = at([t0] + drafts[:j])
+        if j < len(drafts):
+          resid = pj.copy()
+          resid[drafts[j]] = 0.0
+          y_law = mass * (resid / resid.sum() if resid.sum() > 0 else pj)
+          y_law *= 1 - pj[drafts[j]]
+        else:
+          y_law = mass * pj
+        for y in range(lossless.V):
+          nxt = _ref_ngram(prompt + [t0] + drafts[:j] + [y], gamma, drafter.n_min,
+                           drafter.n_max)
+          beta = at([t0] + drafts[:j] + [y])[nxt[0]] if nxt else 0.0
+          out[j] += [y_law[y] * (1 - beta), y_law[y] * beta]
+        if j < len(drafts):
+          mass *= pj[drafts[j]]
+    np.testing.assert_allclose(out.sum(), 1.0, atol=1e-9)
+    return out
+  return law
+
+
+@pytest.fixture(scope="module")
+def v6(init_params):
+  """The lossless test's vocabulary of 6, three layers whose kernels are
+  doubled (at init the layers barely move the residual stream, and any layer
+  subset drafts like the whole model): the one-layer draft then accepts all
+  4 drafts in 53-64% of first steps and none in 10-15%."""
+  cfg = config.ModelConfig(name="v6x3", vocab_size=lossless.V, dim=32, n_layers=3, n_heads=2,
+                           n_kv_heads=1, ffn_dim=64, max_seq_len=32)
+  params = {k: jax.tree_util.tree_map(lambda x: 2 * x if x.ndim == 2 else x, v)
+               if k.startswith("layers_") else v for k, v in init_params(cfg, 11).items()}
+  return lossless.sharpen(steps.Runner(cfg, params), 4.0)
+
+
+def _layerskip_runner(target, spec):
+  """The layer-skip draft as a Runner (for the acceptance law's q)."""
+  d = drafters.parse(spec)
+  return steps.Runner(d.draft_config(target.cfg, None), d.draft_params(target.params, None))
+
+
+def lossless_pvalues(v6, spec, gamma, seed=0):
+  d = drafters.parse(spec)
+  sp = SamplingParams(1.0)
+  if isinstance(d, drafters.NgramDrafter):
+    return lossless.pvalues(v6, v6, sp, gamma, lossless.ROWS, drafter=d, seed=seed,
+                            accept_law=ngram_accept_law(v6, d))
+  return lossless.pvalues(v6, _layerskip_runner(v6, spec), sp, gamma, lossless.ROWS,
+                          drafter=d, seed=seed)
+
+
+# The listed (own-cache) layer-skip draft runs the draft model's path, which
+# tests/test_lossless.py covers; the shared-cache prefix is new.
+@pytest.mark.parametrize("spec,gamma", [("ngram:1-2", 4), ("layerskip:1", 4)])
+def test_lossless_at_temperature_one(v6, spec, gamma):
+  ps = lossless_pvalues(v6, spec, gamma)
+  assert min(ps.values()) * len(ps) > lossless.ALPHA, {
+      k: v for k, v in ps.items() if v * len(ps) <= lossless.ALPHA}
+
+
+def test_ngram_law_sees_matches_and_misses(v6):
+  """The tested window holds both kinds of first step, often enough."""
+  d = drafters.parse("ngram:1-2")
+  drafted = [len(_ref_ngram(p + [t], 4, 1, 2)) > 0 for p in lossless.PROMPTS
+             for t in range(lossless.V)]
+  assert 0.2 < np.mean(drafted) < 0.8, drafted
+  for prompt in lossless.PROMPTS:  # accepted drafts in either step: > 45 of 1500 rows expected
+    law = ngram_accept_law(v6, d)(prompt, SamplingParams(1.0), 4)
+    assert law[1:].sum() > 0.03 and law[:, 1].sum() > 0.03, law
+
+# ---------------------------------------------------------------- specs
+
+
+def test_specs_parse_to_static_hashable_drafters():
+  assert drafters.parse("model") is drafters.MODEL
+  assert drafters.parse("ngram") == drafters.NgramDrafter(*drafters.NGRAM_DEFAULT)
+  assert drafters.parse("ngram:2-5") == drafters.NgramDrafter(2, 5)
+  assert drafters.parse("ngram:3") == drafters.NgramDrafter(3, 3)
+  assert drafters.parse("layerskip:0-3").prefix
+  assert drafters.parse("layerskip:0-9,12,15").layers == tuple(range(10)) + (12, 15)
+  for spec in ("model", "ngram:2-5", "layerskip:4", "layerskip:0-9,12,15", "layerskip:3-3"):
+    d = drafters.parse(spec)
+    assert drafters.parse(d.spec) == d and hash(d) == hash(drafters.parse(d.spec))
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("medusa", "unknown drafter"), ("ngram:3-1", "ngram_min"),
+    ("ngram:0-2", ">= 1"), ("ngram:a", "not an integer"), ("layerskip", "needs N"),
+    ("layerskip:0", "at least one"), ("layerskip:2,1", "increasing"),
+    ("layerskip:1,1", "increasing"), ("layerskip:3-1", "bad layer range"),
+    ("model:x", "no argument")])
+def test_bad_specs(spec, match):
+  with pytest.raises(ConfigError, match=match):
+    drafters.parse(spec)
+
+
+def test_bad_settings_against_the_models(target):
+  with pytest.raises(ConfigError, match="out of range"):
+    speculative.SpecConfig(target.cfg, None, 4, drafter="layerskip:4")
+  with pytest.raises(ConfigError, match="out of range"):
+    speculative.generate(target, None, [[1, 2]], 4, 2, drafter="layerskip:0,3")
+  with pytest.raises(ConfigError, match="needs a draft model"):
+    speculative.generate(target, None, [[1, 2]], 4, 2)
+  assert speculative.SpecConfig(target.cfg, None, 4, drafter="layerskip:3").draft.n_layers == 3
+
+
+def test_ngram_cost_probe_times_a_proposal(target):
+  """costs.ProposeProbe: T_draft(1) of the n-gram drafter (its proposal / gamma)."""
+  from specjax.bench import costs  # pylint: disable=import-outside-toplevel
+  probe = costs.ProposeProbe(drafters.parse("ngram"), target.cfg, 4, 64, 20, k=2)
+  t = probe.times([1], reps=2)[1]
+  assert len(t.times) == 2 and 0 < t.median < 0.1
+  with pytest.raises(ValueError):
+    probe.times([2])
+
+
+def test_auto_gamma_runs_a_model_free_drafter(target, base):
+  """The n-gram history does not depend on gamma: chunks of gamma 1 and 4
+  continue each other (greedy: target-only tokens); eagle's pending pairs
+  are [B, gamma+1, E], so it is refused."""
+  from specjax.decode import autogamma  # pylint: disable=import-outside-toplevel
+  cost = autogamma.BatchCosts(3, {1: 1.0, 2: 1.1, 5: 1.5}, 0.0, {1: 0.0, 4: 0.0})
+  res = autogamma.generate(target, None, PROMPTS, N, cost, (1, 4), fixed=[1, 4, 4, 1],
+                           every=2, drafter="ngram")
+  assert res.tokens == base and set(res.gammas_used) == {1, 4}
+  with pytest.raises(ConfigError, match="shaped by gamma"):
+    autogamma.generate(target, None, PROMPTS, N, cost, (1, 4), drafter="eagle")

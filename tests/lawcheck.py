@@ -1,0 +1,225 @@
+"""The chi-square machinery of the exactness tests, shared by the decode and
+drafter tests: exact output and acceptance laws by enumeration over a tiny
+vocabulary (V = 6) from the models' logits and an independent NumPy
+implementation of the warpers, never from specjax.decode.sampling; see
+tests/decode/test_lossless.py for what each law sees."""
+
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decode import acceptance
+from specjax.model import config
+from specjax.decode import generation
+from specjax.model import llama as model
+from specjax.decode import speculative
+from specjax.model import steps
+from specjax.decode.sampling import SamplingParams
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+V = 6
+PROMPTS = [[1, 2], [3, 0, 5], [2, 4, 1, 0, 3]]  # a ragged batch of three rows
+ROWS = 1500           # rows per prompt in the batch (tiled: 3 x ROWS rows)
+ALPHA = 1e-4          # family-wise level of one configuration
+TIE = 1e-6            # float32 rounding of a cumulative probability, generously
+GAMMAS = (1, 2, 4)
+SAMPLINGS = {
+    "T1": SamplingParams(1.0),
+    "T0.7": SamplingParams(0.7),
+    "top_k3": SamplingParams(1.0, top_k=3),
+    "top_p0.8": SamplingParams(1.0, top_p=0.8),
+    "top_k4_top_p0.8": SamplingParams(0.7, top_k=4, top_p=0.8),
+}
+
+
+def sharpen(m: steps.Runner, factor: float) -> steps.Runner:
+  params = dict(m.params)
+  params["lm_head"] = {"kernel": m.params["lm_head"]["kernel"] * factor}
+  return steps.Runner(m.cfg, params)
+
+
+def perturbed(m: steps.Runner, scale: float, seed: int) -> steps.Runner:
+  leaves, tree = jax.tree_util.tree_flatten(m.params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+  return steps.Runner(m.cfg, jax.tree_util.tree_unflatten(tree, noisy))
+
+
+@pytest.fixture(scope="module")
+def pair():
+  cfg = config.ModelConfig(name="v6", vocab_size=V, dim=32, n_layers=1, n_heads=2,
+                           n_kv_heads=1, ffn_dim=64, max_seq_len=32)
+  target = sharpen(steps.Runner(cfg, model.init_params(cfg, 11)), 4.0)
+  return target, perturbed(target, 0.6, 12)
+
+# ---------------------------------------------------------------- reference
+
+
+def warp(logits: np.ndarray, sp: SamplingParams, tie_shift: float = 0.0) -> np.ndarray:
+  """HF's TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper, in
+  that order, then softmax (float64). `tie_shift` moves the top-p boundary:
+  with it, a test checks that tokens sitting within float32 rounding of the
+  boundary (some of the 10^5 distributions have them) do not matter."""
+  x = logits.astype(np.float64) / sp.temperature
+  if sp.top_k:
+    kth = np.sort(x, -1)[..., -sp.top_k][..., None]
+    x = np.where(x < kth, -np.inf, x)
+  if sp.top_p < 1.0:
+    order = np.argsort(x, -1)  # ascending
+    p_sorted = np.take_along_axis(softmax(x), order, -1)
+    cum = np.cumsum(p_sorted, -1)
+    drop_sorted = cum <= 1 - sp.top_p + tie_shift
+    drop_sorted[..., -1] = False  # min_tokens_to_keep = 1
+    drop = np.zeros_like(drop_sorted)
+    np.put_along_axis(drop, order, drop_sorted, -1)
+    x = np.where(drop, -np.inf, x)
+  return softmax(x)
+
+
+def softmax(x):
+  e = np.exp(x - np.max(x, -1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+_LOGITS: dict = {}
+N_MAX = max(GAMMAS) + 2  # the longest continuation any window needs
+
+
+def next_token_logits(m: steps.Runner, prompt: list[int], n: int) -> list[np.ndarray]:
+  """[L_0, ..., L_n]: L_j [V^j, V] the logits of the token after the prompt
+  and each of the V^j continuations of length j (lexicographic order), from
+  one full forward over all V^N_MAX continuations (memoised per model)."""
+  key = (id(m.params), tuple(prompt))
+  if key not in _LOGITS:
+    seqs = np.array(list(itertools.product(range(V), repeat=N_MAX)), np.int32)
+    toks = jnp.asarray(np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], 1))
+    cache = m.new_cache(len(seqs), toks.shape[1])
+    logits = np.asarray(steps.forward_step(m.params, toks, cache, cfg=m.cfg)[0])
+    at = logits[:, len(prompt) - 1:]  # [V^N_MAX, N_MAX + 1, V]
+    _LOGITS[key] = [at[::V ** (N_MAX - j), j] for j in range(N_MAX + 1)]
+  return _LOGITS[key][:n + 1]
+
+
+@dataclasses.dataclass
+class Laws:
+  pairs: list[np.ndarray]  # [W - 1] x [V, V]: P(t_i, t_{i+1})
+  accept: np.ndarray       # [gamma + 1, 2]: P(k1 = j, 1[k2 > 0] = b)
+
+
+def exact_laws(target, draft, prompt, sp: SamplingParams, gamma: int,
+               tie_shift: float = 0.0) -> Laws:
+  w = gamma + 3
+  p = [warp(x, sp, tie_shift) for x in next_token_logits(target, prompt, w - 1)]
+  q = [warp(x, sp, tie_shift) for x in next_token_logits(draft, prompt, w - 1)]
+  joint = p[0][0]  # P(t_0 .. t_j) over V^(j+1) prefixes
+  pairs = []
+  for j in range(1, w):
+    nxt = (joint[:, None] * p[j]).reshape(-1)
+    pairs.append(nxt.reshape(V ** (j - 1), V, V).sum(0))
+    joint = nxt
+  # Acceptance: mass of prefixes t_0 d_1..d_j whose drafts were all accepted.
+  overlap = [np.minimum(a, b) for a, b in zip(p, q)]
+  mass = p[0][0]  # prefixes of length 1 (t_0)
+  accept = np.zeros((gamma + 1, 2))
+  for j in range(gamma + 1):
+    length = j + 1
+    resid = np.maximum(p[length] - q[length], 0.0) if j < gamma else p[length]
+    s1 = (mass[:, None] * resid).reshape(-1)          # the step's last token y
+    beta = overlap[length + 1].sum(-1)                 # P(k2 > 0 | s1)
+    accept[j] = [(s1 * (1 - beta)).sum(), (s1 * beta).sum()]
+    mass = (mass[:, None] * overlap[length]).reshape(-1)
+  np.testing.assert_allclose(accept.sum(), 1.0, atol=1e-9)
+  return Laws(pairs, accept)
+
+# ---------------------------------------------------------------- the test
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+  """Pearson's chi-square of counts against probs; cells expecting < 5 are
+  pooled. A count where the law puts no mass at all gives p = 0."""
+  counts, probs = counts.ravel().astype(float), probs.ravel() / probs.sum()
+  n = counts.sum()
+  if np.any(counts[probs <= 1e-12] > 0):
+    return 0.0
+  exp = probs * n
+  keep = exp >= 5
+  obs, ex = list(counts[keep]), list(exp[keep])
+  if exp[~keep].sum() >= 5:
+    obs.append(counts[~keep].sum())
+    ex.append(exp[~keep].sum())
+  elif ex:  # a small remainder joins the smallest cell
+    i = int(np.argmin(ex))
+    obs[i] += counts[~keep].sum()
+    ex[i] += exp[~keep].sum()
+  if len(ex) < 2:
+    return 1.0
+  return float(scipy_stats.chisquare(obs, ex).pvalue)
+
+
+def sample(target, draft, sp, gamma, rows, loop="device", batch=True, seed=0, drafter="model"):
+  """Windows [R, W] and (k1, k2) [R, 2] of speculative generation from every
+  prompt, rows of each prompt in one ragged batch (or one call per row)."""
+  w = gamma + 3
+  kw = dict(sp=sp, loop=loop, drafter=drafter)
+  if batch:
+    prompts = [p for p in PROMPTS for _ in range(rows)]
+    res = [speculative.generate(target, draft, prompts, w, gamma, seed=seed, **kw)]
+  else:
+    prompts = [p for p in PROMPTS for _ in range(rows)]
+    res = [speculative.generate(target, draft, [p], w, gamma, seed=seed + i, **kw)
+           for i, p in enumerate(prompts)]
+  tokens = np.array([t for r in res for t in r.tokens])
+  # Every row is live in the first two steps (the window is longer).
+  ks = np.concatenate([np.stack([r.records.at_step(0), r.records.at_step(1)], 1) for r in res])
+  assert len(ks) == len(tokens)
+  return tokens, ks, np.array([PROMPTS.index(p) for p in prompts])
+
+
+def pvalues(target, draft, sp, gamma, rows, accept_law=None, **kw) -> dict[str, float]:
+  """Every p-value of one configuration (per prompt: each pair, acceptance).
+
+  `draft` is the model whose q the acceptance law uses (and the draft of the
+  `model` drafter); `accept_law(prompt, sp, gamma)` replaces that law (a
+  drafter without a draft model: tests/test_drafters.py)."""
+  tokens, ks, which = sample(target, draft, sp, gamma, rows, **kw)
+  out = {}
+  for i, prompt in enumerate(PROMPTS):
+    laws = exact_laws(target, draft, prompt, sp, gamma)
+    if sp.top_p < 1:  # near-ties at the top-p boundary move no tested cell visibly
+      for shift in (-TIE, TIE):
+        other = exact_laws(target, draft, prompt, sp, gamma, shift)
+        for a, b in zip(laws.pairs + [laws.accept], other.pairs + [other.accept]):
+          assert np.max(np.abs(a - b)) < 1e-3, "the reference law depends on rounding"
+    if accept_law is not None:
+      laws.accept = accept_law(prompt, sp, gamma)
+    t, k = tokens[which == i], ks[which == i]
+    for j, law in enumerate(laws.pairs):
+      counts = np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V)
+      out[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(counts, law)
+    counts = np.bincount(k[:, 0] * 2 + (k[:, 1] > 0), minlength=2 * (gamma + 1))
+    out[f"prompt {i} acceptance"] = chi2_pvalue(counts, laws.accept)
+  return out
+
+
+def exactness(pair_, sp, gamma, **kw) -> tuple[float, dict[str, float]]:
+  """(smallest p-value times the number of tests, all p-values) over both
+  pairs: the Bonferroni-adjusted p-value of the configuration."""
+  target, draft = pair_
+  ps = {f"noisy draft, {k}": v for k, v in pvalues(target, draft, sp, gamma, ROWS, **kw).items()}
+  ps.update({f"self draft, {k}": v
+             for k, v in pvalues(target, target, sp, gamma, ROWS, **kw).items()})
+  return min(1.0, min(ps.values()) * len(ps)), ps
+
+
+
+
+def full_forward_kv(m: steps.Runner, seq: list[int]):
+  cache = m.new_cache(1, len(seq))
+  return model.forward(m.params, jnp.asarray([seq]), cache, m.cfg)[1]

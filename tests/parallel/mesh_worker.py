@@ -1,0 +1,189 @@
+"""Runs the sharding checks on 8 virtual CPU devices and writes a JSON report.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_worker.py DIR PART
+
+DIR holds the HF checkpoints `target` and `draft_tp` (written by
+tests/test_sharding.py); the report goes to DIR/report_PART.json. PART `a`
+runs the split meshes (1,8) and (2,4) and the checks tied to them, PART `b`
+the others and the error cases: test_sharding.py runs both at once (XLA
+compiles on one core, and compiling is most of the work) and merges them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.formats import checkpoint
+from specjax.decode import generation
+from specjax.formats import hf
+from specjax.parallel import mesh_plan
+from specjax.model import sharding
+from specjax.decode import speculative
+from specjax.model import steps
+from specjax.errors import SpecjaxError
+from specjax.decode.sampling import SamplingParams
+
+MESHES = {"a": ("data:1,model:8", "data:2,model:4"),
+          "b": (None, "data:1,model:1", "data:8,model:1")}
+PROMPTS = [[1, 5, 7, 9, 11], [1, 2], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 9, 9]]
+N_PREDICT = 10
+COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|"
+                        r"reduce-scatter)(?:-start)?\(")
+
+
+def collectives(compiled_text: str) -> dict[str, list[int]]:
+  """{op: [element count of each result]} of an optimized HLO module."""
+  out: dict[str, list[int]] = {}
+  for shape, op in COLLECTIVE.findall(compiled_text):
+    dims = re.findall(r"\[([\d,]*)\]", shape)
+    sizes = [int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in dims]
+    out.setdefault(op, []).append(max(sizes or [1]))
+  return out
+
+
+def shard_fractions(tree) -> dict[str, float]:
+  """{path: share of the array held by device 0's shard}."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {sharding.path_str(p): x.addressable_shards[0].data.size / x.size for p, x in flat}
+
+
+def device0_bytes(tree) -> int:
+  return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def plan_report(tcfg, tparams, target, dcfg, dparams, mesh) -> dict:
+  """mesh_plan.plan from shapes next to the bytes really held by device 0."""
+  out = {"real": {"target_weight_bytes": device0_bytes(tparams),
+                  "target_cache_bytes": device0_bytes(target.new_cache(4, 48)),
+                  "draft_weight_bytes_model": device0_bytes(dparams)}}
+  for mode in ("model", "replicated"):
+    with sharding.use(mesh, mode):
+      rec = mesh_plan.plan(tcfg, dcfg, 4, 48, 4, n_predict=N_PREDICT)
+    out[mode] = {k: v for k, v in rec.items() if k.endswith("_bytes")}
+    out[mode]["spec_loop_argument_bytes"] = rec["programs"]["spec_loop"]["argument_bytes"]
+    out[mode]["decode_argument_bytes"] = rec["programs"]["decode"]["argument_bytes"]
+  return out
+
+
+def run_mesh(spec, ck: Path, report: dict) -> dict:
+  mesh = None if spec is None else sharding.make_mesh(spec)
+  out: dict = {}
+  with sharding.use(mesh, "replicated"):
+    tcfg, tparams, _ = checkpoint.load_model(str(ck / "target"))
+    dcfg, dparams, _ = checkpoint.load_model("tiny-draft", seed=1, role="draft")
+    target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
+    cache = target.new_cache(len(PROMPTS), 48)
+    logits, cache = target.prefill(PROMPTS, cache)
+    chunk, cache = target.forward(np.arange(20).reshape(4, 5) + 3, cache)
+    out["logits"] = np.concatenate([np.asarray(logits)[:, None], np.asarray(chunk)], 1).tolist()
+    out["greedy"] = generation.generate(target, PROMPTS, N_PREDICT).tokens
+    for g in (1, 4):
+      out[f"spec{g}"] = speculative.generate(target, draft, PROMPTS, N_PREDICT, g).tokens
+    hot = SamplingParams(1.0, top_k=20)
+    out["sampled"] = generation.generate(target, PROMPTS, N_PREDICT, hot, seed=3).tokens
+    out["spec_sampled"] = speculative.generate(target, draft, PROMPTS, N_PREDICT, 4, sp=hot,
+                                               seed=3).tokens
+    if spec in (None, "data:1,model:8"):
+      # the multi-process comparison: speculative.py --seed=3 (draft seed 4), batch 1
+      d4 = steps.Runner(*checkpoint.load_model("tiny-draft", seed=4, role="draft")[:2])
+      out["script"] = speculative.generate(target, d4, [[1, 5, 7, 9]], 12, 4, sp=hot,
+                                           seed=3).tokens[0]
+    if spec == "data:1,model:8":
+      report["fractions"] = {"params": shard_fractions(tparams),
+                             "cache": shard_fractions(cache.k[0]),
+                             "draft": shard_fractions(dparams)}
+      decode = steps.forward_step.lower(tparams, jnp.zeros((4, 1), jnp.int32), cache,
+                                        cfg=tcfg).compile().as_text()
+      verify = steps.forward_step.lower(tparams, jnp.zeros((4, 5), jnp.int32), cache,
+                                        cfg=tcfg).compile().as_text()
+      report["hlo"] = {"decode": collectives(decode), "verify": collectives(verify),
+                       "n_layers": tcfg.n_layers,
+                       "smallest_weight": min(x.size for x in jax.tree_util.tree_leaves(tparams)
+                                              if x.ndim == 2),
+                       "cache_shard": int(cache.k[0].size)}
+      # the draft split over the model axis too
+      with sharding.use(mesh, "model"):
+        dcfg2, dparams2, _ = checkpoint.load_model(str(ck / "draft_tp"), role="draft")
+        d2 = steps.Runner(dcfg2, dparams2)
+        report["draft_split"] = {
+            "fraction": shard_fractions(dparams2)["layers_0/attn/wq/kernel"],
+            "spec4": speculative.generate(target, d2, PROMPTS, N_PREDICT, 4).tokens}
+      with sharding.use(mesh):  # the default draft placement, 'auto'
+        report["auto"] = {
+            name: shard_fractions(checkpoint.load_model(path, role="draft")[1])[
+                "layers_0/attn/wq/kernel"]
+            for name, path in (("tiny_draft", "tiny-draft"), ("draft_tp", str(ck / "draft_tp")))}
+      report["plan"] = plan_report(tcfg, tparams, target, dcfg2, dparams2, mesh)
+      # orbax: save sharded, restore on another mesh
+      checkpoint.save(ck / "orbax", tcfg, tparams)
+    if spec == "data:2,model:4":
+      cfg3, params3 = checkpoint.load(ck / "orbax")
+      report["orbax"] = {
+          "equal": all(bool(jnp.array_equal(a, b)) for a, b in zip(
+              jax.tree_util.tree_leaves(params3), jax.tree_util.tree_leaves(tparams))),
+          "fraction": shard_fractions(params3)["layers_0/mlp/w_down/kernel"]}
+  return out
+
+
+def slices_read(ck: Path) -> list[list[int]]:
+  """Shapes of the blocks read from safetensors while loading on (1, 8)."""
+  seen = []
+  orig = hf.SafetensorsState.read_block
+
+  def spy(self, name, index):
+    block = orig(self, name, index)
+    if name.endswith("q_proj.weight"):
+      seen.append(list(block.shape))
+    return block
+  hf.SafetensorsState.read_block = spy
+  try:
+    with sharding.use(sharding.make_mesh("data:1,model:8")):
+      checkpoint.load_model(str(ck / "target"))
+  finally:
+    hf.SafetensorsState.read_block = orig
+  return seen
+
+
+def errors(ck: Path) -> dict[str, str]:
+  out = {}
+  cases = {"too_big": lambda: sharding.make_mesh("data:2,model:8"),
+           "bad_axis": lambda: sharding.make_mesh("rows:2"),
+           "zero": lambda: sharding.make_mesh("model:0"),
+           "two_wild": lambda: sharding.make_mesh("data:-1,model:-1")}
+  for name, fn in cases.items():
+    try:
+      fn()
+      out[name] = ""
+    except SpecjaxError as e:
+      out[name] = str(e)
+  try:  # tiny-draft: 2 heads, 1 KV head, split over 8
+    with sharding.use(sharding.make_mesh("data:1,model:8"), "model"):
+      checkpoint.load_model("tiny-draft", role="draft")
+    out["indivisible"] = ""
+  except SpecjaxError as e:
+    out["indivisible"] = str(e)
+  return out
+
+
+def main(folder: str, part: str) -> None:
+  ck = Path(folder)
+  assert jax.device_count() == 8, jax.devices()
+  report: dict = {"meshes": {}}
+  for spec in MESHES[part]:
+    report["meshes"][str(spec)] = run_mesh(spec, ck, report)
+  if part == "b":
+    report["slices"] = slices_read(ck)
+    report["errors"] = errors(ck)
+  (ck / f"report_{part}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2])

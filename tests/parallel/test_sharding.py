@@ -1,0 +1,202 @@
+"""Sharding over a jax Mesh: the same tokens on every mesh, 1/M of every
+split weight and of the cache per device, the Megatron collective count, and
+two processes joined by jax.distributed giving one process's tokens.
+
+The 8-device checks run in two concurrent subprocesses (tests/mesh_worker.py:
+XLA's device count is fixed when jax starts); these tests read their merged
+report.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from specjax.formats import hf
+from specjax.model import llama as model
+from specjax.model import sharding
+from specjax.model.config import ModelConfig, get_preset
+from specjax.errors import ConfigError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+EIGHT = "--xla_force_host_platform_device_count=8"
+# GQA (16 query heads over 8 KV heads); every split size divisible by 8.
+TARGET = ModelConfig("tp-target", vocab_size=256, dim=128, n_layers=2, n_heads=16,
+                     n_kv_heads=8, ffn_dim=256, max_seq_len=128, attn_block=8)
+DRAFT_TP = ModelConfig("tp-draft", vocab_size=256, dim=64, n_layers=1, n_heads=8,
+                       n_kv_heads=8, ffn_dim=128, max_seq_len=128, attn_block=8)
+
+
+def _env(devices: int) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  return env
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("mesh")
+  hf.save_hf(folder / "target", TARGET, model.init_params(TARGET, 0))
+  hf.save_hf(folder / "draft_tp", DRAFT_TP, model.init_params(DRAFT_TP, 2))
+  return folder
+
+
+@pytest.fixture(scope="module")
+def report(ckpts):
+  procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mesh_worker.py"), str(ckpts),
+                             part], env=_env(8), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for part in "ab"]
+  try:
+    errs = [p.communicate(timeout=600)[1] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for p, err in zip(procs, errs):
+    assert p.returncode == 0, err[-3000:]
+  report = {"meshes": {}}
+  for part in "ab":
+    got = json.loads((ckpts / f"report_{part}.json").read_text())
+    report["meshes"].update(got.pop("meshes"))
+    report.update(got)
+  return report
+
+
+def test_logits_agree_on_every_mesh(report):
+  ref = np.array(report["meshes"]["None"]["logits"])
+  for spec, out in report["meshes"].items():
+    np.testing.assert_allclose(np.array(out["logits"]), ref, atol=2e-5, rtol=1e-5,
+                               err_msg=f"mesh {spec}")
+
+
+@pytest.mark.parametrize("what", ["greedy", "spec1", "spec4", "sampled", "spec_sampled",
+                                  "script"])
+def test_tokens_identical_on_every_mesh(report, what):
+  ref = report["meshes"]["None"][what]
+  checked = [spec for spec, out in report["meshes"].items() if what in out]
+  assert len(checked) >= (2 if what == "script" else 5), checked
+  for spec in checked:
+    assert report["meshes"][spec][what] == ref, f"{what} on mesh {spec}"
+
+
+def test_greedy_speculative_equals_target_only_on_meshes(report):
+  for spec, out in report["meshes"].items():
+    assert out["spec1"] == out["greedy"] == out["spec4"], spec
+
+
+def test_each_device_holds_its_share(report):
+  frac = report["fractions"]
+  for name, f in frac["params"].items():
+    want = 1.0 if name.endswith("norm/scale") else 1 / 8
+    assert f == pytest.approx(want), name
+  assert frac["cache"] == {"": pytest.approx(1 / 8)}
+  assert set(frac["draft"].values()) == {1.0}  # replicated by default
+  assert report["draft_split"]["fraction"] == pytest.approx(1 / 8)
+
+
+def test_draft_split_over_model_axis_gives_the_same_tokens(report):
+  assert report["draft_split"]["spec4"] == report["meshes"]["None"]["greedy"]
+
+
+def test_decode_step_has_two_all_reduces_per_layer_and_no_gathers(report):
+  hlo = report["hlo"]
+  for step in ("decode", "verify"):
+    ops = hlo[step]
+    # two per layer (after o and after down) and one for the vocab-split embedding
+    assert len(ops.get("all-reduce", [])) <= 2 * hlo["n_layers"] + 1, (step, ops)
+    assert len(ops.get("all-reduce", [])) >= 2 * hlo["n_layers"], (step, ops)
+    # anything gathered is smaller than any weight and than a cache shard
+    limit = min(hlo["smallest_weight"], hlo["cache_shard"])
+    for op in ("all-gather", "all-to-all", "collective-permute"):
+      assert all(n < limit for n in ops.get(op, [])), (step, op, ops)
+
+
+def test_auto_draft_is_split_when_it_divides_and_replicated_otherwise(report):
+  assert report["auto"] == {"draft_tp": 1 / 8, "tiny_draft": 1.0}
+
+
+def test_memory_plan_from_shapes_matches_the_arrays(report):
+  plan = report["plan"]
+  real, split, rep = plan["real"], plan["model"], plan["replicated"]
+  # counted from shardings alone = what device 0 really holds
+  assert split["target_weight_bytes"] == real["target_weight_bytes"]
+  assert split["target_cache_bytes"] == real["target_cache_bytes"]
+  assert split["draft_weight_bytes"] == real["draft_weight_bytes_model"]
+  # a replicated draft costs ~8x its split on every device (norms aside)
+  assert 7.5 < rep["draft_weight_bytes"] / split["draft_weight_bytes"] <= 8
+  assert rep["draft_cache_bytes"] > 7 * split["draft_cache_bytes"]
+  # what XLA says the compiled programs take per device: the same bytes,
+  # plus the few small arguments (tokens, lengths, key)
+  for p in (split, rep):
+    assert 0 <= p["spec_loop_argument_bytes"] - p["weights_and_caches_bytes"] < 4096
+    assert 0 <= p["decode_argument_bytes"] - p["target_weight_bytes"] - p["target_cache_bytes"] < 64
+
+
+def test_checkpoint_reads_only_each_devices_slice(report):
+  # q_proj [H*D, E] = [128, 128] split on its rows (specjax's columns) over 8
+  assert report["slices"] and all(s == [16, 128] for s in report["slices"]), report["slices"]
+
+
+def test_orbax_restores_sharded_on_another_mesh(report):
+  assert report["orbax"]["equal"]
+  assert report["orbax"]["fraction"] == pytest.approx(1 / 4)
+
+
+def test_bad_meshes_are_one_clear_line(report):
+  err = report["errors"]
+  assert "needs 16 devices" in err["too_big"] and "8 are available" in err["too_big"]
+  assert "rows:2" in err["bad_axis"]
+  assert "must be positive" in err["zero"]
+  assert "only one axis" in err["two_wild"]
+  assert "n_heads=2" in err["indivisible"] and "n_kv_heads=1" in err["indivisible"]
+  assert all("\n" not in e for e in err.values())
+
+
+def test_parse_mesh():
+  assert sharding.parse_mesh("model:-1", 8) == sharding.MeshShape(1, 8)
+  assert sharding.parse_mesh("data:2,model:-1", 8) == sharding.MeshShape(2, 4)
+  assert sharding.parse_mesh("data:4", 8) == sharding.MeshShape(4, 1)
+  with pytest.raises(ConfigError, match="do not split evenly"):
+    sharding.parse_mesh("data:3,model:-1", 8)
+  with pytest.raises(ConfigError, match="integer"):
+    sharding.parse_mesh("model:x", 8)
+
+
+def test_partition_table_covers_every_param():
+  import jax  # pylint: disable=import-outside-toplevel
+  for cfg in (get_preset("tiny"), get_preset("tiny").__class__(
+      **{**get_preset("tiny").__dict__, "tie_embeddings": True})):
+    shapes = jax.eval_shape(lambda c=cfg: model.init_params(c))
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    for path, x in flat:
+      spec = sharding.param_spec(sharding.path_str(path))
+      assert len(spec) in (0, x.ndim), (path, spec)
+
+
+def test_script_rejects_bad_mesh_in_one_line():
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "generate.py"),
+                         "--model=tiny", "--mesh=data:2,model:8", "--n_predict=2"],
+                        env=_env(8), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "needs 16 devices" in lines[0], proc.stderr
+
+
+def test_two_processes_give_one_process_tokens(report, ckpts, tmp_path):
+  """2 processes x 4 devices (jax.distributed, gloo) == 1 process x 8 devices."""
+  out = tmp_path / "two.json"
+  cmd = [sys.executable, "-m", "specjax.parallel.launch", "--num_processes=2",
+         "--devices_per_process=4", "--timeout=240", "--",
+         os.path.join(ROOT, "experiments", "speculative.py"),
+         f"--model={ckpts / 'target'}", "--model_draft=tiny-draft", "--seed=3",
+         "--prompt_tokens=1,5,7,9", "--n_predict=12", "--draft=4", "--temp=1", "--top_k=20",
+         "--reps=1", "--nobaseline", "--mesh=data:1,model:8", f"--json_out={out}"]
+  env = _env(4)
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads(out.read_text())
+  assert got["env"]["n_processes"] == 2 and got["env"]["mesh"] == "data:1,model:8"
+  assert got["tokens"] == report["meshes"]["data:1,model:8"]["script"]

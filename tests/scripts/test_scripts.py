@@ -1,0 +1,166 @@
+"""The scripts end to end: one clear line and exit 1 on bad input, JSON out."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from specjax.formats import checkpoint
+from specjax.model import config
+from specjax.model import llama as model
+from specjax.metrics import schema
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(script, *args, timeout=300, env=None):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args],
+                        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                        env=None if env is None else {**os.environ, **env})
+
+
+def assert_one_line_error(proc, pattern):
+  assert proc.returncode != 0, proc.stdout
+  assert "Traceback" not in proc.stderr, proc.stderr
+  lines = [l for l in proc.stderr.splitlines() if l.strip()]
+  errors = [l for l in lines if re.search(pattern, l)]
+  assert errors, proc.stderr
+  assert len(errors[0]) < 600
+
+
+@pytest.fixture(scope="module")
+def other_vocab_dir(tmp_path_factory):
+  cfg = config.get_preset("tiny").replace(name="tiny-v300", vocab_size=300)
+  path = tmp_path_factory.mktemp("v300")
+  checkpoint.save(path, cfg, model.init_params(cfg))
+  return str(path)
+
+
+def test_generate_writes_json(tmp_path):
+  out = tmp_path / "gen.json"
+  proc = run("generate.py", "--model=tiny", "--n_predict=6", "--prompt_tokens=1,2,3",
+             f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr
+  assert "prompt eval time" in proc.stdout and "compile time" in proc.stdout
+  rec = json.loads(out.read_text())
+  assert len(rec["tokens"]) == 6 and rec["prompt_tokens"] == [1, 2, 3]
+  assert rec["env"]["cpu"]["model"] and rec["env"]["git_commit"]
+
+
+def test_speculative_writes_json(tmp_path):
+  out = tmp_path / "spec.json"
+  proc = run("speculative.py", "--model=tiny", "--model_draft=tiny-draft", "--n_predict=12",
+             "--draft=3", "--accept=bernoulli:0.5", "--prompt_tokens=4,5,6", "--reps=2",
+             f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr
+  for word in ("n_draft", "n_predict", "n_drafted", "n_accept", "accept", "speedup",
+               "median of 2"):
+    assert word in proc.stdout
+  rec = json.loads(out.read_text())
+  for key in ("tokens", "gamma", "n_predict", "n_drafted", "n_accept", "accept_rate", "n_steps",
+              "tokens_per_step", "alpha", "accept_hist", "alpha_at_pos", "speedup",
+              "baseline_tps", "spec_tps", "capacity", "env"):
+    assert key in rec, key
+  assert set(rec) <= set(schema.FIELDS)
+  # the rule and the rate are two fields, not one overwriting the other
+  assert rec["accept_rule"] == "bernoulli:0.5" and 0 <= rec["accept_rate"] <= 1
+  assert rec["n_predict"] == 12 and len(rec["tokens"]) == 12
+  assert rec["env"]["cpu"]["model"] and rec["env"]["git_commit"]
+
+
+@pytest.mark.parametrize("script,args,pattern", [
+    ("generate.py", ["--model=/no/such/dir"], r"error: .*no/such/dir"),
+    ("generate.py", ["--model=llama-9000"], r"error: .*preset"),
+    ("generate.py", ["--model=tiny", "--prompt_tokens=" + ",".join(["1"] * 140)],
+     r"error: .*exceeds the context"),
+    ("generate.py", ["--model=tiny", "--n_predict=500"], r"error: .*exceeds the context"),
+    ("generate.py", ["--model=tiny", "--n_predict=0"], r"n_predict"),
+    ("generate.py", ["--model=tiny", "--top_p=1.5"], r"top_p"),
+    ("generate.py", ["--model=tiny", "--prompt=hello"], r"error: .*no tokenizer"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--accept=sometimes"],
+     r"error: .*acceptance rule"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--draft=0"], r"draft"),
+    ("speculative.py", ["--model=tiny", "--drafter=layerskip:0,5"], r"error: .*out of range"),
+    ("loop_overhead.py", ["--model=tiny", "--drafter=ngram:3-1"], r"error: .*ngram_min"),
+    ("speculative.py", ["--model=tiny", "--drafter=eagle"], r"error: EAGLE head .* does not fit"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny-draft", "--gamma_auto",
+                        "--auto_set=0,2"], r"error: .*auto"),
+])
+def test_bad_input_is_one_line(script, args, pattern):
+  assert_one_line_error(run(script, *args), pattern)
+
+
+def test_vocab_mismatch_is_one_line(other_vocab_dir):
+  proc = run("speculative.py", "--model=tiny", f"--model_draft={other_vocab_dir}",
+             "--n_predict=4")
+  assert_one_line_error(proc, r"error: .*vocabularies differ")
+
+
+def test_corrupt_checkpoint_is_one_line(tmp_path):
+  (tmp_path / "config.json").write_text("{not json")
+  assert_one_line_error(run("generate.py", f"--model={tmp_path}"), r"error: .*config.json")
+
+
+def test_readme_quickstart_and_ci_agree():
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  block = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+  commands = re.findall(r"```bash\n(.*?)\n```", block, re.S)
+  assert len(commands) == 2, commands
+  assert "experiments/" in commands[0]
+  assert "pytest" in commands[1]
+  ci = open(os.path.join(ROOT, ".ci", "run")).read()
+  assert commands[1].strip() in ci
+
+
+def test_gpu_check_smoke(tmp_path):
+  """The GPU script's whole path on tiny models (the real run needs a GPU),
+  on two virtual devices so that its tensor-parallel part runs too."""
+  proc = run("gpu_check.py", "--smoke", "--reps=1", f"--workdir={tmp_path}",
+             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = (tmp_path / "gpu_summary.md").read_text()
+  assert "T(2)/T(1)" in summary and "| tiny |" in summary and "efficiency" in summary
+  assert "| data:1,model:2 |" in summary and "Crossover, gamma 2" in summary
+  assert "## Measured ceilings" in summary and "Ridge point" in summary
+  parts = [json.loads(l)["part"] for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+  assert parts[0] == "peaks" and "bench" in parts
+  assert (tmp_path / "sweep" / "results.jsonl").exists()
+
+
+def test_gpu_check_without_gpu_is_one_line(tmp_path):
+  import jax
+  if jax.default_backend() == "gpu":
+    pytest.skip("a GPU is present")
+  assert_one_line_error(run("gpu_check.py", f"--workdir={tmp_path}"), r"error: JAX does not see a GPU")
+
+
+def test_train_pipeline_end_to_end_and_resume(tmp_path):
+  wd, out = tmp_path / "w", tmp_path / "pair"
+  proc = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+             f"--export_dir={out}")
+  assert proc.returncode == 0, proc.stderr
+  assert "alpha at T=0" in proc.stdout and "held-out loss" in proc.stdout
+  for name in ("tokenizer.json", "corpus.json", "alpha.json", "training.json", "training.png",
+               "target/metrics.jsonl", "distill/metrics.jsonl"):
+    assert (wd / name).stat().st_size > 0, name
+  for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+    assert (out / "stdlib-target" / name).is_file() and (out / "stdlib-draft" / name).is_file()
+  # the exported pair runs in the engine scripts with no conversion step
+  proc = run("speculative.py", f"--model={out / 'stdlib-target'}",
+             f"--model_draft={out / 'stdlib-draft'}", "--n_predict=8", "--draft=2",
+             "--prompt=def f(x):")
+  assert proc.returncode == 0, proc.stderr
+  # a second run finds every stage finished and trains nothing
+  again = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}")
+  assert again.returncode == 0, again.stderr
+  assert "steps of" not in again.stdout and "resumed" not in again.stdout
+  # a changed config is refused with one line
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+            "--config.target_train.lr=0.001")
+  assert_one_line_error(bad, "different config")
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={tmp_path / 'x'}",
+            "--config.target_train.lr=2.0")
+  assert_one_line_error(bad, "train.lr")
