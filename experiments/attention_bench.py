@@ -13,6 +13,7 @@ masked pass over the whole capacity (attn_block 0), alternating, medians of
 from absl import flags
 
 from specjax.bench import llama_bench as bench
+from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.model import steps
@@ -31,7 +32,7 @@ _OUT = cli.RecordFlags("(model, capacity, depth, variant)")
 
 def main(argv):
   del argv
-  caps, depths = bench.parse_ints(_CAPACITIES.value), bench.parse_ints(_DEPTHS.value)
+  caps, depths = tables.parse_ints(_CAPACITIES.value), tables.parse_ints(_DEPTHS.value)
   points = [(c, d) for c in caps for d in depths if d + _N_GEN.value <= c]
   if not points:
     raise ConfigError(f"no depth + n_gen fits any capacity ({caps}, {depths}, n_gen {_N_GEN.value})")

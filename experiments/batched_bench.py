@@ -11,6 +11,7 @@ N_KV = B*(PP+TG), S_PP = B*PP/T_PP, S_TG = B*TG/T_TG, T = T_PP+T_TG, S = N_KV/T.
 from absl import flags
 
 from specjax.bench import llama_bench as bench
+from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.model import config
@@ -28,16 +29,16 @@ _OUT = cli.RecordFlags("(PP, TG, B)")
 
 def main(argv):
   del argv
-  batches = bench.parse_ints(_BATCH.value, "--batch")
-  pps, tgs = bench.parse_ints(_PP.value, "--pp"), bench.parse_ints(_TG.value, "--tg")
+  batches = tables.parse_ints(_BATCH.value, "--batch")
+  pps, tgs = tables.parse_ints(_PP.value, "--pp"), tables.parse_ints(_TG.value, "--tg")
   cfg, params, _ = checkpoint.load_model(_MODEL.value, dtype=config.canonical_precision(_DTYPE.value),
                                          seed=_SEED.value)
 
   on_record = _OUT.on_record(lambda r: bench.batched_table([r]).splitlines()[-1])
   records = bench.run_batched_bench(steps.Runner(cfg, params), batches, pps, tgs, _REPS.value,
                                     _SEED.value, on_record=on_record)
-  print(f"model: {cfg.name}, {bench.format_params(records[0]['n_params'])} params, "
-        f"{bench.format_size(records[0]['size_bytes'])}, {cfg.precision}, backend {records[0]['backend']}, "
+  print(f"model: {cfg.name}, {tables.format_params(records[0]['n_params'])} params, "
+        f"{tables.format_size(records[0]['size_bytes'])}, {cfg.precision}, backend {records[0]['backend']}, "
         f"KV capacity {records[0]['capacity']}, T_PP/T_TG medians of {_REPS.value} reps")
   print()
   print(bench.batched_table(records))

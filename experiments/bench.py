@@ -14,6 +14,7 @@ on random weights: speed does not depend on their values.
 from absl import flags
 
 from specjax.bench import llama_bench as bench
+from specjax.bench import tables
 from specjax import cli
 
 _MODEL = flags.DEFINE_list("model", ["cpu-target"], "Models: preset names, HF or orbax directories.")
@@ -28,7 +29,7 @@ _OUT = cli.RecordFlags("test")
 
 def main(argv):
   del argv
-  n_prompt = bench.parse_ints(_N_PROMPT.value, "--n_prompt")
+  n_prompt = tables.parse_ints(_N_PROMPT.value, "--n_prompt")
 
   # progress rows on stderr; the aligned table follows on stdout
   on_record = _OUT.on_record(lambda r: bench.bench_table([r]).splitlines()[-1])

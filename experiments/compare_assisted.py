@@ -19,7 +19,7 @@ import os
 from absl import flags
 
 from specjax.bench import assisted
-from specjax.bench import llama_bench as bench
+from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.decode import speculative
@@ -85,7 +85,7 @@ def main(argv):
 
 
 def _report(results, env, loads, prompt):
-  print(bench.markdown_table(assisted.TABLE_COLUMNS, assisted.table_rows(results),
+  print(tables.markdown_table(assisted.TABLE_COLUMNS, assisted.table_rows(results),
                              right=[False, False] + [True] * 4 + [False, True, True]))
   print()
   print(f"tokens/s = {_N_PREDICT.value} generated tokens (the first, from the prompt, included) / "

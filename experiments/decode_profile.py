@@ -2,7 +2,7 @@
 
   python experiments/decode_profile.py --model=llama-160m,cpu-target --depth=128
 
-T(1) of one token (k forwards in one jitted loop, costs.CostProbe: no host
+T(1) of one token (k forwards in one jitted loop, probes.CostProbe: no host
 dispatch, compile excluded) at --depth tokens already cached, for:
 
   full           the model as it runs
@@ -14,8 +14,8 @@ dispatch, compile excluded) at --depth tokens already cached, for:
                  then the LM head) chained in one jitted loop at M = 1
 
 next to the bandwidth bound: the step's bytes (every weight once, the
-attended K/V slots: bench.decode_bytes) over the read bandwidth measured
-here (bench.measure_read, once per repetition: it drifts). Variants
+attended K/V slots: roofline.decode_bytes) over the read bandwidth measured
+here (roofline.measure_read, once per repetition: it drifts). Variants
 alternate within each repetition; medians of --reps. An ablated variant computes something else: only its
 time means anything.
 """
@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from specjax.bench import llama_bench as bench
+from specjax.bench import roofline
 from specjax.formats import checkpoint
 from specjax import cli
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.model import layers
 from specjax.model import steps
 from specjax.metrics import timing
@@ -97,13 +97,13 @@ def profile(spec: str) -> list[dict]:
     raise ConfigError("decode_profile times float weights; --dtype=int8 is not supported")
   depth = _DEPTH.value
   capacity = depth + 16
-  probes, logits = {}, {}
+  probe_of, logits = {}, {}
   tokens = np.arange(1, 9)[None] % cfg.vocab_size
   for v in VARIANTS:  # each variant its own config name: its own trace
     with ablated(v):
       m = steps.Runner(cfg.replace(name=f"{cfg.name}|{v}"), params)
-      probes[v] = costs.CostProbe(m, capacity, depth, k=_K.value)
-      probes[v].times([1])  # compile while patched
+      probe_of[v] = probes.CostProbe(m, capacity, depth, k=_K.value)
+      probe_of[v].times([1])  # compile while patched
       # what the variant computes, to show the ablation took effect
       logits[v] = np.asarray(m.forward(tokens, m.new_cache(1, capacity))[0], np.float32)
   ws = kernels(params)
@@ -116,12 +116,12 @@ def profile(spec: str) -> list[dict]:
   for _ in range(_REPS.value):
     for v in VARIANTS:
       with ablated(v):
-        times[v].append(probes[v].times([1])[1].median)
+        times[v].append(probe_of[v].times([1])[1].median)
     times["projections"].append(timing.measure(proj, reps=1, warmup=0).median / _K.value)
-    read_gbs.append((512 << 20) / bench.measure_read(reps=1, read_mib=512).median / 1e9)
+    read_gbs.append((512 << 20) / roofline.measure_read(reps=1, read_mib=512).median / 1e9)
   peaks = {"read_gbs": float(np.median(read_gbs))}
-  n_bytes = bench.decode_bytes(cfg, sum(int(w.size) * w.dtype.itemsize for w in ws),
-                               bench.attended_slots(cfg, capacity, depth + 1))
+  n_bytes = roofline.decode_bytes(cfg, sum(int(w.size) * w.dtype.itemsize for w in ws),
+                               roofline.attended_slots(cfg, capacity, depth + 1))
   bound = n_bytes / (peaks["read_gbs"] * 1e9)
   med = {v: float(np.median(t)) for v, t in times.items()}
   env = wd.environment()

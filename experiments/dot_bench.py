@@ -20,9 +20,9 @@ compile excluded; the output is ms per layer (all its projections) and the
 ratio to M = 1 of the same variant.
 
 With --roofline (default) it also measures this machine's float32 ceilings
-(bench.measure_peaks: a 2048^3 product's FLOP/s, a 512 MiB sum's read
+(roofline.measure_peaks: a 2048^3 product's FLOP/s, a 512 MiB sum's read
 bandwidth) and prints, per M, the roofline's lower bound on T(M)/T(1) of
-the f32 layer (bench.roofline_bound: flat up to the ridge point) next to
+the f32 layer (roofline.roofline_bound: flat up to the ridge point) next to
 what XLA's product reaches (ms, GFLOP/s, share of the measured peak): how
 much of the steep f32 verify curve the hardware imposes, and how much the
 kernels add.
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from specjax.bench import llama_bench as bench
+from specjax.bench import roofline
 from specjax import cli
 from specjax.metrics import timing
 from specjax import workdir as wd
@@ -126,7 +126,7 @@ def main(argv):
   base1 = med["f32 x@W"][ms[0]]
   print("vs the model's layout at M=1: " + ", ".join(
       f"{kind} {med[kind][ms[0]] / base1:.2f}x" for kind in kinds[1:]))
-  roof = roofline(cfg, ms, med["f32 x@W"]) if _ROOF.value else None
+  roof = print_roofline(cfg, ms, med["f32 x@W"]) if _ROOF.value else None
   print(f"machine: {wd.machine_line(env)}")
   if _JSON.value:
     wd.write_json(_JSON.value, {"model": cfg.name, "ms": ms, "median_s": med, "env": env,
@@ -134,14 +134,14 @@ def main(argv):
                                  "roofline": roof})
 
 
-def roofline(cfg, ms, measured):
+def print_roofline(cfg, ms, measured):
   """Prints the f32 layer's roofline bound per M next to `measured` ({M: s})."""
-  peaks = bench.measure_peaks(reps=_REPS.value)
+  peaks = roofline.measure_peaks(reps=_REPS.value)
   e, f, d = cfg.dim, cfg.ffn_dim, cfg.d_head
   q, kv = cfg.n_heads * d, cfg.n_kv_heads * d
   n_params = e * (2 * q + 2 * kv) + 3 * e * f  # q, k, v, o; gate, up, down
   gf, bw = peaks["peak_gflops"], peaks["read_gbs"]
-  bound = {m: bench.roofline_bound(m, n_params, 4, gf, bw) for m in ms}
+  bound = {m: roofline.roofline_bound(m, n_params, 4, gf, bw) for m in ms}
   ridge = gf * 4 / (2 * bw)
   print(f"\nRoofline, f32 (measured here: {gf:.0f} GFLOP/s on a 2048^3 product, {bw:.1f} GB/s "
         f"reading 512 MiB): one layer's {n_params / 1e6:.1f} M weights; ridge point at "

@@ -2,7 +2,7 @@
 
   python experiments/gguf_bench.py --model=llama-160m
 
-1. Writes the preset's random weights as GGUF files (backends.llamacpp.
+1. Writes the preset's random weights as GGUF files (formats.gguf_write.
    write_gguf: F16 by numpy, Q8_0 by gguf.quants.quantize), then loads each
    with specjax (gguf_file.load_gguf: memory map, gguf.quants.dequantize,
    float32 on device) --loads times: median wall seconds until the params
@@ -10,7 +10,7 @@
    from the page cache: this is the conversion's speed, not the disk's.
 2. Decode speed of the same preset at f32, bf16-mixed and int8 (weight-only):
    T(1) and T(8), one forward over 1 and 8 new tokens at batch 1 against a
-   cache holding --depth tokens (costs.CostProbe: k forwards in one jitted
+   cache holding --depth tokens (probes.CostProbe: k forwards in one jitted
    loop, compile excluded, median of --reps), T(8)/T(1), and the params'
    bytes on device.
 """
@@ -23,14 +23,14 @@ from absl import flags
 
 from specjax.formats import checkpoint
 from specjax import cli
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.formats import gguf as gguf_file
 from specjax.model import steps
 from specjax.metrics import timing
 from specjax.model import llama as model_lib
 from specjax import workdir as wd
-from specjax.bench.backends import llamacpp
-from specjax.bench.llama_bench import format_size, markdown_table
+from specjax.formats import gguf_write
+from specjax.bench.tables import format_size, markdown_table
 from specjax.model.config import get_preset
 
 _MODEL = flags.DEFINE_string("model", "llama-160m", "Preset whose shapes are written and timed.")
@@ -48,9 +48,9 @@ def load_speed(cfg, params) -> list[list[str]]:
   for name in _TYPES.value:
     path = os.path.join(_DIR.value, f"{cfg.name}-{name}.gguf")
     if name.upper() == "F16":
-      llamacpp.write_gguf(path, cfg.with_dtype("float16"), params)
+      gguf_write.write_gguf(path, cfg.with_dtype("float16"), params)
     else:
-      llamacpp.write_gguf(path, cfg, params, tensor_type=name)
+      gguf_write.write_gguf(path, cfg, params, tensor_type=name)
     size = os.path.getsize(path)
     times = []
     for _ in range(_LOADS.value):
@@ -68,7 +68,7 @@ def decode_speed(name: str) -> list[list[str]]:
   rows = []
   for dtype in _DTYPES.value:
     cfg, params, _ = checkpoint.load_model(name, dtype=dtype)
-    probe = costs.CostProbe(steps.Runner(cfg, params), _CAPACITY.value, _DEPTH.value, k=4)
+    probe = probes.CostProbe(steps.Runner(cfg, params), _CAPACITY.value, _DEPTH.value, k=4)
     t = probe.times([1, 8], reps=_REPS.value)
     t1, t8 = t[1].median, t[8].median
     rows.append([cfg.precision, format_size(model_lib.param_bytes(params)),

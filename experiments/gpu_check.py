@@ -41,6 +41,8 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # noqa: E402
 from specjax.bench import llama_bench as bench
+from specjax.bench import roofline
+from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.model import config
@@ -76,10 +78,10 @@ class Out:
 
 
 def peaks_part(smoke: bool, reps: int, out, measured: dict) -> list[str]:
-  """The device's measured ceilings (bench.measure_peaks, bf16 on a GPU); the
+  """The device's measured ceilings (roofline.measure_peaks, bf16 on a GPU); the
   bench part reports its roofline share against them too."""
   n, mib, dtype = (256, 8, "float32") if smoke else (8192, 2048, "bfloat16")
-  peaks = bench.measure_peaks(reps=reps, n=n, read_mib=mib, dtype=dtype)
+  peaks = roofline.measure_peaks(reps=reps, n=n, read_mib=mib, dtype=dtype)
   measured.update(peaks)
   out("peaks", {"n": n, "read_mib": mib, "dtype": dtype, **peaks})
   item = jnp.dtype(dtype).itemsize  # bytes per weight
@@ -106,15 +108,15 @@ def bench_part(models, dtype, n_prompt, n_gen, depth, reps, bandwidth, out,
     pp = {r["n_tokens"]: r for r in rs if r["kind"] == "pp"}
     ratio = {n: r["verify_ratio"] for n, r in pp.items()}
     step_s = tg["median_s"] / tg["n_tokens"]
-    slots = bench.attended_slots(cfg, tg["capacity"], depth + n_gen)
-    roof = (bench.roofline_fraction(cfg, tg["size_bytes"], slots, step_s, bandwidth)
+    slots = roofline.attended_slots(cfg, tg["capacity"], depth + n_gen)
+    roof = (roofline.roofline_fraction(cfg, tg["size_bytes"], slots, step_s, bandwidth)
             if bandwidth else None)
     leave, _ = scaling_report({n: r["median_s"] for n, r in pp.items()})
     n_max = max(pp)
     tflops = 2 * tg["n_params"] * n_max / pp[n_max]["median_s"] / 1e12
     lines.append(f"| {spec} | {1 / step_s:.1f} | {1e3 * step_s:.2f} | "
                  + (f"{100 * roof:.0f}% of {bandwidth:.0f} GB/s" if roof else "bandwidth unknown")
-                 + " | " + (f"{100 * bench.roofline_fraction(cfg, tg['size_bytes'], slots, step_s, measured_gbs):.0f}%"
+                 + " | " + (f"{100 * roofline.roofline_fraction(cfg, tg['size_bytes'], slots, step_s, measured_gbs):.0f}%"
                             if measured_gbs else "-")
                  + " | " + " | ".join(f"{ratio.get(n, float('nan')):.2f}" for n in n_prompt[1:])
                  + f" | {leave or '-'} | {tflops:.1f} |")
@@ -198,7 +200,7 @@ def mesh_part(model, dtype, reps, out) -> list[str]:
   for r in recs:
     out("mesh", r)
   return lines + [f"{model} ({recs[0]['precision']}), batch 1, 128 of 256 slots used, medians "
-                  f"of {reps}:", "", bench.markdown_table(
+                  f"of {reps}:", "", tables.markdown_table(
                       ["mesh", "T(1) ms", "T(5) ms", "T(5)/T(1)", "T(1) vs model:1"],
                       [[r["mesh"], f"{1e3 * r['t1_s']:.2f}", f"{1e3 * r['tv_s']:.2f}",
                         f"{r['verify_ratio']:.2f}", f"{r['t1_vs_first']:.2f}"] for r in recs])]
@@ -225,7 +227,7 @@ def main(argv):
   else:
     models, n_prompt, n_gen, depth = ["llama-160m", "llama-7b"], [1, 2, 4, 8, 16, 32, 64], 64, 128
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
-  bandwidth = _BANDWIDTH.value or bench.device_bandwidth_gbs(dev.device_kind)
+  bandwidth = _BANDWIDTH.value or roofline.device_bandwidth_gbs(dev.device_kind)
   lines, t0 = [f"# GPU check: {dev.device_kind}", ""], time.perf_counter()
   measured = {}  # filled by the peaks part
   parts = [

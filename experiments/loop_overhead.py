@@ -18,7 +18,8 @@ from absl import flags
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.bench import costs
-from specjax.drafters import base as drafters
+from specjax.decode import probes
+from specjax.drafters import registry
 from specjax.decode import speculative
 from specjax.model import steps
 
@@ -37,7 +38,7 @@ _OUT = cli.RecordFlags("measurement")
 
 def main(argv):
   del argv
-  drafter = drafters.parse(_DRAFTER.value)
+  drafter = registry.parse(_DRAFTER.value)
   tcfg, tparams, _ = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value, seed=_SEED.value)
   draft = None
   if drafter.needs_draft_model:
@@ -46,7 +47,7 @@ def main(argv):
     speculative.check_vocabularies(tcfg, dcfg)
     draft = steps.Runner(dcfg, dparams)
   dname = draft.cfg.name if draft is not None else drafter.spec
-  prompt = costs.random_tokens(np.random.RandomState(_SEED.value),
+  prompt = probes.random_tokens(np.random.RandomState(_SEED.value),
                                tcfg.vocab_size, 1, _N_PROMPT.value)[0].tolist()
   rec = costs.loop_overhead(steps.Runner(tcfg, tparams), draft, prompt,
                             _GAMMA.value, _N_STEPS.value, _REPS.value, drafter=drafter)

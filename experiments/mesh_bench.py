@@ -6,7 +6,7 @@ faster, and what a 70B target with a 7B draft needs per device.
 
 Part `measure` (one run, repetitions alternating between the variants):
   * T(1) and T(gamma+1) of --model on meshes data:1,model:M for each M in
-    --model_axes (per forward, k forwards per jitted loop: costs.CostProbe);
+    --model_axes (per forward, k forwards per jitted loop: probes.CostProbe);
   * the whole speculative loop (rule `always`, so every variant runs the same
     steps) on data:1,model:--spec_axis with the draft replicated on every
     device and split over the model axis, next to target-only decoding on the
@@ -35,10 +35,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 import numpy as np
 from absl import flags
 
-from specjax.bench import llama_bench as bench
+from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.decode import generation
 from specjax.parallel import mesh_plan
 from specjax.model import sharding
@@ -84,7 +84,7 @@ def _mesh(model_axis: int):
 
 
 def measure_costs(env) -> list[dict]:
-  axes = bench.parse_ints(_AXES.value, "--model_axes")
+  axes = tables.parse_ints(_AXES.value, "--model_axes")
   return [{**r, "env": env} for r in mesh_plan.model_axis_costs(
       _MODEL.value, _DTYPE.value, axes, _GAMMA.value, _CAPACITY.value, _DEPTH.value,
       _REPS.value, _SEED.value)]
@@ -103,7 +103,7 @@ def measure_loop(env) -> list[dict]:
                                                _SEED.value + 1, role="draft")
     speculative.check_vocabularies(tcfg, dcfg)
     drafts[mode] = steps.Runner(dcfg, dparams)
-  prompt = costs.random_tokens(np.random.RandomState(_SEED.value), tcfg.vocab_size,
+  prompt = probes.random_tokens(np.random.RandomState(_SEED.value), tcfg.vocab_size,
                                1, 32)[0].tolist()
   g, n_pred = _GAMMA.value, _N_PREDICT.value
 
@@ -158,7 +158,7 @@ def report(records: list[dict]) -> None:
   if cost:
     print(f"\nT(N) of {cost[0]['model']} ({cost[0]['precision']}), batch 1, "
           f"{_DEPTH.value} of {_CAPACITY.value} slots used, medians of {_REPS.value}:")
-    print(bench.markdown_table(
+    print(tables.markdown_table(
         ["mesh", "T(1) ms", f"T({cost[0]['gamma'] + 1}) ms", "T(g+1)/T(1)", "T(1) / first mesh"],
         [[r["mesh"], f"{1e3 * r['t1_s']:.2f}", f"{1e3 * r['tv_s']:.2f}",
           f"{r['verify_ratio']:.2f}", f"{r['t1_vs_first']:.2f}"] for r in cost]))
@@ -168,7 +168,7 @@ def report(records: list[dict]) -> None:
     print(f"\nGeneration of {loop[0]['n_predict']} tokens on {loop[0]['mesh']}: "
           f"{loop[0]['target']} alone and with {d} (gamma {loop[0]['gamma']}, rule always), "
           f"medians of {_REPS.value}:")
-    print(bench.markdown_table(
+    print(tables.markdown_table(
         ["run", "ms/token", "speedup vs target-only"],
         [["target only" if r["draft_sharding"] is None else f"draft {r['draft_sharding']}",
           f"{r['ms_per_token']:.2f}", f"{r['speedup']:.2f}"] for r in loop]))
@@ -186,7 +186,7 @@ def report(records: list[dict]) -> None:
             ["decode-step activations (XLA, f32 twin)", f"{r['act_temp_bytes'] / GB:.4f}"]]
     for name, cap in ACCELERATORS:
       rows.append([f"left of {name}", _gb(cap - r["programs"]["spec_loop"]["argument_bytes"])])
-    print(bench.markdown_table(["", "GB"], rows))
+    print(tables.markdown_table(["", "GB"], rows))
     if r["platform"] == "cpu" and r["precision"] != "float32":
       print(f"(XLA:CPU converts bf16 weights to f32 for its matmuls: its temporaries, "
             f"{_gb(r['programs']['spec_loop']['temp_bytes'])} GB here, are not a GPU's)")

@@ -38,7 +38,7 @@ from specjax.decode import acceptance
 from specjax.decode import autogamma
 from specjax.formats import checkpoint
 from specjax import cli
-from specjax.drafters import base as drafters
+from specjax.drafters import registry
 from specjax.drafters import eagle
 from specjax.decode import generation
 from specjax.metrics import schema
@@ -95,7 +95,7 @@ _EAGLE_HEAD = flags.DEFINE_string("eagle_head", "stdlib-eagle", "The head of --d
 
 def _drafter():
   """--drafter, with --eagle_head for a bare 'eagle'."""
-  d = drafters.parse(_DRAFTER.value)
+  d = registry.parse(_DRAFTER.value)
   if d.kind == "eagle" and ":" not in _DRAFTER.value:
     d = eagle.EagleDrafter(_EAGLE_HEAD.value)
   return d

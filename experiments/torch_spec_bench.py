@@ -17,7 +17,7 @@ Threads: on a shared machine give both engines one thread
 pool of 2 threads on 2 loaded cores measured 4-5x slower than 1 thread.
 With --costs, T(B, N) for N = 1 and every gamma + 1, one target forward with
 the argmax of its logits, k forwards per repetition from the same cache state
-(costs.CostProbe's method at batch B; torch dispatches each forward from the
+(probes.CostProbe's method at batch B; torch dispatches each forward from the
 host, specjax runs the k in one jitted loop).
 The simulated rules draw their acceptances from different generators (torch
 vs JAX): bernoulli points compare engines at the same rule, not the same
@@ -48,7 +48,7 @@ from specjax.decode import autogamma
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.model import config
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.decode import generation
 from specjax.decode import speculative
 from specjax.model import steps
@@ -57,7 +57,7 @@ from specjax.metrics import timing
 from specjax import workdir as wd
 from specjax.bench.backends import torch_spec as ts
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 _TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset, HF or orbax directory.")
 _DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset, HF or orbax directory.")
@@ -120,15 +120,15 @@ def specjax_point(target, draft, prompts, n_predict, gamma, rule, reps, seed, ca
 
 
 def specjax_costs(m, batch, cap, depth, ns, reps, k, seed):
-  """T(B, n) per forward: costs.CostProbe's jitted loop of k forwards, batch B."""
+  """T(B, n) per forward: probes.CostProbe's jitted loop of k forwards, batch B."""
   rng = np.random.RandomState(seed)
-  holder = [costs.filled_cache(m, batch, cap, depth, rng)]
+  holder = [probes.filled_cache(m, batch, cap, depth, rng)]
   out = {}
   for n in sorted(set(ns)):
-    tokens = costs.random_tokens(rng, m.cfg.vocab_size, batch, n)
+    tokens = probes.random_tokens(rng, m.cfg.vocab_size, batch, n)
 
     def run(tokens=tokens):
-      acc, holder[0] = costs._repeat_forward(m.params, tokens, holder[0],  # pylint: disable=protected-access
+      acc, holder[0] = probes.repeat_forward(m.params, tokens, holder[0],
                                              jax.random.PRNGKey(n), cfg=m.cfg, k=k,
                                              sp=SamplingParams())
       return acc

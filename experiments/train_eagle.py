@@ -17,7 +17,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from specjax import cli
-from specjax.drafters import eagle
+from specjax.train import eagle
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "train.py") + ":eagle",

@@ -9,7 +9,7 @@ from typing import Any, Callable
 from absl import app, flags, logging
 
 from specjax.errors import SpecjaxError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 # Used when a model has no tokenizer and no prompt is given: 32 fixed ids.
 DEFAULT_PROMPT_TOKENS = [1] + list(range(100, 131))

@@ -1,26 +1,23 @@
 """The chi-square machinery of the exactness tests, shared by the decode and
 drafter tests: exact output and acceptance laws by enumeration over a tiny
 vocabulary (V = 6) from the models' logits and an independent NumPy
-implementation of the warpers, never from specjax.decode.sampling; see
+implementation of the warpers, never from specjax.model.sampling; see
 tests/decode/test_lossless.py for what each law sees."""
 
 
 import dataclasses
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decode import acceptance
 from specjax.model import config
-from specjax.decode import generation
 from specjax.model import llama as model
 from specjax.decode import speculative
 from specjax.model import steps
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -40,7 +40,7 @@ from specjax.decode import speculative
 from specjax.model import steps
 from specjax.metrics import timing
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 ENGINES = ("hf", "specjax")
 PAD_ID = 0  # HF wants a pad id; batch 1 never pads

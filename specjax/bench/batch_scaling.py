@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from specjax.bench import batch_scaling_report as report
-from specjax.bench import llama_bench as bench
+from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax.formats import gguf as gguf_file
 from specjax.metrics import timing
@@ -64,8 +64,8 @@ from specjax.bench.backends.base import (Backend, Sample, Unavailable, check_par
                                    parity_error, parity_tolerance)
 from specjax.model.config import ModelConfig
 from specjax.errors import ConfigError, SpecjaxError
+from specjax.workdir import Record
 
-Record = dict[str, Any]
 
 _NAME_FIELDS = ("models", "dtypes", "backends")
 _INT_FIELDS = ("n_tokens", "depths", "batches", "batch_n_tokens")
@@ -84,7 +84,7 @@ def settings(c):
       raise ConfigError(f"config.{f} is empty")
   for f in _INT_FIELDS:
     v = [d[f]] if isinstance(d[f], (str, int)) else list(d[f])
-    d[f] = tuple(sorted(set(bench.parse_ints(",".join(map(str, v)), f"config.{f}"))))
+    d[f] = tuple(sorted(set(tables.parse_ints(",".join(map(str, v)), f"config.{f}"))))
   c = ml_collections.ConfigDict(d)
   unknown = [b for b in c.backends if b not in BACKENDS]
   if unknown or "xla" not in c.backends:
@@ -355,7 +355,8 @@ def run_batch_scaling(c, workdir: str, log: Callable[[str], None] | None = None
     for dtype in c.dtypes:
       _model_run(run, spec, config_lib.canonical_dtype(dtype), rng)
   run.env["load_avg_start"], run.env["load_avg_end"] = load_start, wd.load_avg()
-  report.write_outputs(run)
+  report.write_outputs(run.workdir, report.Outcome(run.c, run.env, run.records, run.notes,
+                                                   run.parity, run.costs))
   return run.records
 
 

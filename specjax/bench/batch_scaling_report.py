@@ -4,19 +4,18 @@ parity.json (definitions: specjax.bench.batch_scaling)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from specjax.bench import llama_bench as bench
+from specjax.bench import tables
 from specjax.model import kv_cache as kvc
 from specjax.metrics import theory
 from specjax import workdir as wd
 from specjax.bench.backends import BACKENDS
 
-if TYPE_CHECKING:
-  from specjax.bench.batch_scaling import Run
+from specjax.workdir import Record
 
-Record = dict[str, Any]
 FLAT_LIMIT = 1.25  # T(N)/T(1) above this: out of the flat region
 CLIFF_STEP = 1.5   # T(N)/T(N_prev) above this and above N/N_prev: a cliff
 SUMMARY_NS = (2, 4, 8, 16, 64)
@@ -158,11 +157,23 @@ def _scaling_table(curves: dict[str, dict[int, float]], c, cost: Record,
                   if cliffs else "no cliff") + ".")
   cols = (["backend", "T(1) ms", "t/s", "CPU cores"] + [f"T({n})/T(1)" for n in ns]
           + ["leaves flat at N", "cliffs", f"speedup α{c.alpha:g} γ{c.gamma}"])
-  table = bench.markdown_table(cols, rows, [False] + [True] * (len(cols) - 4) + [True, False, True])
+  table = tables.markdown_table(cols, rows, [False] + [True] * (len(cols) - 4) + [True, False, True])
   return table, lines
 
 
-def summary_markdown(run: Run) -> str:
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """What a batch-scaling run produced, as its report reads it (records and
+  notes, not the runner's state)."""
+  c: Any                      # the run's config (configs/batch_scaling.py)
+  env: Record                 # batch_scaling's environment record
+  records: Sequence[Record]   # one per (model, dtype, depth, backend, B, N)
+  notes: Mapping[str, str]    # per backend: why it was skipped or how it ran
+  parity: Sequence[Record]    # the parity checks before any timing
+  costs: Sequence[Record]     # the draft's T(1) per (model, dtype, depth)
+
+
+def summary_markdown(run: Outcome) -> str:
   c, env, records = run.c, run.env, run.records
   speedup_c = (f"{c.c:g} (configured)" if c.c else
                f"T_draft(1)/T_target(1), {c.draft} over the target, both on xla")
@@ -197,7 +208,7 @@ def summary_markdown(run: Run) -> str:
   if "threads" in run.notes:
     out.append(f"- threads: {run.notes['threads']}")
   out += ["", "## Parity (max |Δlogit| / max |logit| against xla, before any timing)", ""]
-  out.append(bench.markdown_table(
+  out.append(tables.markdown_table(
       ("model", "dtype", "depth", "B", "N", "backend", "error", "tolerance", "call s"),
       [(p["model"], p["dtype"], str(p["depth"]), str(p["batch"]), str(p["n_tokens"]),
         p["backend"], f"{p['parity_error']:.2e}", f"{p['tolerance']:g}",
@@ -265,7 +276,7 @@ def _batched_section(records: Sequence[Record]) -> list[str]:
                  str(r["batch"]), f"{1e3 * r['median_s']:.2f}", f"{r['tps']:.1f}",
                  _fmt(r["median_s"] / t_b1 if t_b1 else None)])
   return ["", "## Batched view (B rows of N new tokens each)", "",
-          bench.markdown_table(("model", "dtype", "depth", "backend", "N", "B", "T ms",
+          tables.markdown_table(("model", "dtype", "depth", "backend", "N", "B", "T ms",
                                 "t/s (B N / T)", "T / T(B=1)"), rows,
                                (False, False, True, False, True, True, True, True, True))]
 
@@ -282,14 +293,13 @@ def _compile_section(records: Sequence[Record]) -> list[str]:
           "compile s: JAX compile events (XLA only). first-call s: warm-up call minus "
           "the median, summed over points (torch.compile's compile, llama.cpp's and "
           "torch's first-call costs; for xla it repeats the compile).", "",
-          bench.markdown_table(("model", "dtype", "backend", "compile s", "first-call s"),
+          tables.markdown_table(("model", "dtype", "backend", "compile s", "first-call s"),
                                rows, (False, False, False, True, True))]
 
 
-def write_outputs(run: Run) -> str:
-  """results.csv, scaling.png, decode.png, summary.md, parity.json; returns
-  the summary."""
-  w = run.workdir
+def write_outputs(w: str, run: Outcome) -> str:
+  """results.csv, scaling.png, decode.png, summary.md, parity.json in the
+  workdir w; returns the summary."""
   wd.write_csv(os.path.join(w, wd.CSV_FILE), run.records, CSV_COLUMNS, csv_row)
   if run.records:
     plot_scaling(os.path.join(w, "scaling.png"), run.records)

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.bench import llama_bench as bench
+from specjax.bench import tables
 from specjax.formats import checkpoint
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.model import config as config_lib
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model_lib
@@ -36,9 +36,9 @@ from specjax.metrics import timing
 from specjax import workdir as wd
 from specjax.model.config import ModelConfig
 from specjax.errors import ConfigError
-from specjax.model.layers import Block, RMSNorm, _init
+from specjax.model.layers import Block, RMSNorm, weight_init
+from specjax.workdir import Record
 
-Record = dict[str, Any]
 
 
 
@@ -71,7 +71,7 @@ def scan_forward(params, tokens, cache, cfg: ModelConfig):
   k_all, v_all, lengths = cache
   positions = lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
   embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
-                   param_dtype=cfg.jnp_param_dtype, embedding_init=_init)
+                   param_dtype=cfg.jnp_param_dtype, embedding_init=weight_init)
   x = embed.apply({"params": params["embed"]}, tokens)  # [B, T, E]
 
   def layer(x, xs):
@@ -118,8 +118,8 @@ def layer_loop_decode(cfg: ModelConfig, params, capacity: int, depth: int,
     raise ConfigError(f"need 0 <= depth < capacity, got depth={depth}, "
                       f"capacity={capacity}")
   rng = np.random.RandomState(seed)
-  prompt = costs.random_tokens(rng, cfg.vocab_size, 1, depth)
-  tok = costs.random_tokens(rng, cfg.vocab_size, 1, 1)
+  prompt = probes.random_tokens(rng, cfg.vocab_size, 1, depth)
+  tok = probes.random_tokens(rng, cfg.vocab_size, 1, 1)
   dep = np.full((1,), depth, np.int32)
   u_cache = kvc.init_cache(cfg, 1, capacity)
   sp = scan_params(params, cfg)
@@ -133,7 +133,7 @@ def layer_loop_decode(cfg: ModelConfig, params, capacity: int, depth: int,
       "scan": (scan_step, sp, s_cache, lambda c: (c[0], c[1], jnp.asarray(dep))),
   }
   del u_cache, s_cache  # donated below; the holders own them
-  base = {**bench.model_info(cfg, params), "n_layers": cfg.n_layers,
+  base = {**tables.model_info(cfg, params), "n_layers": cfg.n_layers,
           "capacity": capacity, "depth": depth, "batch": 1, "T": 1}
   records, logits = [], {}
   for name, (fn, p, cache, roll) in variants.items():
@@ -216,12 +216,12 @@ def layer_loop_row(r: Record) -> list[str]:
         else f"{r['ms_per_step']:.2f} ± {r['ms_std']:.2f}")
   diff = ("" if r["max_abs_logit_diff"] is None
           else f"{r['max_abs_logit_diff']:.2e}")
-  return [r["model"], bench.format_params(r["n_params"]), str(r["n_layers"]),
+  return [r["model"], tables.format_params(r["n_params"]), str(r["n_layers"]),
           r["dtype"], str(r["capacity"]), r["variant"], f"{r['compile_s']:.2f}",
           ms, diff]
 
 
 def layer_loop_table(records: Sequence[Record]) -> str:
-  return bench.markdown_table(LAYER_LOOP_COLUMNS,
+  return tables.markdown_table(LAYER_LOOP_COLUMNS,
                         [layer_loop_row(r) for r in records],
                         (False, True, True, False, True, False, True, True, True))

@@ -31,80 +31,26 @@ and the used length, blocked next to masked attention.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.formats import checkpoint
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.model import config as config_lib
 from specjax.model import kv_cache as kvc
-from specjax.model import llama as model_lib
 from specjax.model import steps
 from specjax.metrics import timing
 from specjax import workdir as wd
-from specjax.model.config import ModelConfig
 from specjax.errors import ConfigError
+from specjax.workdir import Record
+from specjax.bench import roofline, tables
 
-Record = dict[str, Any]
 
 # ----------------------------------------------------------------------------
 # Shared helpers: flag lists, units, tables.
-
-
-def parse_ints(value: str | Sequence[int], name: str = "value",
-               minimum: int = 1) -> list[int]:
-  """'1,2,4' (or a list) -> [1, 2, 4]; each >= minimum."""
-  items = value.split(",") if isinstance(value, str) else list(value)
-  try:
-    out = [int(str(v).strip()) for v in items if str(v).strip()]
-  except ValueError:
-    raise ConfigError(f"{name} must be comma-separated integers, "
-                      f"got {value!r}") from None
-  if not out:
-    raise ConfigError(f"{name} is empty")
-  bad = [v for v in out if v < minimum]
-  if bad:
-    raise ConfigError(f"{name} values must be >= {minimum}, got {bad}")
-  return out
-
-
-def format_size(nbytes: int) -> str:
-  """Bytes as llama-bench prints model size: MiB below 1 GiB, else GiB."""
-  if nbytes < 1024 ** 3:
-    return f"{nbytes / 1024 ** 2:.2f} MiB"
-  return f"{nbytes / 1024 ** 3:.2f} GiB"
-
-
-def format_params(n: int) -> str:
-  """Parameter count as llama-bench prints it: M below 1e9, else B."""
-  return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
-
-
-def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[str]],
-                   right: Sequence[bool] | None = None) -> str:
-  """A markdown table, columns padded to their widest cell."""
-  rows = [list(map(str, r)) for r in rows]
-  right = right or [False] * len(columns)
-  widths = [max([len(c)] + [len(r[i]) for r in rows])
-            for i, c in enumerate(columns)]
-  pad = lambda s, i: s.rjust(widths[i]) if right[i] else s.ljust(widths[i])
-  line = lambda cells: "| " + " | ".join(pad(c, i) for i, c in enumerate(cells)) + " |"
-  rule = "|" + "|".join(("-" * (w + 1) + ":") if r else ("-" * (w + 2))
-                        for w, r in zip(widths, right)) + "|"
-  return "\n".join([line(columns), rule] + [line(r) for r in rows])
-
-
-def model_info(cfg: ModelConfig, params) -> Record:
-  return {"model": cfg.name, "size_bytes": model_lib.param_bytes(params),
-          "n_params": model_lib.param_count(params),
-          "backend": jax.default_backend(), "dtype": cfg.precision}
-
-
-# ----------------------------------------------------------------------------
-# llama-bench: pp N and tg N at depth n_depth.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,15 +117,15 @@ def bench_model(m: steps.Runner, n_prompt: Sequence[int], n_gen: int,
   capacity = kvc.round_capacity(n_depth + max(t.n for t in tests))
   kvc.check_capacity([n_depth], max(t.n for t in tests), capacity)
   rng = np.random.RandomState(seed)
-  holder = [costs.filled_cache(m, 1, capacity, n_depth, rng)]
+  holder = [probes.filled_cache(m, 1, capacity, n_depth, rng)]
   depth = np.full((1,), n_depth, np.int32)
-  info = {**model_info(m.cfg, m.params), **(extra or {})}
+  info = {**tables.model_info(m.cfg, m.params), **(extra or {})}
   records, t1 = [], None
   for test in tests:
     if test.kind == "pp":
-      run = pp_runner(m, holder, costs.random_tokens(rng, m.cfg.vocab_size, 1, test.n), depth)
+      run = pp_runner(m, holder, probes.random_tokens(rng, m.cfg.vocab_size, 1, test.n), depth)
     else:
-      run = _tg_run(m, holder, costs.random_tokens(rng, m.cfg.vocab_size, 1, 1), depth, test.n)
+      run = _tg_run(m, holder, probes.random_tokens(rng, m.cfg.vocab_size, 1, 1), depth, test.n)
     t = timing.measure(run, reps=reps)
     if test.kind == "pp" and test.n == 1:
       t1 = t.median  # pp1 runs first: the base of every verify_ratio
@@ -244,7 +190,7 @@ _BENCH_RIGHT = (False, True, True, False, False, True, True, True, True)
 
 def bench_row(r: Record) -> list[str]:
   """One table row: t/s mean ± std; ms per forward_step call, median."""
-  return [r["model"], format_size(r["size_bytes"]), format_params(r["n_params"]),
+  return [r["model"], tables.format_size(r["size_bytes"]), tables.format_params(r["n_params"]),
           r["backend"], r["dtype"], r["test"],
           f"{r['tps_mean']:.2f} ± {r['tps_std']:.2f}",
           f"{r['ms_per_call']:.2f}", f"{r['compile_s']:.2f}"]
@@ -252,7 +198,7 @@ def bench_row(r: Record) -> list[str]:
 
 def bench_table(records: Sequence[Record]) -> str:
   """The llama-bench markdown table (+ ms per call and compile seconds)."""
-  return markdown_table(BENCH_COLUMNS, [bench_row(r) for r in records],
+  return tables.markdown_table(BENCH_COLUMNS, [bench_row(r) for r in records],
                         _BENCH_RIGHT)
 
 
@@ -267,7 +213,7 @@ BENCH_NOTES = (
 def verify_curve_table(records: Sequence[Record]) -> str:
   """T(N) / T(1) per model and dtype: the cost of verifying N tokens."""
   pp = [r for r in records if r["kind"] == "pp" and r["verify_ratio"]]
-  return markdown_table(
+  return tables.markdown_table(
       ("model", "dtype", "N", "T(N) ms", "T(N)/T(1)"),
       [(r["model"], r["dtype"], str(r["n_tokens"]),
         f"{1e3 * r['median_s']:.2f}", f"{r['verify_ratio']:.3f}") for r in pp],
@@ -298,17 +244,17 @@ def attention_scaling(m: steps.Runner, points: Sequence[tuple[int, int]], n_gen:
   if masked and m.cfg.attn_block:
     variants.append(("masked", steps.Runner(m.cfg.replace(attn_block=0), m.params)))
   rng = np.random.RandomState(seed)
-  tok = costs.random_tokens(rng, m.cfg.vocab_size, 1, 1)
-  info, records = model_info(m.cfg, m.params), []
+  tok = probes.random_tokens(rng, m.cfg.vocab_size, 1, 1)
+  info, records = tables.model_info(m.cfg, m.params), []
   for cap, depth in points:
     dep = np.full((1,), depth, np.int32)
     for name, runner in variants:
-      holder = [costs.filled_cache(runner, 1, cap, depth, np.random.RandomState(seed))]
+      holder = [probes.filled_cache(runner, 1, cap, depth, np.random.RandomState(seed))]
       t = timing.measure(_tg_run(runner, holder, tok, dep, n_gen), reps=reps)
       block = runner.cfg.attn_block
       records.append({**info, "kind": "attention", "variant": name, "capacity": cap,
                       "n_depth": depth, "n_tokens": n_gen, "attn_block": block,
-                      "attended_slots": attended_slots(runner.cfg, cap, depth + n_gen),
+                      "attended_slots": roofline.attended_slots(runner.cfg, cap, depth + n_gen),
                       **t.to_dict(), "ms_per_token": 1e3 * t.median / n_gen,
                       "load_avg": wd.load_avg()})
       if on_record:
@@ -323,7 +269,7 @@ def attention_table(records: Sequence[Record]) -> str:
   keys = list(dict.fromkeys((r["capacity"], r["n_depth"]) for r in records))
   rows = [[str(c), str(d)] + [f"{cell[(c, d, v)]:.2f}" if (c, d, v) in cell else "-"
                               for v in variants] for c, d in keys]
-  return markdown_table(["capacity", "depth"] + [f"{v} ms/token" for v in variants], rows,
+  return tables.markdown_table(["capacity", "depth"] + [f"{v} ms/token" for v in variants], rows,
                         [True] * (2 + len(variants)))
 
 
@@ -350,11 +296,11 @@ def batched_point(m: steps.Runner, b: int, pp: int, tg: int, capacity: int,
   """One (PP, TG, B) point: T_PP and T_TG medians from `timing.measure`."""
   kvc.check_capacity([0], pp + tg, capacity)
   holder = [m.new_cache(b, capacity)]
-  t_pp = timing.measure(_prefill_run(m, holder, costs.random_tokens(rng, m.cfg.vocab_size, b, pp)),
+  t_pp = timing.measure(_prefill_run(m, holder, probes.random_tokens(rng, m.cfg.vocab_size, b, pp)),
                         reps=reps)
   # The cache now holds the PP prompt tokens of every row.
   depth = np.full((b,), pp, np.int32)
-  t_tg = timing.measure(_tg_run(m, holder, costs.random_tokens(rng, m.cfg.vocab_size, b, 1),
+  t_tg = timing.measure(_tg_run(m, holder, probes.random_tokens(rng, m.cfg.vocab_size, b, 1),
                                 depth, tg), reps=reps)
   return batched_record(pp, tg, b, t_pp, t_tg, capacity)
 
@@ -388,7 +334,7 @@ def run_batched_bench(m: steps.Runner, batches: Sequence[int],
   if max(pps) + max(tgs) > m.cfg.max_seq_len:
     raise ConfigError(f"{m.cfg.name}: PP + TG = {max(pps) + max(tgs)} exceeds "
                       f"max_seq_len {m.cfg.max_seq_len}")
-  info, env = model_info(m.cfg, m.params), wd.environment()
+  info, env = tables.model_info(m.cfg, m.params), wd.environment()
   rng = np.random.RandomState(seed)
   records = []
   for pp in pps:
@@ -413,83 +359,9 @@ def batched_row(r: Record) -> list[str]:
 
 
 def batched_table(records: Sequence[Record]) -> str:
-  return markdown_table(BATCHED_COLUMNS, [batched_row(r) for r in records],
+  return tables.markdown_table(BATCHED_COLUMNS, [batched_row(r) for r in records],
                         [True] * len(BATCHED_COLUMNS))
 
 
 # ----------------------------------------------------------------------------
 # Memory-bandwidth roofline: decode reads every weight and the whole cache.
-
-# Peak DRAM/HBM bandwidth in GB/s by device kind (vendor data sheets).
-DEVICE_BANDWIDTH_GBS = {
-    "H200": 4800.0, "H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H100": 3350.0,
-    "A100-SXM4-80GB": 2039.0, "A100 80GB": 1935.0, "A100": 1555.0, "L40S": 864.0,
-    "L4": 300.0, "V100": 900.0, "RTX 4090": 1008.0, "RTX 3090": 936.0, "T4": 320.0,
-}
-
-
-def device_bandwidth_gbs(device_kind: str) -> float | None:
-  """Peak bandwidth of a device kind string ('NVIDIA H200', ...), or None."""
-  for name, gbs in DEVICE_BANDWIDTH_GBS.items():  # longest names come first
-    if name.lower() in device_kind.lower():
-      return gbs
-  return None
-
-
-def attended_slots(cfg: ModelConfig, capacity: int, length: int) -> int:
-  """Cache slots one decode step reads at `length` used slots: whole
-  attention blocks up to the used length (layers.attend_blocked), or the
-  whole capacity (attend_masked)."""
-  block = cfg.attn_block
-  if block and capacity > block:
-    return min(capacity, -(-int(length) // block) * block)
-  return capacity
-
-
-def decode_bytes(cfg: ModelConfig, param_bytes: int, kv_slots: int, batch: int = 1) -> int:
-  """Bytes one decode step must read: every weight once, plus the K and V
-  cache of every layer over `kv_slots` slots (attended_slots)."""
-  item = np.dtype(cfg.jnp_dtype).itemsize
-  cache = 2 * cfg.n_layers * batch * kv_slots * cfg.n_kv_heads * cfg.d_head * item
-  return param_bytes + cache
-
-
-def roofline_fraction(cfg: ModelConfig, param_bytes: int, kv_slots: int, step_s: float,
-                      bandwidth_gbs: float) -> float:
-  """Achieved / peak bandwidth for a decode step of step_s seconds."""
-  return decode_bytes(cfg, param_bytes, kv_slots) / step_s / (bandwidth_gbs * 1e9)
-
-
-def measure_read(reps: int = 5, read_mib: int = 512, dtype=jnp.float32) -> timing.Timing:
-  """Time of summing a read_mib MiB array of `dtype` (memory-bound): the
-  read bandwidth is read_mib MiB / its median."""
-  dtype = jnp.dtype(dtype)
-  big = jnp.ones(((read_mib << 20) // dtype.itemsize,), dtype)
-  total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-  return timing.measure(lambda: total(big), reps=reps)
-
-
-def measure_peaks(reps: int = 5, n: int = 2048, read_mib: int = 512,
-                  dtype=jnp.float32) -> Record:
-  """This backend's measured ceilings in `dtype` (float32 by default): FLOP/s
-  of one square n x n x n product (compute-bound) and the bandwidth of
-  summing a read_mib MiB array (measure_read); medians of `reps`, compile
-  excluded. What a skinny product could reach, next to what it does
-  (experiments/dot_bench.py, experiments/gpu_check.py)."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.dtype(dtype))
-  mm = jax.jit(lambda x: x @ x)
-  t_mm = timing.measure(lambda: mm(a), reps=reps)
-  t_rd = measure_read(reps, read_mib, dtype)
-  return {"peak_gflops": 2 * n ** 3 / t_mm.median / 1e9,
-          "read_gbs": (read_mib << 20) / t_rd.median / 1e9,
-          "compile_s": t_mm.compile_s + t_rd.compile_s}
-
-
-def roofline_bound(m: int, n_params: int, bytes_per_param: float, peak_gflops: float,
-                   read_gbs: float) -> float:
-  """Lower bound on the time of a product of m rows with n_params weights:
-  the weights read once at read_gbs, or 2 m n_params FLOPs at peak_gflops,
-  whichever is longer. Its ratio to m = 1 stays 1 up to the ridge point
-  m* = peak x bytes_per_param / (2 x bandwidth)."""
-  return max(n_params * bytes_per_param / (read_gbs * 1e9),
-             2.0 * m * n_params / (peak_gflops * 1e9))

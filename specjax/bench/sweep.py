@@ -40,7 +40,9 @@ from specjax.decode import autogamma
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.bench import costs
+from specjax.decode import probes
 from specjax.drafters import base as drafters
+from specjax.drafters import draft_model, registry
 from specjax.decode import generation
 from specjax.metrics import schema
 from specjax.decode import speculative
@@ -49,10 +51,10 @@ from specjax.metrics import stats as stats_lib
 from specjax.model import steps
 from specjax import workdir as wd
 from specjax.errors import ConfigError, SpecjaxError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.metrics.timing import CompileWatch
+from specjax.workdir import Record
 
-Record = dict[str, Any]
 
 
 def validate(cfg) -> None:
@@ -72,8 +74,8 @@ def validate(cfg) -> None:
                       f"got {cfg.prompt_set!r}")
   specs = drafter_specs(cfg)
   for spec in specs:
-    drafters.parse(spec)
-  if len({drafters.parse(x).spec for x in specs}) < len(specs):
+    registry.parse(spec)
+  if len({registry.parse(x).spec for x in specs}) < len(specs):
     raise ConfigError(f"config.drafters names a drafter twice: {specs}")
   for a in cfg.accepts:
     for g in cfg.gammas:
@@ -143,24 +145,24 @@ class Bench:
   draft: steps.Runner | None  # the draft model (drafter `model`), else None
   prompts: list[list[int]]
   capacity: int
-  probe_t: costs.CostProbe
-  probe_d: costs.CostProbe | costs.ProposeProbe
+  probe_t: probes.CostProbe
+  probe_d: probes.CostProbe | probes.ProposeProbe
   cfg: Any
   compiled: set = dataclasses.field(default_factory=set)  # programs already run once
-  drafter: drafters.Drafter = drafters.MODEL
+  drafter: drafters.Drafter = draft_model.MODEL
   probes: dict = dataclasses.field(default_factory=dict)  # batch -> (target, draft) probes
   batch_costs: dict = dataclasses.field(default_factory=dict)  # batch -> autogamma.BatchCosts
   auto_costs: dict = dataclasses.field(default_factory=dict)  # auto point key -> calibrated costs
 
-  def probe(self, batch: int) -> tuple[costs.CostProbe, costs.CostProbe]:
+  def probe(self, batch: int) -> tuple[probes.CostProbe, probes.CostProbe]:
     """The (target, draft) cost probes at `batch` (batch 1: probe_t, probe_d)."""
     if batch == 1:
       return self.probe_t, self.probe_d
     if batch not in self.probes:
-      make = lambda m: costs.CostProbe(m, self.capacity, self.probe_t.depth,
-                                       k=costs.PROBE_REPEATS, batch=batch)
+      make = lambda m: probes.CostProbe(m, self.capacity, self.probe_t.depth,
+                                       k=probes.PROBE_REPEATS, batch=batch)
       # a model-free drafter's proposal cost is per row and tiny: its batch-1 probe
-      draft = (make(self.probe_d.m) if isinstance(self.probe_d, costs.CostProbe)
+      draft = (make(self.probe_d.m) if isinstance(self.probe_d, probes.CostProbe)
                else self.probe_d)
       self.probes[batch] = (make(self.target), draft)
     return self.probes[batch]
@@ -220,7 +222,7 @@ class Bench:
             for rows in batch_prompts(self.prompts, p.batch)]
 
 
-PROBE_REPS = 3  # probe repetitions per sweep repetition (of costs.PROBE_REPEATS forwards)
+PROBE_REPS = 3  # probe repetitions per sweep repetition (of probes.PROBE_REPEATS forwards)
 
 
 def _rep_costs(bench: Bench, p: Point) -> dict[str, float]:
@@ -308,7 +310,7 @@ def run_group(bench: Bench, ps: list[Point]) -> list[Record]:
   p0 = ps[0]
   split = bool(bench.cfg.measure_split) and not p0.auto
   compile_s = [bench.warm_up(p, split) for p in ps]  # the probes warm up on their first call
-  t_accept = [None if p.auto else costs.accept_cost(
+  t_accept = [None if p.auto else probes.accept_cost(
       speculative.SpecConfig(bench.target.cfg, bench.draft and bench.draft.cfg, p.gamma, p.sp,
                              acceptance.parse_rule(p.accept_rule).simulated,
                              drafter=bench.drafter),
@@ -417,7 +419,7 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   env = wd.environment()
   wd.write_config(workdir, cfg.to_dict(), env, schema=schema.SCHEMA_VERSION)
 
-  specs = [drafters.parse(x) for x in drafter_specs(cfg)]
+  specs = [registry.parse(x) for x in drafter_specs(cfg)]
   tcfg, tparams, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, seed=int(cfg.seed))
   target, draft = steps.Runner(tcfg, tparams), None
   if any(d.needs_draft_model for d in specs):
@@ -430,12 +432,12 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
   gammas = sorted(int(g) for g in cfg.gammas)
   capacity = generation.plan_capacity(tcfg, depth, int(cfg.n_predict),
                                       extra=max(gammas), ctx_size=int(cfg.ctx_size))
-  probe_t = costs.CostProbe(target, capacity, depth, k=costs.PROBE_REPEATS)
+  probe_t = probes.CostProbe(target, capacity, depth, k=probes.PROBE_REPEATS)
   benches = {}
   for drafter in specs:  # one bench per drafter; the target and its probe are shared
     # the model the drafter runs (the draft, a layer subset of the target, or none)
-    probe_d = costs.draft_probe(drafter, target, draft, max(gammas), capacity, depth,
-                                k=costs.PROBE_REPEATS)
+    probe_d = probes.draft_probe(drafter, target, draft, max(gammas), capacity, depth,
+                                k=probes.PROBE_REPEATS)
     benches[drafter.spec] = Bench(target, draft if drafter.needs_draft_model else None,
                                   prompts, capacity, probe_t, probe_d, cfg, drafter=drafter)
   batches = sorted(int(b) for b in cfg.get("batches", (1,)))
@@ -506,7 +508,7 @@ def measure_batch_costs(bench: Bench, batches: list[int], gammas: list[int],
     probe_t, probe_d = bench.probe(b)
     t_target = {n: t.median for n, t in probe_t.times(ns, int(cfg.reps), sp=sp).items()}
     t_draft = probe_d.times([1], int(cfg.reps), sp=sp)[1].median
-    t_accept = {g: costs.accept_cost(speculative.SpecConfig(bench.target.cfg,
+    t_accept = {g: probes.accept_cost(speculative.SpecConfig(bench.target.cfg,
                                                             bench.draft and bench.draft.cfg,
                                                             g, sp, simulated,
                                                             drafter=bench.drafter),

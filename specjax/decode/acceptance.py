@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decode import sampling
+from specjax.model import sampling
 from specjax.metrics import theory
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 KINDS = ("real", "bernoulli", "fraction", "always", "mean_length")
 

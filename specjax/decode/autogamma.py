@@ -9,8 +9,12 @@ and an acceptance estimate alpha (i.i.d., capped geometric law):
   steady state  E[1 + k] T_target(B, 1) / ((g + catch-up) T_draft(B, 1)
                 + T_target(B, g + 1) + T_accept(B, g))
   with n_tokens the same with the tail effect: a batch runs until its
-                slowest row is done (theory.batch_speedup).
-The catch-up share is P(some row accepted all g drafts) = 1 - (1 - alpha^g)^B.
+                slowest row is done (theory.batch_speedup_at_step).
+The catch-up share is P(some row accepted all g drafts) = 1 - (1 - alpha^g)^B,
+charged only to a drafter that catches up (`catches_up`: the draft model, a
+layer-skip list that is not a prefix). Where `calibrate` timed the loop's own
+step at g (BatchCosts.t_step), that time replaces the step's sum of parts in
+both predictions.
 
 At run time (`generate`): the loop runs on device in chunks
 (speculative.spec_chunk, one program per gamma of the set whatever the
@@ -40,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decode import acceptance
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.drafters import base as drafters
+from specjax.drafters import registry
 from specjax.decode import generation
 from specjax.model import sharding
 from specjax.decode import speculative
@@ -49,7 +54,7 @@ from specjax.model import steps
 from specjax.metrics import theory
 from specjax.decode.acceptance import AcceptRule
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.metrics.stats import Records, SpecStats
 from specjax.metrics.timing import CompileWatch, block
 
@@ -104,30 +109,46 @@ class BatchCosts:
                {int(k): float(v) for k, v in d.get("t_step_s", {}).items()})
 
 
+def catches_up(drafter: drafters.Drafter | str) -> bool:
+  """Whether the drafter pays the catch-up draft forward after a fully
+  accepted step. Only speculative.draft_phase over a cache of the drafter's
+  own does (it feeds d_gamma first, a lax.cond): the draft model and a
+  layer-skip list that is not a prefix. ngram has no model, the layer-skip
+  prefix shares the target's cache (never behind), eagle feeds its pending
+  features in its own step: their Drafted.caught_up is always false."""
+  d = registry.parse(drafter)
+  return d.kind == "model" or (d.kind == "layerskip" and not d.prefix)
+
+
 def predicted_speedups(c: BatchCosts, alpha: float, gammas: Sequence[int],
-                       n_tokens: int | None = None, rows: int | None = None) -> dict[int, float]:
+                       n_tokens: int | None = None, rows: int | None = None,
+                       drafter: drafters.Drafter | str = "model") -> dict[int, float]:
   """Predicted speedup per gamma at c.batch (module docstring): steady state,
   or, given n_tokens, a run of n_tokens per row over `rows` rows (default
-  c.batch: the costs stay those measured at c.batch) with the tail model."""
+  c.batch: the costs stay those measured at c.batch) with the tail model.
+  Both price a step alike (c.step_s: the calibrated loop step where known);
+  the catch-up is charged only to a drafter that `catches_up`."""
   rows = c.batch if rows is None else max(1, int(rows))
+  charge = catches_up(drafter)
   out = {}
   for g in gammas:
     if g + 1 not in c.t_target:
       raise ConfigError(f"no measured T_target(B={c.batch}, {g + 1}) for gamma {g}")
-    catchup = float(theory.catchup_any_share(alpha, g, rows))
+    catchup = float(theory.catchup_any_share(alpha, g, rows)) if charge else 0.0
+    step_s = c.step_s(g, catchup)
     if n_tokens is None:
-      out[g] = float(theory.expected_tokens_per_step(alpha, g)) * c.t_target[1] / c.step_s(g, catchup)
+      out[g] = float(theory.expected_tokens_per_step(alpha, g)) * c.t_target[1] / step_s
     else:
-      out[g] = theory.batch_speedup(theory.geometric_accept_pmf(alpha, g), n_tokens, rows, g,
-                                    c.t_target[1], c.t_target[g + 1], c.t_draft,
-                                    c.t_accept.get(g, 0.0), catchup)
+      out[g] = theory.batch_speedup_at_step(theory.geometric_accept_pmf(alpha, g), n_tokens,
+                                            rows, c.t_target[1], step_s)
   return out
 
 
 def choose(c: BatchCosts, alpha: float, gammas: Sequence[int],
-           n_tokens: int | None = None, rows: int | None = None) -> int:
+           n_tokens: int | None = None, rows: int | None = None,
+           drafter: drafters.Drafter | str = "model") -> int:
   """The gamma of the set with the largest predicted speedup (the smallest on a tie)."""
-  pred = predicted_speedups(c, alpha, gammas, n_tokens, rows)
+  pred = predicted_speedups(c, alpha, gammas, n_tokens, rows, drafter)
   return max(sorted(pred), key=lambda g: (pred[g], -g))
 
 
@@ -145,14 +166,14 @@ def measure_costs(target: steps.Runner, draft: steps.Runner, batch: int, capacit
   settings, measured now (compiles the probes, untimed). A model-free
   drafter's T_draft is its proposal time per token at batch 1."""
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
-  drafter = drafters.parse(drafter)
+  drafter = registry.parse(drafter)
   sc = speculative.SpecConfig(target.cfg, draft and draft.cfg, max(gammas), drafter=drafter)
-  pt = costs.CostProbe(target, capacity, depth, batch=batch)
-  pd = costs.draft_probe(drafter, target, draft, max(gammas), capacity, depth, batch=batch)
+  pt = probes.CostProbe(target, capacity, depth, batch=batch)
+  pd = probes.draft_probe(drafter, target, draft, max(gammas), capacity, depth, batch=batch)
   ns = sorted({1} | {g + 1 for g in gammas})
   t_target = {n: t.median for n, t in pt.times(ns, reps, sp=sp).items()}
   t_draft = pd.times([1], reps, sp=sp)[1].median
-  t_accept = {g: costs.accept_cost(dataclasses.replace(sc, gamma=g, sp=sp,
+  t_accept = {g: probes.accept_cost(dataclasses.replace(sc, gamma=g, sp=sp,
                                                       simulated=rule.simulated), reps,
                                    batch=batch).median for g in gammas}
   return BatchCosts(batch, t_target, t_draft, t_accept)
@@ -189,7 +210,7 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
   instead of choosing. Every
   drafter whose state does not depend on gamma works (not eagle).
   """
-  drafter = drafters.parse(drafter)
+  drafter = registry.parse(drafter)
   if not drafter.gamma_free_state:
     raise ConfigError(f"drafter {drafter.spec} keeps state shaped by gamma: gamma cannot be "
                       "chosen at run time (use model, ngram or layerskip)")
@@ -225,7 +246,7 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
         g = fixed[chunk % len(fixed)]
       else:
         a = estimate_alpha(n_acc_total, n_rej_total, prior_alpha, prior_weight)
-        g = choose(cost, a, gammas, n_tokens=max(1, remaining), rows=rows)
+        g = choose(cost, a, gammas, n_tokens=max(1, remaining), rows=rows, drafter=drafter)
         alphas.append(a)
       i, st, out, count, done, rec = speculative.spec_chunk(
           target.params, dparams, st, out, count, done, i, rec, step_key, probs[g],
@@ -251,6 +272,8 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
   rec = {k: np.asarray(sharding.to_host(v))[:len(used)] for k, v in rec.items()}
   rows = [out[r, :count[r]].tolist() for r in range(b)]
   records = Records.from_arrays(rec)
+  # each entry's own gamma: the statistics (alpha) count the drafts each step asked for
+  records = dataclasses.replace(records, gamma=np.asarray(used, np.int64)[records.step])
   stats = SpecStats.compute(records, gamma=gmax, n_predict=int(count.sum()), eval_s=eval_s)
   return AutoResult(tokens=rows, stats=stats, prompt_s=prompt_s, eval_s=eval_s,
                     compile_s=cw.seconds, records=records, gammas_used=used, alphas=alphas)

@@ -18,11 +18,11 @@ import numpy as np
 
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model
-from specjax.decode import sampling
+from specjax.model import sampling
 from specjax.model import sharding
 from specjax.model import steps
 from specjax.errors import CacheOverflowError, ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.metrics.timing import CompileWatch, block
 
 NO_EOS = -1  # eos_id value that never matches a token

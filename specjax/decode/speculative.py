@@ -44,10 +44,11 @@ import numpy as np
 from flax import struct
 
 from specjax.decode import acceptance
-from specjax.drafters import base as drafters
+from specjax.drafters import registry
+from specjax.drafters.draft_model import MODEL
 from specjax.decode import generation
 from specjax.model import llama as model
-from specjax.decode import sampling
+from specjax.model import sampling
 from specjax.model import sharding
 from specjax.model import steps
 from specjax.model import kv_cache as kvc
@@ -55,7 +56,7 @@ from specjax.decode.acceptance import AcceptRule
 from specjax.model.config import ModelConfig
 from specjax.drafters.base import Committed, Drafted, Drafter
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.metrics.stats import Records, SpecStats
 from specjax.metrics.timing import CompileWatch, block
 
@@ -73,14 +74,14 @@ class SpecConfig:
   sp: SamplingParams = SamplingParams()
   simulated: bool = False  # a simulated rule; its per-position probabilities are traced
   p_min: float = 0.0    # draft early stop: stop when the draft's top prob < p_min
-  drafter: Drafter = drafters.MODEL
+  drafter: Drafter = MODEL
 
   def __post_init__(self):
     if self.gamma < 1:
       raise ConfigError(f"gamma (draft length) must be >= 1, got {self.gamma}")
     if not 0.0 <= self.p_min <= 1.0:
       raise ConfigError(f"p_min must lie in [0, 1], got {self.p_min}")
-    object.__setattr__(self, "drafter", drafters.parse(self.drafter))
+    object.__setattr__(self, "drafter", registry.parse(self.drafter))
     object.__setattr__(self, "draft", self.drafter.draft_config(self.target, self.draft))
     if self.draft is not None:
       check_vocabularies(self.target, self.draft)
@@ -118,39 +119,6 @@ class Judged:
   n: jax.Array        # [B] sequence length after the step
   t_len: jax.Array    # [B] target cache length to roll back to
   d_len: jax.Array    # [B] a gamma-step draft cache's length to roll back to
-
-
-def draft_phase(dparams, dcache, tail, n, live, key, sc: SpecConfig):
-  """Drafts gamma tokens per row from the draft model (sc.draft): the
-  `model` drafter's proposal, and layerskip's.
-
-  Returns (Drafted, dcache holding n-1+gamma entries)."""
-  cfg, sp = sc.draft, sc.sp
-  behind = live & (dcache.lengths < n - 1)  # rows that accepted every draft last step
-
-  def catch_up(c):  # feed d_gamma, left over from a fully accepted step
-    c = kvc.rollback(c, n - 2)
-    return model.forward(dparams, tail[:, :1], c, cfg)[1]
-
-  dcache = jax.lax.cond(jnp.any(behind), catch_up, lambda c: c, dcache)
-
-  def body(carry, k):
-    tok, c, active = carry
-    logits, c = model.forward(dparams, tok[:, None], c, cfg)
-    logits = logits[:, 0]
-    q = sampling.probs(logits, sp)
-    nxt = jnp.argmax(logits, -1).astype(jnp.int32) if sp.greedy else sampling.sample(k, q)
-    if sc.p_min > 0:
-      top = jnp.max(jax.nn.softmax(logits) if sp.greedy else q, -1)
-      active = active & (top >= sc.p_min)
-    return (nxt, c, active), (nxt, q if sc.needs_q else q[:, :0], active)
-
-  b = tail.shape[0]
-  init = (tail[:, 1], dcache, jnp.ones((b,), bool))
-  (_, dcache, _), (drafts, q, active) = jax.lax.scan(
-      body, init, jax.random.split(key, sc.gamma))
-  return Drafted(tokens=drafts.T, q=jnp.swapaxes(q, 0, 1),
-                 n_drafted=jnp.sum(active, 0).astype(jnp.int32), caught_up=behind), dcache
 
 
 def verify_phase(tparams, tcache, tail, drafts, sc: SpecConfig):
@@ -216,7 +184,7 @@ def keep_tokens(out, count, done, j: Judged, eos_id: int, n_predict: int):
   return out, count, done, kept
 
 
-def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter = drafters.MODEL,
+def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter = MODEL,
            features=None) -> SpecState:
   """The state after a step: the target cache rolled back to what the row
   kept, the drafter's state committed (the draft model's cache likewise).
@@ -412,7 +380,7 @@ def generate(target: steps.Runner, draft: steps.Runner | None, prompts, n_predic
   """
   if loop not in ("device", "host"):
     raise ConfigError(f"loop must be 'device' or 'host', got {loop!r}")
-  drafter = drafters.parse(drafter)
+  drafter = registry.parse(drafter)
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
   rule = rule.resolve(gamma)
   sc = SpecConfig(target.cfg, draft.cfg if draft is not None else None, gamma, sp,

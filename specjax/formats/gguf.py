@@ -10,7 +10,7 @@ the K-quants, the IQ types, ...) is dequantized by `gguf.quants.dequantize`
 dtype. The tensors go through `hf.hf_state_to_params`, the one conversion
 table, under their HF names: a `GGUFState` maps HF names to GGUF tensors
 and undoes llama.cpp's Q/K row permutation (the inverse of
-`backends.llamacpp.gguf_permute`).
+`gguf_permute`).
 
 On a mesh (sharding.role_shardings) each device's block is built on its
 own: the rows a device needs (torch layout: output rows) are read and
@@ -37,7 +37,6 @@ from specjax.formats import hf
 from specjax.model import llama as model_lib
 from specjax.model import quant
 from specjax.model import sharding
-from specjax.bench.backends.llamacpp import _GGUF_LAYER, _GGUF_TOP, gguf_permute
 from specjax.model.config import INT8, ModelConfig, RopeScaling, canonical_precision
 from specjax.errors import CheckpointError, ConfigError, TokenizerError
 from specjax.formats.tokenizer import Tokenizer
@@ -45,6 +44,29 @@ from specjax.formats.tokenizer import Tokenizer
 SUFFIX = ".gguf"
 # llama.cpp's precomputed LLaMA-3 RoPE factors; read into cfg.rope_scaling.
 ROPE_FREQS = "rope_freqs.weight"
+
+
+# ---------------------------------------------------------------- names
+# The one table of GGUF tensor names, read here and written by gguf_write.
+
+
+def gguf_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+  """q/k rows from HF's rotate-half RoPE layout to llama.cpp's interleaved
+  one: HF's convert script's `permute` (w [n_head * D, E])."""
+  return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+          .swapaxes(1, 2).reshape(w.shape))
+
+
+GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+GGUF_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output",
+               "post_attention_layernorm": "ffn_norm",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
@@ -239,8 +261,8 @@ def gguf_name(hf_name: str) -> str:
   """The GGUF tensor name of an HF tensor name."""
   m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf_name)
   if not m:
-    return _GGUF_TOP[hf_name]
-  return f"blk.{m.group(1)}.{_GGUF_LAYER[m.group(2)]}.weight"
+    return GGUF_TOP[hf_name]
+  return f"blk.{m.group(1)}.{GGUF_LAYER[m.group(2)]}.weight"
 
 
 class GGUFState(Mapping):
@@ -250,13 +272,13 @@ class GGUFState(Mapping):
   def __init__(self, reader, cfg: ModelConfig, source: str):
     self.cfg, self.source = cfg, source
     by_name = {t.name: t for t in reader.tensors if t.name != ROPE_FREQS}
-    wanted = {gguf_name(t.hf_name): t.hf_name for t in hf._tensor_map(cfg)}  # pylint: disable=protected-access
+    wanted = {gguf_name(t.hf_name): t.hf_name for t in hf.tensor_map(cfg)}
     missing = [g for g in wanted if g not in by_name]
     if missing:
-      raise CheckpointError(f"{source}: missing tensor {hf._names_list(missing)}")  # pylint: disable=protected-access
+      raise CheckpointError(f"{source}: missing tensor {hf.names_list(missing)}")
     extra = sorted(set(by_name) - set(wanted))
     if extra:
-      raise CheckpointError(f"{source}: unexpected tensor {hf._names_list(extra)}; "  # pylint: disable=protected-access
+      raise CheckpointError(f"{source}: unexpected tensor {hf.names_list(extra)}; "
                             f"not a LLaMA model matching its metadata")
     self._t = {h: by_name[g] for g, h in wanted.items()}
     for t in self._t.values():

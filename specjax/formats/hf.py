@@ -156,7 +156,7 @@ class _Tensor(NamedTuple):
   hf_shape: tuple[int, ...]
 
 
-def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
+def tensor_map(cfg: ModelConfig) -> list[_Tensor]:
   """Every weight of `cfg`: HF name, params path, layout and HF shape."""
   e, v, f = cfg.dim, cfg.vocab_size, cfg.ffn_dim
   hd, kd = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
@@ -180,7 +180,7 @@ def _tensor_map(cfg: ModelConfig) -> list[_Tensor]:
   return out
 
 
-def _names_list(names: list[str], limit: int = 3) -> str:
+def names_list(names: list[str], limit: int = 3) -> str:
   shown = ", ".join(names[:limit])
   return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
@@ -190,12 +190,12 @@ def _check_names(cfg: ModelConfig, expected: list[str], state: Mapping,
   """Raises CheckpointError for missing or unexpected tensors."""
   missing = [n for n in expected if n not in state]
   if missing:
-    raise CheckpointError(f"{source}: missing tensor {_names_list(missing)}")
+    raise CheckpointError(f"{source}: missing tensor {names_list(missing)}")
   harmless = lambda n: (_HARMLESS.search(n) is not None
                         or (cfg.tie_embeddings and n == "lm_head.weight"))
   extra = sorted(n for n in set(state) - set(expected) if not harmless(n))
   if extra:
-    raise CheckpointError(f"{source}: unexpected tensor {_names_list(extra)}; "
+    raise CheckpointError(f"{source}: unexpected tensor {names_list(extra)}; "
                           f"not a LLaMA checkpoint matching its config")
 
 
@@ -211,7 +211,7 @@ def params_to_hf_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
     raise ConfigError(f"{cfg.name}: {cfg.quant} params have no HF / GGUF / torch "
                       f"layout; convert or compare the float model")
   state = {}
-  for t in _tensor_map(cfg):
+  for t in tensor_map(cfg):
     node = params
     for key in t.path:
       node = node[key]
@@ -235,7 +235,7 @@ def hf_state_to_params(cfg: ModelConfig, state: Mapping[str, Any],
   Raises:
     CheckpointError: a tensor is missing, unexpected or of the wrong shape.
   """
-  tensors = _tensor_map(cfg)
+  tensors = tensor_map(cfg)
   _check_names(cfg, [t.hf_name for t in tensors], state, source)
   params: dict[str, Any] = {}
   for t in tensors:
@@ -534,7 +534,7 @@ def to_torch_model(cfg: ModelConfig, params):
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
   hf_cfg = transformers.LlamaConfig(**config_to_hf(cfg))
-  hf_cfg._attn_implementation = "eager"  # pylint: disable=protected-access
+  hf_cfg._attn_implementation = "eager"
   dtype = _torch_dtype(cfg.param_dtype)
   # Built under the target default dtype, as from_pretrained does, so RoPE's
   # inv_freq buffer stays f32 (model.to(bf16) would round it).

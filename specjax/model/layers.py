@@ -16,7 +16,7 @@ import numpy as np
 from specjax.model import kv_cache
 from specjax.model.config import ModelConfig
 
-_init = nn.initializers.normal(stddev=0.02)
+weight_init = nn.initializers.normal(stddev=0.02)
 
 
 def dot_general(cfg: ModelConfig):
@@ -115,7 +115,7 @@ def dense(cfg: ModelConfig, features: int, name: str) -> nn.Module:
   if cfg.quant:
     return QDense(features, cfg, name=name)
   return nn.Dense(features, use_bias=False, dtype=cfg.jnp_dtype,
-                  param_dtype=cfg.jnp_param_dtype, kernel_init=_init, name=name,
+                  param_dtype=cfg.jnp_param_dtype, kernel_init=weight_init, name=name,
                   dot_general=dot_general(cfg))
 
 

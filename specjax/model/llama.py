@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from specjax.model import kv_cache as kvc
 from specjax.model.config import ModelConfig
 from specjax.model import quant
-from specjax.model.layers import Block, RMSNorm, _init, dense, dot_general
+from specjax.model.layers import Block, RMSNorm, weight_init, dense, dot_general
 
 
 class Llama(nn.Module):
@@ -36,7 +36,7 @@ class Llama(nn.Module):
     # position (what the LM head reads; HF LlamaModel's output).
     cfg = self.cfg
     embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
-                     param_dtype=cfg.jnp_param_dtype, embedding_init=_init,
+                     param_dtype=cfg.jnp_param_dtype, embedding_init=weight_init,
                      name="embed")
     x = embed(tokens)  # [B, T, E]
     ks, vs = [], []

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ import numpy as np
 
 from specjax.decode import acceptance
 from specjax.formats import checkpoint
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.decode import generation
 from specjax.model import sharding
 from specjax.decode import speculative
@@ -38,9 +37,9 @@ from specjax.model import steps
 from specjax.model import llama as model_lib
 from specjax.model import kv_cache as kvc
 from specjax.model.config import ModelConfig
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
+from specjax.workdir import Record
 
-Record = dict[str, Any]
 
 
 def shard_bytes(tree) -> int:
@@ -137,22 +136,22 @@ def plan(target: ModelConfig, draft: ModelConfig | None, batch: int, capacity: i
 
 def model_axis_costs(model: str, dtype: str | None, axes, gamma: int, capacity: int,
                      depth: int, reps: int, seed: int = 0) -> list[Record]:
-  """T(1) and T(gamma+1) (batch 1, per forward: costs.CostProbe) of `model`
+  """T(1) and T(gamma+1) (batch 1, per forward: probes.CostProbe) of `model`
   on meshes data:1,model:M for M in `axes`, repetitions alternating between
   the meshes. One record per mesh; `t1_vs_first` is T(1) over the first mesh's."""
   n = [1, gamma + 1]
-  probes = {}
+  probe_of = {}
   for m in axes:
     mesh = sharding.make_mesh(f"data:1,model:{m}")
     with sharding.use(mesh):
       cfg, params, _ = checkpoint.load_model(model, dtype, seed)
-      probes[m] = (mesh, costs.CostProbe(steps.Runner(cfg, params), capacity, depth, seed))
+      probe_of[m] = (mesh, probes.CostProbe(steps.Runner(cfg, params), capacity, depth, seed))
       print(f"model:{m}: {cfg.name} loaded, compiling", file=sys.stderr, flush=True)
-      probes[m][1].times(n, reps=1)  # compile and warm
+      probe_of[m][1].times(n, reps=1)  # compile and warm
   times = {m: {k: [] for k in n} for m in axes}
   for r in range(reps):
     for m in axes:
-      mesh, probe = probes[m]
+      mesh, probe = probe_of[m]
       with sharding.use(mesh):
         for k, t in probe.times(n, reps=1).items():
           times[m][k].append(t.median)
@@ -160,7 +159,7 @@ def model_axis_costs(model: str, dtype: str | None, axes, gamma: int, capacity: 
   base = float(np.median(times[axes[0]][1]))
   out = []
   for m in axes:
-    cfg = probes[m][1].m.cfg
+    cfg = probe_of[m][1].m.cfg
     t1, tv = float(np.median(times[m][1])), float(np.median(times[m][n[1]]))
     out.append({"part": "costs", "model": cfg.name, "mesh": f"data:1,model:{m}",
                 "model_axis": m, "precision": cfg.precision, "gamma": gamma,

@@ -118,7 +118,7 @@ def distill_loss(params, cfg: ModelConfig, batch, teacher_logits, ce_weight: flo
   return kl + ce_weight * ce, (kl, ce)
 
 
-def _global_norm(tree):
+def global_norm(tree):
   return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree_util.tree_leaves(tree)))
 
 
@@ -138,7 +138,7 @@ def train_step(state, batch, teacher_params, *, cfg, opt, tcfg=None, ce_weight=0
   updates, opt_state = opt.update(grads, state["opt_state"], params)
   new = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
          "opt_state": opt_state}
-  return new, {"loss": loss, "grad_norm": _global_norm(grads), **extra}
+  return new, {"loss": loss, "grad_norm": global_norm(grads), **extra}
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tcfg"))
@@ -168,13 +168,13 @@ def evaluate(params, cfg: ModelConfig, windows: np.ndarray, batch: int,
   return out
 
 
-def _train_config(cfg: ModelConfig, tc, teacher) -> dict[str, Any]:
+def train_config(cfg: ModelConfig, tc, teacher) -> dict[str, Any]:
   """What makes two runs the same run (teacher: (cfg, params) or None)."""
   return {"model": cfg.to_dict(), "train": {k: tc[k] for k in TRAIN_FIELDS},
           "teacher": None if teacher is None else teacher[0].to_dict()}
 
 
-def _check_same_run(workdir: Path, want: dict[str, Any]) -> None:
+def check_same_run(workdir: Path, want: dict[str, Any]) -> None:
   file = workdir / CONFIG_FILE
   if file.is_file():
     have = wd.read_json(file)
@@ -191,12 +191,12 @@ def _check_same_run(workdir: Path, want: dict[str, Any]) -> None:
     wd.write_json(file, want)
 
 
-def _trim_metrics(path: Path, last_step: int) -> None:
+def trim_metrics(path: Path, last_step: int) -> None:
   """Drops records past the restored step (written after the last checkpoint)."""
   wd.restart_jsonl(path, [r for r in wd.read_jsonl(path) if r.get("step", 0) <= last_step])
 
 
-def _manager(workdir: Path, keep: int):
+def checkpoint_manager(workdir: Path, keep: int):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   return ocp.CheckpointManager(
       (workdir / CKPT_DIR).absolute(),
@@ -215,7 +215,7 @@ def _abstract_state(cfg: ModelConfig, opt):
           "opt_state": jax.eval_shape(opt.init, params)}
 
 
-def _restore(mngr, step: int, abstract):
+def restore(mngr, step: int, abstract):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   try:
     return mngr.restore(step, args=ocp.args.StandardRestore(abstract))
@@ -232,12 +232,12 @@ def finished_params(workdir: str | os.PathLike, cfg: ModelConfig, tc, teacher=No
   workdir = Path(workdir)
   if not (workdir / CKPT_DIR).is_dir():
     return None
-  _check_same_run(workdir, _train_config(cfg, tc, teacher))
-  mngr = _manager(workdir, int(tc.keep))
+  check_same_run(workdir, train_config(cfg, tc, teacher))
+  mngr = checkpoint_manager(workdir, int(tc.keep))
   if mngr.latest_step() != int(tc.steps):
     return None
   opt, _ = make_optimizer(tc)
-  return _restore(mngr, int(tc.steps), _abstract_state(cfg, opt))["params"]
+  return restore(mngr, int(tc.steps), _abstract_state(cfg, opt))["params"]
 
 
 def train(cfg: ModelConfig, tc, workdir: str | os.PathLike, train_stream: np.ndarray,
@@ -258,18 +258,18 @@ def train(cfg: ModelConfig, tc, workdir: str | os.PathLike, train_stream: np.nda
   """
   validate(tc)
   workdir = Path(workdir)
-  _check_same_run(workdir, _train_config(cfg, tc, teacher))
+  check_same_run(workdir, train_config(cfg, tc, teacher))
   opt, schedule = make_optimizer(tc)
   # A copy of `init`: the step donates its state, the caller keeps its arrays.
   params = (jax.tree_util.tree_map(jnp.copy, init) if init is not None
             else model_lib.init_params(cfg, int(tc.seed)))
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt.init(params)}
-  mngr = _manager(workdir, int(tc.keep))
+  mngr = checkpoint_manager(workdir, int(tc.keep))
   metrics_path = workdir / METRICS_FILE
   start = mngr.latest_step() or 0
   if start:
-    state = _restore(mngr, start, _abstract_state(cfg, opt))
-    _trim_metrics(metrics_path, start)
+    state = restore(mngr, start, _abstract_state(cfg, opt))
+    trim_metrics(metrics_path, start)
     log(f"resumed {workdir} at step {start}")
   total = int(tc.steps)
   end = total if stop_at is None else min(total, int(stop_at))

@@ -39,7 +39,7 @@ from specjax import workdir as wd
 from specjax.formats.checkpoint import SHIPPED
 from specjax.model.config import ModelConfig
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.formats.tokenizer import load_tokenizer
 
 PROMPTS_FILE = "heldout_prompts.json"

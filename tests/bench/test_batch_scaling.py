@@ -18,7 +18,7 @@ import pytest
 
 from specjax.bench import batch_scaling
 from specjax.bench import batch_scaling_report
-from specjax.formats import hf
+from specjax.formats import gguf_write, hf
 from specjax.metrics import theory
 from specjax.bench.backends import base, llamacpp, pytorch
 from specjax.bench.backends import xla as xla_lib
@@ -72,10 +72,10 @@ def test_round_trip_specjax_torch_specjax_is_exact(transformers, init_params,
 def test_gguf_permute_is_the_interleaved_rope_layout():
   # One head of D = 4: rotate-half pairs (0, 2), (1, 3) become adjacent rows.
   w = np.arange(8, dtype=np.float32).reshape(4, 2)
-  assert llamacpp.gguf_permute(w, 1)[:, 0].tolist() == [0, 4, 2, 6]
+  assert gguf_write.gguf_permute(w, 1)[:, 0].tolist() == [0, 4, 2, 6]
   # Per head, rows move only within their own head.
   w = np.arange(24, dtype=np.float32).reshape(12, 2)
-  got = llamacpp.gguf_permute(w, 3)
+  got = gguf_write.gguf_permute(w, 3)
   for h in range(3):
     assert sorted(got[4 * h:4 * h + 4, 0]) == sorted(w[4 * h:4 * h + 4, 0])
 
@@ -84,7 +84,7 @@ def test_write_gguf_holds_the_weights(llama_cpp, init_params, tmp_path):
   import gguf  # pylint: disable=import-outside-toplevel
   cfg = get_preset("tiny")
   params = init_params(cfg)
-  path = llamacpp.write_gguf(tmp_path / "tiny.gguf", cfg, params)
+  path = gguf_write.write_gguf(tmp_path / "tiny.gguf", cfg, params)
   reader = gguf.GGUFReader(str(path))
   tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
   assert len(tensors) == 2 + 9 * cfg.n_layers + 1

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from specjax.bench import llama_bench as bench
+from specjax.bench import roofline
+from specjax.bench import tables
 from specjax.model import config
 from specjax.model import kv_cache
 from specjax.bench import layer_loop
@@ -54,8 +56,8 @@ def test_llama_bench_table_json_lines_and_compiles_once(tiny, tmp_path):
   assert cw.names["forward_step"] == 3  # T = 1, 2, 4: tg3 reuses T = 1
   _check_table(bench.bench_table(recs), bench.BENCH_COLUMNS, 4)
   row = _cells(bench.bench_table(recs).splitlines()[2])
-  assert row[:6] == ["tiny-bench", bench.format_size(model.param_bytes(tiny.params)),
-                     bench.format_params(model.param_count(tiny.params)), "cpu",
+  assert row[:6] == ["tiny-bench", tables.format_size(model.param_bytes(tiny.params)),
+                     tables.format_params(model.param_count(tiny.params)), "cpu",
                      "float32", "pp1 @ d5"]
   assert "±" in row[6]
   lines = [json.loads(l) for l in path.read_text().splitlines()]
@@ -116,15 +118,15 @@ def test_layer_loop_bench_runs_and_compares_like_for_like(tmp_path):
 
 
 def test_units_and_flag_parsing():
-  assert bench.format_size(3 * 1024 ** 2) == "3.00 MiB"
-  assert bench.format_size(int(3.5 * 1024 ** 3)) == "3.50 GiB"
-  assert bench.format_params(162_420_000) == "162.42 M"
-  assert bench.format_params(6_740_000_000) == "6.74 B"
-  assert bench.parse_ints("1, 2,4") == [1, 2, 4] == bench.parse_ints(["1", "2", "4"])
+  assert tables.format_size(3 * 1024 ** 2) == "3.00 MiB"
+  assert tables.format_size(int(3.5 * 1024 ** 3)) == "3.50 GiB"
+  assert tables.format_params(162_420_000) == "162.42 M"
+  assert tables.format_params(6_740_000_000) == "6.74 B"
+  assert tables.parse_ints("1, 2,4") == [1, 2, 4] == tables.parse_ints(["1", "2", "4"])
   assert kv_cache.round_capacity(160) == 160 and kv_cache.round_capacity(161) == 176
   for bad in ("", "1,x", "0"):
     with pytest.raises(ConfigError):
-      bench.parse_ints(bad)
+      tables.parse_ints(bad)
   with pytest.raises(ConfigError):
     bench.run_bench(["tiny"], ["float32"], [1], n_gen=1, n_depth=0, reps=0)
 
@@ -134,12 +136,12 @@ def test_roofline_bound_is_flat_to_the_ridge_and_compute_bound_past_it():
   # 100 GFLOP/s: 0.02 ms per row -> ridge at 100 * 4 / (2 * 10) = 20 rows.
   read = 1e6 * 4 / 10e9
   for m in (1, 8, 20):
-    assert bench.roofline_bound(m, 1_000_000, 4, 100.0, 10.0) == pytest.approx(read)
-  assert bench.roofline_bound(40, 1_000_000, 4, 100.0, 10.0) == pytest.approx(2 * read)
+    assert roofline.roofline_bound(m, 1_000_000, 4, 100.0, 10.0) == pytest.approx(read)
+  assert roofline.roofline_bound(40, 1_000_000, 4, 100.0, 10.0) == pytest.approx(2 * read)
   # half the bytes: half the read time, the same compute -> ridge at 10 rows
-  assert bench.roofline_bound(5, 1_000_000, 2, 100.0, 10.0) == pytest.approx(read / 2)
-  assert bench.roofline_bound(40, 1_000_000, 2, 100.0, 10.0) == pytest.approx(2 * read)
-  peaks = bench.measure_peaks(reps=1, n=64, read_mib=1)
+  assert roofline.roofline_bound(5, 1_000_000, 2, 100.0, 10.0) == pytest.approx(read / 2)
+  assert roofline.roofline_bound(40, 1_000_000, 2, 100.0, 10.0) == pytest.approx(2 * read)
+  peaks = roofline.measure_peaks(reps=1, n=64, read_mib=1)
   assert peaks["peak_gflops"] > 0 and peaks["read_gbs"] > 0 and peaks["compile_s"] > 0
 
 

@@ -7,12 +7,13 @@ import pytest
 
 from specjax.model import config
 from specjax.bench import costs
+from specjax.decode import probes
 from specjax.model import llama as model
 from specjax.decode import speculative
 from specjax.metrics import stats
 from specjax.model import steps
 from specjax.metrics import theory
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 MS = 1e-3
 # T_target(1), T_target(gamma), T_target(gamma+1), T_draft(1), T_accept: all distinct,
@@ -80,18 +81,18 @@ def tiny():
 def test_probes_measure_what_runs_do(tiny, sp):
   """T(n) for several n, with the sampling the runs do, and no compile in
   the timed repetitions (timing.measure raises on one)."""
-  probe = costs.CostProbe(tiny, capacity=64, depth=8, k=2)
+  probe = probes.CostProbe(tiny, capacity=64, depth=8, k=2)
   ts = probe.times([1, 3], reps=2, sp=sp)
   assert set(ts) == {1, 3} and all(t.median > 0 for t in ts.values())
   again = probe.times([3], reps=2, sp=sp)  # warm: compiles nothing
   assert again[3].n_compiles == 0
   for simulated in (False, True):
     sc = speculative.SpecConfig(tiny.cfg, tiny.cfg, 3, sp, simulated)
-    assert costs.accept_cost(sc, reps=2, k=2).median > 0
+    assert probes.accept_cost(sc, reps=2, k=2).median > 0
 
 
 def test_curve_is_written_as_costs_json_reads(tiny):
-  probe = costs.CostProbe(tiny, capacity=64, depth=8, k=2)
+  probe = probes.CostProbe(tiny, capacity=64, depth=8, k=2)
   curve = costs.measure_curve(probe, probe, [1, 2], reps=1)
   d = curve.to_dict()
   assert sorted(int(k) for k in d["t_target_s"]) == [1, 2, 3]

@@ -1,7 +1,6 @@
 """The sweep end to end on tiny models (seconds): outputs, resume, bad config."""
 
 import json
-import os
 
 import pytest
 

@@ -1,6 +1,5 @@
 """Greedy generation (target-only and speculative) equals HF's on the same weights."""
 
-import numpy as np
 import pytest
 
 from specjax.decode import generation

@@ -3,7 +3,7 @@ own distribution, and the acceptance process follows its exact law.
 
 Two laws are computed here by enumeration over a tiny vocabulary, from the
 models' logits and an independent NumPy implementation of temperature, top-k
-and top-p (HF's warper rules), never from specjax.decode.sampling:
+and top-p (HF's warper rules), never from specjax.model.sampling:
   output law      the target-only distribution of the first W = gamma + 3
                   tokens (W - 1 consecutive pairs are tested): the window
                   holds the first step whole (its bonus token when every
@@ -27,19 +27,15 @@ fail the same test with the same seed.
 """
 
 import dataclasses
-import itertools
-import math
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from specjax.decode import acceptance
-from specjax.model import config
 from specjax.decode import generation
-from specjax.model import llama as model
 from specjax.decode import speculative
-from specjax.model import steps
-from specjax.decode.sampling import SamplingParams
+from specjax.drafters import draft_model
+from specjax.model.sampling import SamplingParams
 scipy_stats = pytest.importorskip("scipy.stats")
 
 from lawcheck import *  # noqa: F401,F403  (the laws, the pair fixture, the samplers)
@@ -118,7 +114,7 @@ MUTATIONS = {
     "correction drawn from p, not the residual": (acceptance, "target_token_dist",
                                                   _correction_from_p),
     "acceptance test with p and q swapped": (acceptance, "exact_accepts", _p_and_q_swapped),
-    "top-p applied to p only": (speculative, "draft_phase", _top_p_on_p_only),
+    "top-p applied to p only": (draft_model, "draft_phase", _top_p_on_p_only),
     "draft cache not fed after a fully accepted step": (speculative, "accept_phase",
                                                         _draft_not_fed_after_full_acceptance),
 }

@@ -2,21 +2,20 @@
 layer-skip self-speculation in the same fixed-shape loop, greedy-exact and
 lossless; the spec parser."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.decode import acceptance
 from specjax.model import config
-from specjax.drafters import base as drafters
+from specjax.drafters import base as drafter_base
+from specjax.drafters import draft_model, ngram, registry
 from specjax.decode import generation
 from specjax.decode import speculative
 from specjax.model import steps
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.metrics.timing import CompileWatch
 
 import lawcheck as lossless
@@ -78,7 +77,7 @@ def test_greedy_batch_one_compiles_once(target, base, drafter):
   one compilation per (drafter, gamma); a re-parsed spec is the same program."""
   runs = [(prompt, want, seed) for seed in (0, 1) for prompt, want in zip(PROMPTS, base)]
   for i, (prompt, want, seed) in enumerate(runs):
-    spec = drafter if i % 2 else drafters.parse(drafter).spec
+    spec = drafter if i % 2 else registry.parse(drafter).spec
     with CompileWatch() as cw:
       res = speculative.generate(target, None, [prompt], N, 1, drafter=spec, seed=seed)
     assert res.tokens == [want]
@@ -98,7 +97,7 @@ def test_greedy_host_loop(target, base, drafter):
 def test_layerskip_with_every_layer_is_the_target(target):
   """All layers kept (a list that is the target's): every draft accepted when
   sampling; the shared cache needs no catch-up."""
-  assert drafters.parse("layerskip:0-2") == drafters.parse("layerskip:3")
+  assert registry.parse("layerskip:0-2") == registry.parse("layerskip:3")
   res = speculative.generate(target, None, [PROMPTS[0]], N, 4, sp=SamplingParams(1.0), seed=3,
                              drafter="layerskip:0-2")
   st = res.stats
@@ -121,7 +120,7 @@ def test_shared_prefix_drafts_what_its_own_cache_would(target):
                                               sc)[0])(st.tcache)
   sub = steps.Runner(sc.draft, dparams)
   own = sub.prefill([prompt + res.tokens[0][:-1]], sub.new_cache(1, st.tcache.capacity))[1]
-  want = jax.jit(lambda c: speculative.draft_phase(dparams, c, st.tail, st.n, live, key,
+  want = jax.jit(lambda c: draft_model.draft_phase(dparams, c, st.tail, st.n, live, key,
                                                    sc)[0])(own)
   assert not bool(want.caught_up[0])
   np.testing.assert_allclose(got.q, want.q, atol=1e-4)
@@ -130,7 +129,7 @@ def test_shared_prefix_drafts_what_its_own_cache_would(target):
 # ---------------------------------------------------------------- n-gram lookup
 
 
-_ngram_jit = jax.jit(drafters.ngram_propose, static_argnums=(2, 3, 4))
+_ngram_jit = jax.jit(ngram.ngram_propose, static_argnums=(2, 3, 4))
 
 
 def _propose(hist, n, gamma, n_min=1, n_max=3):
@@ -172,7 +171,7 @@ def test_ngram_without_a_match_still_emits_the_target_token(target):
   p = jnp.zeros((b, gamma + 1, v)).at[:, :, 5].set(1.0).at[:, 0].set(
       jnp.zeros(v).at[5].set(0.5).at[3].set(0.5))
   sc = speculative.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter="ngram")
-  d = drafters.Drafted(tokens=jnp.full((b, gamma), 5), q=jnp.zeros((b, gamma, 0)),
+  d = drafter_base.Drafted(tokens=jnp.full((b, gamma), 5), q=jnp.zeros((b, gamma, 0)),
                        n_drafted=jnp.zeros((b,), jnp.int32), caught_up=jnp.zeros((b,), bool))
   j = speculative.accept_jit(jax.random.PRNGKey(0), jnp.ones((gamma,)), p, d,
                              jnp.zeros((b, 2), jnp.int32), jnp.full((b,), 9),
@@ -194,7 +193,7 @@ def _ref_ngram(hist, gamma, n_min, n_max):
   return []
 
 
-def ngram_accept_law(target, drafter: drafters.NgramDrafter):
+def ngram_accept_law(target, drafter: ngram.NgramDrafter):
   """The law of (k1, 1[k2 > 0]) under n-gram drafting, by enumeration: a
   drafted x is accepted with probability p(x), a rejection draws from p less
   x; the second step drafts from the history the first one left."""
@@ -241,14 +240,14 @@ def v6(init_params):
 
 def _layerskip_runner(target, spec):
   """The layer-skip draft as a Runner (for the acceptance law's q)."""
-  d = drafters.parse(spec)
+  d = registry.parse(spec)
   return steps.Runner(d.draft_config(target.cfg, None), d.draft_params(target.params, None))
 
 
 def lossless_pvalues(v6, spec, gamma, seed=0):
-  d = drafters.parse(spec)
+  d = registry.parse(spec)
   sp = SamplingParams(1.0)
-  if isinstance(d, drafters.NgramDrafter):
+  if isinstance(d, ngram.NgramDrafter):
     return lossless.pvalues(v6, v6, sp, gamma, lossless.ROWS, drafter=d, seed=seed,
                             accept_law=ngram_accept_law(v6, d))
   return lossless.pvalues(v6, _layerskip_runner(v6, spec), sp, gamma, lossless.ROWS,
@@ -266,7 +265,7 @@ def test_lossless_at_temperature_one(v6, spec, gamma):
 
 def test_ngram_law_sees_matches_and_misses(v6):
   """The tested window holds both kinds of first step, often enough."""
-  d = drafters.parse("ngram:1-2")
+  d = registry.parse("ngram:1-2")
   drafted = [len(_ref_ngram(p + [t], 4, 1, 2)) > 0 for p in lossless.PROMPTS
              for t in range(lossless.V)]
   assert 0.2 < np.mean(drafted) < 0.8, drafted
@@ -278,15 +277,15 @@ def test_ngram_law_sees_matches_and_misses(v6):
 
 
 def test_specs_parse_to_static_hashable_drafters():
-  assert drafters.parse("model") is drafters.MODEL
-  assert drafters.parse("ngram") == drafters.NgramDrafter(*drafters.NGRAM_DEFAULT)
-  assert drafters.parse("ngram:2-5") == drafters.NgramDrafter(2, 5)
-  assert drafters.parse("ngram:3") == drafters.NgramDrafter(3, 3)
-  assert drafters.parse("layerskip:0-3").prefix
-  assert drafters.parse("layerskip:0-9,12,15").layers == tuple(range(10)) + (12, 15)
+  assert registry.parse("model") is draft_model.MODEL
+  assert registry.parse("ngram") == ngram.NgramDrafter(*registry.NGRAM_DEFAULT)
+  assert registry.parse("ngram:2-5") == ngram.NgramDrafter(2, 5)
+  assert registry.parse("ngram:3") == ngram.NgramDrafter(3, 3)
+  assert registry.parse("layerskip:0-3").prefix
+  assert registry.parse("layerskip:0-9,12,15").layers == tuple(range(10)) + (12, 15)
   for spec in ("model", "ngram:2-5", "layerskip:4", "layerskip:0-9,12,15", "layerskip:3-3"):
-    d = drafters.parse(spec)
-    assert drafters.parse(d.spec) == d and hash(d) == hash(drafters.parse(d.spec))
+    d = registry.parse(spec)
+    assert registry.parse(d.spec) == d and hash(d) == hash(registry.parse(d.spec))
 
 
 @pytest.mark.parametrize("spec,match", [
@@ -297,7 +296,7 @@ def test_specs_parse_to_static_hashable_drafters():
     ("model:x", "no argument")])
 def test_bad_specs(spec, match):
   with pytest.raises(ConfigError, match=match):
-    drafters.parse(spec)
+    registry.parse(spec)
 
 
 def test_bad_settings_against_the_models(target):
@@ -311,9 +310,9 @@ def test_bad_settings_against_the_models(target):
 
 
 def test_ngram_cost_probe_times_a_proposal(target):
-  """costs.ProposeProbe: T_draft(1) of the n-gram drafter (its proposal / gamma)."""
-  from specjax.bench import costs  # pylint: disable=import-outside-toplevel
-  probe = costs.ProposeProbe(drafters.parse("ngram"), target.cfg, 4, 64, 20, k=2)
+  """probes.ProposeProbe: T_draft(1) of the n-gram drafter (its proposal / gamma)."""
+  from specjax.decode import probes
+  probe = probes.ProposeProbe(registry.parse("ngram"), target.cfg, 4, 64, 20, k=2)
   t = probe.times([1], reps=2)[1]
   assert len(t.times) == 2 and 0 < t.median < 0.1
   with pytest.raises(ValueError):

@@ -9,6 +9,7 @@ import pytest
 from configs import train as train_configs
 from specjax.formats import checkpoint
 from specjax.drafters import eagle
+from specjax.train import eagle as eagle_train
 from specjax.decode import generation
 from specjax.model import llama as model
 from specjax.decode import speculative
@@ -16,7 +17,7 @@ from specjax.model import steps
 from specjax.train import loop as train
 from specjax.model import kv_cache as kvc
 from specjax.model.config import get_preset
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 CFG = get_preset("tiny")
 
@@ -78,7 +79,7 @@ def sharp_target(init_params):
 def whole_run(sharp_target, stream, tmp_path_factory):
   """An uninterrupted 8-step run: (workdir, final head params)."""
   work = tmp_path_factory.mktemp("eagle_whole")
-  params = eagle.train(CFG, sharp_target, _tc(), work, stream[:3000], stream[3000:], **KW)
+  params = eagle_train.train(CFG, sharp_target, _tc(), work, stream[:3000], stream[3000:], **KW)
   return work, params
 
 
@@ -90,8 +91,8 @@ def test_head_training_loss_falls(whole_run):
 
 def test_resume_equals_uninterrupted(sharp_target, stream, tmp_path, whole_run):
   tparams = sharp_target
-  eagle.train(CFG, tparams, _tc(), tmp_path, stream[:3000], stream[3000:], stop_at=3, **KW)
-  resumed = eagle.train(CFG, tparams, _tc(), tmp_path, stream[:3000], stream[3000:], **KW)
+  eagle_train.train(CFG, tparams, _tc(), tmp_path, stream[:3000], stream[3000:], stop_at=3, **KW)
+  resumed = eagle_train.train(CFG, tparams, _tc(), tmp_path, stream[:3000], stream[3000:], **KW)
   for x, y in zip(jax.tree_util.tree_leaves(whole_run[1]), jax.tree_util.tree_leaves(resumed)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   a = [r for r in train.read_metrics(whole_run[0]) if "loss" in r]
@@ -154,7 +155,7 @@ def test_drafts_equal_the_teacher_forced_head(shipped):
     seq = jnp.asarray([p + res.tokens[b]], jnp.int32)  # x_0 .. x_{n-1}
     n = seq.shape[1]
     assert int(st.n[b]) == n
-    _, feats = eagle.target_features(target.params, target.cfg, seq)
+    _, feats = eagle_train.target_features(target.params, target.cfg, seq)
     g, _ = eagle.head_forward(hparams, target.params, feats[:, :n - 1], seq[:, 1:],
                               eagle.new_cache(hcfg, 1, n), hcfg.replace(attn_block=0),
                               target.cfg)
@@ -199,11 +200,11 @@ def test_sampled_output_follows_the_target_law(tmp_path):
 
 
 def test_eagle_specs_and_errors(tmp_path):
-  from specjax.drafters import base as drafters
+  from specjax.drafters import registry
   from specjax.errors import CheckpointError, ConfigError
-  assert drafters.parse("eagle") == eagle.EagleDrafter()
-  d = drafters.parse(f"eagle:{tmp_path}")
-  assert drafters.parse(d.spec) == d and hash(d) == hash(drafters.parse(d.spec))
+  assert registry.parse("eagle") == eagle.EagleDrafter()
+  d = registry.parse(f"eagle:{tmp_path}")
+  assert registry.parse(d.spec) == d and hash(d) == hash(registry.parse(d.spec))
   with pytest.raises(CheckpointError, match="not found"):
     speculative.SpecConfig(CFG, None, 2, drafter=d)
   eagle.save_head(tmp_path / "h", eagle.head_config(CFG), eagle.init_head(eagle.head_config(CFG)),

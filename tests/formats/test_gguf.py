@@ -25,19 +25,19 @@ gguf = pytest.importorskip("gguf")
 
 # pylint: disable=wrong-import-position
 from specjax.formats import checkpoint
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.decode import generation
 from specjax.formats import gguf as gguf_file
-from specjax.formats import hf
+from specjax.formats import gguf_write, hf
 from specjax.model import kv_cache
 from specjax.model import layers
 from specjax.model import quant
-from specjax.decode import sampling
+from specjax.model import sampling
 from specjax.model import sharding
 from specjax.model import llama as model_lib
 from specjax.decode import speculative
 from specjax.model import steps
-from specjax.bench.backends.llamacpp import GGUF_CONFIG, gguf_permute, gguf_tensors
+from specjax.formats.gguf_write import GGUF_CONFIG, gguf_permute, gguf_tensors
 from specjax.model.config import ModelConfig, get_preset
 from specjax.errors import CheckpointError
 
@@ -307,7 +307,7 @@ def test_int8_decode_loop_holds_no_float_copy_of_the_kernels():
   cfg = CFG.replace(vocab_size=8192, ffn_dim=1024).with_dtype("int8")
   params = jax.eval_shape(lambda: model_lib.init_params(cfg))
   cache = kv_cache.init_cache(cfg, 1, 64)
-  compiled = costs._repeat_forward.lower(  # pylint: disable=protected-access
+  compiled = probes.repeat_forward.lower(
       params, jnp.zeros((1, 1), jnp.int32), cache, jax.random.PRNGKey(0), cfg=cfg, k=4,
       sp=sampling.SamplingParams()).compile()
   kernels = sum(x.size * 4 for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
@@ -660,7 +660,7 @@ def test_greedy_and_logits_equal_llama_cpp_on_the_same_file(llama_cpp, tmp_path,
   from specjax.bench.backends import base, llamacpp  # pylint: disable=import-outside-toplevel
   del llama_cpp
   cfg0, params0, tok = checkpoint.load_model("stdlib-draft", "float32")
-  path = llamacpp.write_gguf(tmp_path / f"stdlib-draft-{name}.gguf", cfg0, params0,
+  path = gguf_write.write_gguf(tmp_path / f"stdlib-draft-{name}.gguf", cfg0, params0,
                              tensor_type=name)
   cfg, params, _ = checkpoint.load_model(str(path))
   prompts = [tok.encode(t)[:LLAMA_CPP_PROMPT] for t in LLAMA_CPP_TEXTS]
@@ -707,12 +707,12 @@ def test_batch_scaling_runs_llama_cpp_on_the_given_file(llama_cpp, tmp_path, mon
   from specjax.bench.backends import llamacpp  # pylint: disable=import-outside-toplevel
   del llama_cpp
   cfg, params, _ = checkpoint.load_model("stdlib-draft", "float32")
-  path = llamacpp.write_gguf(tmp_path / "sd-Q8_0.gguf", cfg, params, tensor_type="Q8_0")
+  path = gguf_write.write_gguf(tmp_path / "sd-Q8_0.gguf", cfg, params, tensor_type="Q8_0")
   given = []
   real = llamacpp.LlamaCppBackend
   monkeypatch.setattr(llamacpp, "LlamaCppBackend",
                       lambda *a, **k: given.append(a[4:]) or real(*a, **k))
-  monkeypatch.setattr(llamacpp, "write_gguf", None)  # nothing may be written
+  monkeypatch.setattr(gguf_write, "write_gguf", None)  # nothing may be written
   c = bs_config.get_config("tiny")
   c.models, c.backends, c.draft = (str(path),), ("xla", "llama.cpp"), ""
   c.batches, c.rounds = (1,), 1

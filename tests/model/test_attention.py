@@ -15,7 +15,7 @@ from specjax.model import kv_cache
 from specjax.model import layers
 from specjax.model import llama as model
 from specjax.model import steps
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.metrics.timing import CompileWatch
 
 

@@ -11,7 +11,7 @@ from specjax.model import kv_cache
 from specjax.model import llama as model
 from specjax.model import steps
 from specjax.errors import CacheOverflowError, ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.metrics.timing import CompileWatch
 
 ATOL = 1e-5

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections import Counter
 from pathlib import Path
 
 import jax
@@ -29,7 +28,7 @@ from specjax.model import sharding
 from specjax.decode import speculative
 from specjax.model import steps
 from specjax.errors import SpecjaxError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 MESHES = {"a": ("data:1,model:8", "data:2,model:4"),
           "b": (None, "data:1,model:1", "data:8,model:1")}

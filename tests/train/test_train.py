@@ -18,7 +18,7 @@ from specjax.model import steps
 from specjax.train import loop as train
 from specjax.model.config import ModelConfig
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 TINY = ModelConfig("t", 64, 32, 2, 4, 2, 64, max_seq_len=64, tie_embeddings=True)
 

@@ -8,7 +8,7 @@ call (the `Backend` interface and the parity check: `base`).
   xla            specjax's jitted `forward_step`, dispatched from the host per
                  call (bench's pp test). Pays Python dispatch, as torch and
                  llama.cpp do: the per-call comparison (`xla`).
-  xla-loop       `costs.CostProbe`: k forwards inside one jitted loop, no
+  xla-loop       `probes.CostProbe`: k forwards inside one jitted loop, no
                  dispatch (what the on-device speculative loop pays; the
                  cost the sweep uses). Batch 1 only (`xla`).
   torch          HF `LlamaForCausalLM` from `hf.to_torch_model` (the one
@@ -18,7 +18,7 @@ call (the `Backend` interface and the parity check: `base`).
                  the XLA cache's capacity (`pytorch`). Skipped with a note
                  where compile fails.
   llama.cpp      llama-cpp-python over a GGUF file written from the same
-                 params (`llamacpp.write_gguf`), one `llama_decode` of B N
+                 params (`gguf_write.write_gguf`), one `llama_decode` of B N
                  tokens with every logit requested (`llamacpp`). Unavailable
                  with a note where the package is missing.
 

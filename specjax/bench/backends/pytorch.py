@@ -15,7 +15,7 @@ from specjax.bench.backends.base import Backend, Unavailable
 from specjax.model.config import ModelConfig
 
 
-def _torch():
+def import_torch():
   try:
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel,unused-import
@@ -39,7 +39,7 @@ class TorchBackend(Backend):
 
   def __init__(self, cfg: ModelConfig, params, threads: int, attention: str,
                model=None):
-    torch = self.torch = _torch()
+    torch = self.torch = import_torch()
     if jax.default_backend() != "cpu" and not torch.cuda.is_available():
       raise Unavailable(f"XLA runs on {jax.default_backend()} but this torch "
                         f"has no CUDA: no like-for-like comparison")

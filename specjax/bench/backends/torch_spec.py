@@ -29,7 +29,7 @@ specjax's (`stats.Records`, `stats.SpecStats`).
 
 Timing (`time_point`, `TorchCostProbe`): the shape of specjax's sweep
 (`sweep.run_group`: target-only and speculative alternating, medians,
-compile / warm-up excluded and reported apart) and of `costs.CostProbe`
+compile / warm-up excluded and reported apart) and of `probes.CostProbe`
 (T(n): k forwards from the same cache state, time per forward), with the
 batch as a dimension. torch is imported on first use.
 """
@@ -49,17 +49,17 @@ from specjax.decode import generation
 from specjax.formats import hf
 from specjax.metrics import timing
 from specjax.model import kv_cache as kvc
-from specjax.bench.backends.pytorch import _torch
+from specjax.bench.backends.pytorch import import_torch
 from specjax.model.config import ModelConfig
 from specjax.errors import CacheOverflowError, ConfigError
 from specjax.metrics.stats import Records, SpecStats
 
-REPEATS = 8  # forwards per timed repetition of a cost probe (costs.REPEATS)
+REPEATS = 8  # forwards per timed repetition of a cost probe (probes.REPEATS)
 
 
 def _dynamo_graphs() -> int:
   """Graphs torch.compile has built so far in this process (recompiles count)."""
-  _torch()
+  import_torch()
   from torch._dynamo.utils import counters  # pylint: disable=import-outside-toplevel
   return int(counters["stats"]["unique_graphs"])
 
@@ -72,7 +72,7 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
   int64 (row b is written at slots lengths[b]..); ks, vs: L x [B, K, S, D].
   Returns the argmax [B, T] of the logits (or the f32 logits [B, T, V]).
   """
-  torch = _torch()
+  torch = import_torch()
   b, t = tokens.shape
   h, k = n_heads, n_kv_heads
   s_cap = ks[0].shape[2]
@@ -126,7 +126,7 @@ class TorchLlama:
 
   def __init__(self, cfg: ModelConfig, params=None, model=None, compile: bool = True,
                threads: int | None = None):
-    torch = self.torch = _torch()
+    torch = self.torch = import_torch()
     if threads:
       torch.set_num_threads(threads)
     self.cfg = cfg
@@ -453,7 +453,7 @@ class TorchCostProbe:
   """T(B, n): one forward over n new tokens per row (with the argmax of its
   logits, as the runs consume them) against a cache of `capacity` slots
   holding `depth` tokens per row; `k` forwards per repetition from the same
-  state (lengths set back), time per forward (costs.CostProbe's shape, with
+  state (lengths set back), time per forward (probes.CostProbe's shape, with
   the batch as a dimension; here each forward is a host call, as in the
   torch loop)."""
 

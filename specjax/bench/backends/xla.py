@@ -1,5 +1,5 @@
 """specjax's own backends: `xla` (one host-dispatched forward_step per call)
-and `xla-loop` (costs.CostProbe: k forwards in one jitted loop, no dispatch).
+and `xla-loop` (probes.CostProbe: k forwards in one jitted loop, no dispatch).
 `xla` is the parity reference of every other backend."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.bench import llama_bench as bench
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.model import steps
 from specjax.metrics import timing
 from specjax.bench.backends.base import Backend, CpuUse, Sample
@@ -48,7 +48,7 @@ class XlaBackend(Backend):
 
 
 class XlaLoopBackend(Backend):
-  """costs.CostProbe: k forwards inside one jitted loop, time per forward.
+  """probes.CostProbe: k forwards inside one jitted loop, time per forward.
   Same model code as xla, so it is not checked for parity separately."""
   name = "xla-loop"
   max_batch = 1
@@ -60,7 +60,7 @@ class XlaLoopBackend(Backend):
   def prepare(self, prefix, capacity, max_n):
     # The probe fills its own cache with depth random tokens (values do not
     # change the cost).
-    self.probe = costs.CostProbe(self.xla.m, capacity, prefix.shape[1],
+    self.probe = probes.CostProbe(self.xla.m, capacity, prefix.shape[1],
                                  self.seed, self.k)
 
   def measure(self, tokens, reps, first):

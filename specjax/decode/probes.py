@@ -1,0 +1,210 @@
+"""Timed probes of the speculative loop's phases, measured the way the
+device loop pays them (no host dispatch): k repetitions inside one jitted
+loop, time per repetition.
+  CostProbe       T(n): one model forward over n new tokens (any batch)
+                  against a cache of the run's capacity holding `depth`
+                  tokens, its logits consumed as the run consumes them
+                  (argmax when greedy; the sampling distribution and a draw
+                  otherwise). n = 1 is a decode step; n = gamma + 1 a verify.
+  ProposeProbe    a model-free drafter's proposal (n-gram lookup), per token.
+  accept_cost     one accept phase plus the step's bookkeeping (keep_tokens,
+                  commit) for a rule kind, gamma and sampling settings.
+Auto gamma measures its costs with these at start; the sweep's cost model
+(specjax/bench/costs.py) predicts speedups from them."""
+
+from __future__ import annotations
+
+from __future__ import annotations
+import dataclasses
+import functools
+from typing import Sequence
+import jax
+import jax.numpy as jnp
+import numpy as np
+from specjax.model import kv_cache as kvc
+from specjax.model import llama as model_lib
+from specjax.model import sampling
+from specjax.decode import speculative
+from specjax.model import steps
+from specjax.metrics import timing
+from specjax.model.sampling import SamplingParams
+
+
+REPEATS = 8  # forwards (or accept phases) per timed repetition
+PROBE_REPEATS = 4  # ... in the sweep's probes, which it repeats (sweep.PROBE_REPS)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k", "sp"), donate_argnames=("cache",))
+def repeat_forward(params, tokens, cache: kvc.KVCache, key, cfg, k: int, sp: SamplingParams):
+  """k forwards of tokens from the same cache state, on device (no dispatch),
+  each followed by what a run does with the logits."""
+  depth = cache.lengths
+
+  def body(i, carry):
+    c, acc = carry
+    logits, c = model_lib.forward(params, tokens, c, cfg)
+    # Consume every logit, as decoding does: keeping only a slice would let
+    # XLA shrink the lm_head matmul to that slice.
+    tok = sampling.sample_logits(jax.random.fold_in(key, i), logits, sp)
+    return kvc.rollback(c, depth), acc + jnp.sum(tok, -1)
+
+  cache, acc = jax.lax.fori_loop(0, k, body,
+                                 (cache, jnp.zeros(tokens.shape[:1], jnp.int32)))
+  return acc, cache
+
+
+def random_tokens(rng: np.random.RandomState, vocab: int, b: int, t: int) -> jax.Array:
+  return jnp.asarray(rng.randint(0, vocab, (b, t)), jnp.int32)
+
+
+def filled_cache(m: steps.Runner, batch: int, capacity: int, depth: int,
+                 rng: np.random.RandomState) -> kvc.KVCache:
+  """A new cache holding `depth` random tokens per row (untimed setup)."""
+  cache = m.new_cache(batch, capacity)
+  if depth:
+    prompts = rng.randint(0, m.cfg.vocab_size, (batch, depth)).tolist()
+    cache = timing.block(m.prefill(prompts, cache)[1])
+  return cache
+
+
+class CostProbe:
+  """Measures T(n) of one model: a forward over n new tokens per row (batch
+  `batch`, 1 by default) against a cache of `capacity` slots already holding
+  `depth` tokens per row.
+
+  Each repetition runs k forwards inside one jitted loop and reports the time
+  per forward, so host dispatch (which the on-device loop never pays) stays
+  out. The probe keeps its cache, so it can be called again and again between
+  other measurements (the sweep interleaves it with the runs it predicts).
+  """
+
+  def __init__(self, m: steps.Runner, capacity: int, depth: int, seed: int = 0,
+               k: int = REPEATS, batch: int = 1):
+    self.m, self.k, self.capacity, self.depth, self.batch = m, k, capacity, depth, batch
+    self.rng = np.random.RandomState(seed)
+    self.holder = [filled_cache(m, batch, capacity, depth, self.rng)]
+    self.tokens: dict[int, jax.Array] = {}
+    self.warm: set[tuple[int, SamplingParams]] = set()
+
+  def times(self, ns: Sequence[int], reps: int = 1,
+            sp: SamplingParams = SamplingParams()) -> dict[int, timing.Timing]:
+    """Per-forward timings for each n (a new (n, sp) compiles on first use)."""
+    kvc.check_capacity([self.depth], max(ns), self.capacity)
+    out = {}
+    for n in sorted(set(ns)):
+      if n not in self.tokens:
+        self.tokens[n] = random_tokens(self.rng, self.m.cfg.vocab_size, self.batch, n)
+      key = jax.random.PRNGKey(n)
+
+      def run(tokens=self.tokens[n], key=key):
+        acc, self.holder[0] = repeat_forward(self.m.params, tokens, self.holder[0], key,
+                                              cfg=self.m.cfg, k=self.k, sp=sp)
+        return acc
+
+      first = (n, sp) not in self.warm
+      self.warm.add((n, sp))
+      t = timing.measure(run, reps=reps, warmup=1 if first else 0)
+      out[n] = dataclasses.replace(t, times=[x / self.k for x in t.times])
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "k"))
+def _repeat_propose(dparams, dstate, tail, n, key, *, sc, k: int):
+  """k proposals (batch of n's rows) on device; each iteration's lengths
+  differ (n - i % 2), so XLA cannot hoist the proposal out of the loop."""
+  live = jnp.ones(n.shape, bool)
+
+  def body(i, acc):
+    d, _, _ = sc.drafter.propose(dparams, dstate, None, tail, n - i % 2, live,
+                                 jax.random.fold_in(key, i), sc)
+    return acc + jnp.sum(d.tokens) + jnp.sum(d.n_drafted)
+
+  return jax.lax.fori_loop(0, k, body, jnp.int32(0))
+
+
+class ProposeProbe:
+  """T_draft(1) of a drafter that is not a plain model (n-gram lookup, an
+  EAGLE head): the time of one whole proposal of gamma tokens (batch 1, a
+  history of `depth` random tokens in `capacity` slots), divided by gamma;
+  k proposals per timed repetition in one jitted loop. The same `times`
+  interface as CostProbe (n must be 1). `target` (a Runner) is needed by
+  drafters whose state starts from the target (eagle's prefill)."""
+
+  def __init__(self, drafter, target_cfg, gamma: int, capacity: int, depth: int, seed: int = 0,
+               k: int = REPEATS, target: steps.Runner | None = None):
+    self.sc = speculative.SpecConfig(target_cfg, None, gamma, drafter=drafter, simulated=True)
+    self.k, self.capacity, self.depth = k, capacity, depth
+    rng = np.random.RandomState(seed)
+    prompt = rng.randint(0, target_cfg.vocab_size, depth - 1).tolist()
+    self.dparams = (drafter.draft_params(target.params, None) if target is not None
+                    else drafter.draft_params(None, None))
+    self.dstate = self.sc.drafter.init(self.sc, target, self.dparams, [prompt], capacity,
+                                       jnp.asarray([prompt[-1]]))
+    self.tail = jnp.asarray([[prompt[-1], prompt[-1]]], jnp.int32)
+    self.n = jnp.asarray([depth], jnp.int32)
+    self.warm = False
+
+  def times(self, ns: Sequence[int], reps: int = 1,
+            sp: SamplingParams = SamplingParams()) -> dict[int, timing.Timing]:
+    del sp  # a deterministic proposal does not depend on the sampling settings
+    if set(ns) != {1}:
+      raise ValueError(f"ProposeProbe times T_draft(1) only, asked for {sorted(set(ns))}")
+    run = lambda: _repeat_propose(self.dparams, self.dstate, self.tail, self.n,
+                                  jax.random.PRNGKey(0),
+                                  sc=self.sc, k=self.k)
+    t = timing.measure(run, reps=reps, warmup=0 if self.warm else 1)
+    self.warm = True
+    per = self.k * self.sc.gamma
+    return {1: dataclasses.replace(t, times=[x / per for x in t.times])}
+
+
+def draft_probe(drafter, target: steps.Runner, draft: steps.Runner | None, gamma: int,
+                capacity: int, depth: int, batch: int = 1, k: int = REPEATS):
+  """The probe of T_draft(1) for a drafter: a CostProbe of the model it runs
+  (the draft model, or the target's layer subset), otherwise (ngram, eagle)
+  a ProposeProbe of its whole proposal per token, at batch 1."""
+  from specjax.drafters import draft_model  # pylint: disable=import-outside-toplevel
+  if isinstance(drafter, (draft_model.ModelDrafter, draft_model.LayerSkipDrafter)):
+    cfg = drafter.draft_config(target.cfg, draft and draft.cfg)
+    return CostProbe(steps.Runner(cfg, drafter.draft_params(target.params, draft)), capacity,
+                     depth, k=k, batch=batch)
+  return ProposeProbe(drafter, target.cfg, gamma, capacity, depth, k=k, target=target)
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "k"))
+def _repeat_accept(key, accept_probs, p, drafted, tail, n, out, *, sc, k: int):
+  """k accept phases with their bookkeeping (keep_tokens, commit's length
+  arithmetic), on device."""
+  b = tail.shape[0]
+  live = jnp.ones((b,), bool)
+
+  def body(i, carry):
+    acc, out = carry
+    j = speculative.accept_phase(jax.random.fold_in(key, i), accept_probs, p, drafted,
+                                 tail, n, live, sc)
+    out, count, _, kept = speculative.keep_tokens(out, jnp.ones((b,), jnp.int32), ~live,
+                                                  j, -1, out.shape[1])
+    return acc + jnp.sum(count + kept + j.t_len + j.d_len), out
+
+  return jax.lax.fori_loop(0, k, body, (jnp.int32(0), out))
+
+
+def accept_cost(sc: speculative.SpecConfig, reps: int, seed: int = 0,
+                k: int = REPEATS, batch: int = 1) -> timing.Timing:
+  """Time of one accept phase and its bookkeeping (batch `batch`, 1 by
+  default) for `sc`'s rule kind, gamma and sampling settings, on random
+  distributions; per phase."""
+  v, gamma, b = sc.target.vocab_size, sc.gamma, batch
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  p = jax.nn.softmax(4 * jax.random.normal(keys[0], (b, gamma + 1, v)), -1)
+  q = jax.nn.softmax(4 * jax.random.normal(keys[1], (b, gamma, v)), -1)
+  drafted = speculative.Drafted(
+      tokens=jax.random.randint(keys[2], (b, gamma), 0, v),
+      q=q if sc.needs_q else q[..., :0], n_drafted=jnp.full((b,), gamma, jnp.int32),
+      caught_up=jnp.zeros((b,), bool))
+  tail, n = jnp.zeros((b, 2), jnp.int32), jnp.full((b,), 8, jnp.int32)
+  out = jnp.zeros((b, 4 * (gamma + 1)), jnp.int32)
+  probs = jnp.full((gamma,), 0.5)
+  run = lambda: _repeat_accept(keys[3], probs, p, drafted, tail, n, out, sc=sc, k=k)
+  t = timing.measure(run, reps=max(reps, 5))
+  return dataclasses.replace(t, times=[x / k for x in t.times])

@@ -1,0 +1,71 @@
+"""The drafter registry: one spec string (the scripts' --drafter) -> a Drafter."""
+
+from __future__ import annotations
+
+from specjax.drafters import eagle
+from specjax.drafters.base import Drafter
+from specjax.drafters.draft_model import MODEL, LayerSkipDrafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.errors import ConfigError
+
+
+KINDS = ("model", "ngram", "layerskip", "eagle")
+NGRAM_DEFAULT = (1, 4)
+
+
+def _int(text: str, spec: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise ConfigError(f"drafter {spec!r}: {text!r} is not an integer") from None
+
+
+def parse(spec: str | Drafter) -> Drafter:
+  """'model' | 'ngram' | 'ngram:A-B' | 'layerskip:N' | 'layerskip:0-9,12,15'
+  | 'eagle' -> a Drafter (ConfigError, one line, for anything else).
+
+  Layer indices are checked against the target later (draft_config)."""
+  if isinstance(spec, Drafter):
+    return spec
+  text = str(spec).strip()
+  kind, colon, arg = text.partition(":")
+  kind = kind.strip().lower()
+  if kind not in KINDS:
+    raise ConfigError(f"unknown drafter {text!r}; valid: model, ngram[:A-B], layerskip:N, "
+                      "layerskip:LIST (e.g. 0-9,12,15), eagle")
+  if kind == "eagle":
+    return eagle.EagleDrafter(arg.strip() or "stdlib-eagle")
+  if kind == "model":
+    if colon:
+      raise ConfigError(f"drafter 'model' takes no argument, got {text!r}")
+    return MODEL
+  if kind == "ngram":
+    if not colon:
+      return NgramDrafter(*NGRAM_DEFAULT)
+    lo, dash, hi = arg.partition("-")
+    n_min, n_max = _int(lo, text), _int(hi if dash else lo, text)
+    if n_min < 1:
+      raise ConfigError(f"drafter {text!r}: the n-gram size must be >= 1")
+    if n_min > n_max:
+      raise ConfigError(f"drafter {text!r}: ngram_min {n_min} > ngram_max {n_max}")
+    return NgramDrafter(n_min, n_max)
+  # layerskip
+  if not arg.strip():
+    raise ConfigError(f"drafter {text!r}: layerskip needs N (keep the first N layers) or a "
+                      "layer list such as 0-9,12,15")
+  if "," not in arg and "-" not in arg:
+    n = _int(arg, text)
+    if n < 1:
+      raise ConfigError(f"drafter {text!r}: keep at least one layer (N >= 1)")
+    return LayerSkipDrafter(tuple(range(n)))
+  layers: list[int] = []
+  for part in arg.split(","):
+    lo, dash, hi = part.partition("-")
+    a = _int(lo, text)
+    z = _int(hi, text) if dash else a
+    if a < 0 or z < a:
+      raise ConfigError(f"drafter {text!r}: bad layer range {part.strip()!r}")
+    layers.extend(range(a, z + 1))
+  if any(y <= x for x, y in zip(layers, layers[1:])):
+    raise ConfigError(f"drafter {text!r}: layers must be strictly increasing, no repeats")
+  return LayerSkipDrafter(tuple(layers))
