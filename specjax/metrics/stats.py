@@ -24,6 +24,10 @@ Definitions (see ARCHITECTURE.md; llama.cpp's names where it has them):
   alpha            the per-token acceptance rate whose expected accepted count
                    for gamma equals mean_accepted: an estimate under the
                    theory's i.i.d. assumption (theory.alpha_from_mean_accepted).
+                   A run whose steps differ in gamma (autogamma: Records.gamma)
+                   matches each step's own gamma instead
+                   (theory.alpha_from_accepted_steps); `gamma` is then the
+                   largest of them (the histogram's width).
   accept_hist      steps that accepted k drafts, k = 0..gamma.
   alpha_at_pos     at draft position i (1-based), the fraction of steps that
                    reached i (all before accepted, i drafted) and accepted it.
@@ -53,6 +57,9 @@ class Records:
   caught_up: np.ndarray  # 1 where the step first fed the draft its d_gamma
   step: np.ndarray       # the loop step of the entry
   row: np.ndarray        # the batch row of the entry (offset per run after concat)
+  # the gamma the entry's step asked for, where steps differ (autogamma);
+  # None: every step ran the run's one gamma
+  gamma: np.ndarray | None = None
 
   @classmethod
   def concat(cls, parts: list["Records"]) -> "Records":
@@ -60,8 +67,12 @@ class Records:
     renumbered so that every run keeps its own."""
     offsets = np.cumsum([0] + [int(p.row.max()) + 1 if p.row.size else 0 for p in parts])
     cat = lambda f: np.concatenate([getattr(p, f) for p in parts])
+    mixed = {p.gamma is None for p in parts}
+    if len(mixed) > 1:
+      raise ValueError("Records.concat: some parts record each step's gamma, some do not")
     return cls(*(cat(f) for f in RECORD_FIELDS), step=cat("step"),
-               row=np.concatenate([p.row + o for p, o in zip(parts, offsets)]))
+               row=np.concatenate([p.row + o for p, o in zip(parts, offsets)]),
+               gamma=None if mixed == {True} else cat("gamma"))
 
   @classmethod
   def from_arrays(cls, rec: dict[str, Any]) -> "Records":
@@ -112,13 +123,19 @@ class SpecStats:
     phase = dict(phase_s or {})
     if phase:
       phase["rest_s"] = max(eval_s - sum(phase.values()), 0.0)
+    if rec.gamma is None:
+      alpha = float(theory.alpha_from_mean_accepted(min(mean_acc, gamma), gamma))
+    else:  # each step against its own gamma, not the largest
+      if rec.gamma.size and int(rec.gamma.max()) > gamma:
+        raise ValueError(f"SpecStats.compute: gamma {gamma} < a step's gamma {rec.gamma.max()}")
+      alpha = theory.alpha_from_accepted_steps(n_accept, rec.gamma)
     return cls(
         gamma=gamma, n_predict=n_predict, n_drafted=n_drafted, n_accept=n_accept,
         n_steps=n_steps, n_kept=n_kept, n_catchup=int(rec.caught_up.sum()),
         accept_rate=n_accept / n_drafted if n_drafted else 0.0,
         tokens_per_step=n_kept / n_steps if n_steps else 0.0,
         mean_accepted=mean_acc,
-        alpha=float(theory.alpha_from_mean_accepted(min(mean_acc, gamma), gamma)),
+        alpha=alpha,
         accept_hist=np.bincount(k, minlength=gamma + 1).tolist(),
         alpha_at_pos=alpha_pos, eval_s=eval_s,
         tokens_per_s=n_kept / eval_s if eval_s > 0 else 0.0,

@@ -181,6 +181,36 @@ def alpha_from_mean_accepted(mean_accepted: ArrayLike, gamma: int) -> float | np
   return _out(alpha)
 
 
+def alpha_from_accepted_steps(n_accept: int, gammas: ArrayLike) -> float:
+  """The alpha whose expected accepted total over steps of draft lengths
+  `gammas` (one per step, mixed: gamma chosen at run time) equals n_accept.
+
+  Solves sum_s E[X | gamma_s, alpha] = n_accept by bisection (the sum
+  increases strictly with alpha): alpha_from_mean_accepted's estimate when
+  the steps differ in gamma. Charging every step the largest gamma instead
+  would count drafts that steps at a smaller gamma never proposed, and bias
+  alpha low (every draft accepted at gamma 1 reads as alpha 0.5 at gamma 8).
+  With one gamma it equals alpha_from_mean_accepted(n_accept / steps, gamma).
+
+  Returns:
+    alpha in [0, 1]: 0.0 at n_accept 0 or no steps, 1.0 when n_accept >= sum gammas.
+  """
+  g = _draft_length(np.asarray(gammas).ravel(), minimum=1)
+  target = float(_non_negative(n_accept, "n_accept"))
+  if g.size == 0 or target <= 0.0:
+    return 0.0
+  if target >= g.sum():
+    return 1.0
+  counts = np.bincount(g)
+  used = np.nonzero(counts)[0]
+  total = lambda a: sum(counts[k] * expected_accepted(int(k), a) for k in used)
+  lo, hi = 0.0, 1.0
+  for _ in range(_BISECTION_STEPS):
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if total(mid) < target else (lo, mid)
+  return 0.5 * (lo + hi)
+
+
 # --- Leviathan et al. walltime and operations -------------------------------
 
 
@@ -381,9 +411,18 @@ def batch_speedup(accept_pmf: Sequence[float], n_tokens: int, batch: int, gamma:
                  + T_target(B, gamma+1) + overhead)
   At B = 1 and n_tokens large it tends to measured_cost_speedup at
   tokens_per_step = E[1 + k]."""
-  steps = expected_batch_steps(accept_pmf, n_tokens, batch)
   step_s = (gamma + catchup_share) * t_draft + t_verify + t_overhead
-  return float(n_tokens * t_target / (steps * step_s))
+  return batch_speedup_at_step(accept_pmf, n_tokens, batch, t_target, step_s)
+
+
+def batch_speedup_at_step(accept_pmf: Sequence[float], n_tokens: int, batch: int,
+                          t_target: float, step_s: float) -> float:
+  """batch_speedup with the seconds of one speculative step given whole:
+  n_tokens T_target(B, 1) / (E[max steps] step_s). For a step time measured
+  in the loop itself (autogamma's calibrated t_step) rather than summed from
+  the parts."""
+  steps = expected_batch_steps(accept_pmf, n_tokens, batch)
+  return float(n_tokens * t_target / (steps * float(_positive(step_s, "step_s"))))
 
 
 def _curve_points(curve: Curve) -> tuple[np.ndarray, np.ndarray]:

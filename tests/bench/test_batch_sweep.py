@@ -1,7 +1,7 @@
 """Speculative decoding at batch > 1: batched tokens, gamma chosen at run
-time, the tail model, the chooser, and the batch sweep end to end."""
+time, the tail model, and the batch sweep end to end (the chooser itself:
+tests/decode/test_autogamma.py)."""
 
-import dataclasses
 import json
 import math
 import os
@@ -31,7 +31,6 @@ AUTO_SET = (1, 2)
 EVERY = 3
 N_PREDICT = 20
 CAPACITY = 48
-CHOOSER_SET = (1, 2, 4)
 # ragged rows, two prefill buckets apart (lengths 3..13)
 PROMPTS = [[5 + (7 * i + 3 * r) % 200 for i in range(n)] for r, n in enumerate((13, 3, 9, 6))]
 
@@ -118,6 +117,10 @@ def test_auto_gamma_switches_emits_target_only_tokens_and_compiles_nothing(
   live = auto.records
   used = np.asarray(auto.gammas_used)[live.step]
   assert (live.n_drafted == used).all()
+  # ... and its gamma: alpha counts each step against the gamma it ran
+  assert live.gamma.tolist() == used.tolist()
+  assert auto.stats.alpha == pytest.approx(
+      theory.alpha_from_accepted_steps(auto.stats.n_accept, used), abs=1e-12)
 
 
 def test_tail_model_against_monte_carlo():
@@ -138,45 +141,6 @@ def test_tail_model_against_monte_carlo():
   pmf = theory.geometric_accept_pmf(0.7, 4)
   s = [theory.expected_batch_steps(pmf, 31, b) for b in (1, 2, 8, 32)]
   assert s == sorted(s) and s[-1] > s[0] + 2
-
-
-def test_chooser_on_hand_checked_costs():
-  a = 0.8
-  tokens = {1: 1.8, 2: 1 + 0.8 + 0.64, 4: 1 + 0.8 + 0.64 + 0.512 + 0.4096}
-  # B = 1: flat verify 10, 11, 12, 14; catch-up share alpha^gamma
-  hand1 = {1: tokens[1] * 10 / ((1 + 0.8) * 1 + 10.5),
-           2: tokens[2] * 10 / ((2 + 0.64) * 1 + 11),
-           4: tokens[4] * 10 / ((4 + 0.4096) * 1 + 12)}
-  # B = 8: T(n) = 10 + 4 (n - 1); catch-up share 1 - (1 - alpha^gamma)^8
-  hand8 = {g: tokens[g] * 10 / ((g + 1 - (1 - a ** g) ** 8) * 1 + 10 + 4 * g) for g in (1, 2, 4)}
-  # B = 32: T(n) = 10 + 16 (n - 1), T_draft 2
-  hand32 = {g: tokens[g] * 10 / ((g + 1 - (1 - a ** g) ** 32) * 2 + 10 + 16 * g)
-            for g in (1, 2, 4)}
-  for b, hand, best in ((1, hand1, 4), (8, hand8, 2), (32, hand32, 1)):
-    pred = autogamma.predicted_speedups(_synthetic(b), a, CHOOSER_SET)
-    assert pred == pytest.approx(hand, rel=1e-12), b
-    assert max(hand, key=hand.get) == best
-    assert autogamma.choose(_synthetic(b), a, CHOOSER_SET) == best, b
-  # the best gamma falls as B grows; a low alpha wants the shortest draft
-  assert [autogamma.choose(_synthetic(b), a, CHOOSER_SET) for b in (1, 8, 32)] == [4, 2, 1]
-  assert autogamma.choose(_synthetic(1), 0.1, CHOOSER_SET) == 1
-  # with the tail effect (a finite run) the prediction is theory.batch_speedup
-  tail = autogamma.predicted_speedups(_synthetic(8), a, CHOOSER_SET, n_tokens=31)
-  assert tail[2] == pytest.approx(theory.batch_speedup(
-      theory.geometric_accept_pmf(a, 2), 31, 8, 2, 10, 18, 1, 0, 1 - (1 - a ** 2) ** 8))
-  # loop step times measured in the loop (calibrate) replace the sum of parts
-  slow4 = dataclasses.replace(_synthetic(1), t_step={1: 12.0, 2: 13.0, 4: 100.0})
-  assert autogamma.choose(slow4, a, CHOOSER_SET) == 2
-  assert autogamma.predicted_speedups(slow4, a, CHOOSER_SET)[1] == pytest.approx(
-      tokens[1] * 10 / 12.0)
-  # near the end of a run: one token left takes one step whatever gamma, so
-  # the cheapest step wins where the steady state wants the longest draft
-  assert autogamma.choose(_synthetic(1), a, CHOOSER_SET, n_tokens=1) == 1
-  # fewer live rows than the costs' batch: the tail and catch-up of those rows
-  one = autogamma.predicted_speedups(_synthetic(8), a, CHOOSER_SET, n_tokens=31, rows=1)
-  assert one[2] == pytest.approx(theory.batch_speedup(
-      theory.geometric_accept_pmf(a, 2), 31, 1, 2, 10, 18, 1, 0, a ** 2))
-  assert autogamma.estimate_alpha(8, 2, 0.7, 8) == pytest.approx((8 + 5.6) / 18)
 
 
 def test_bad_input_is_one_clear_error(pair, tmp_path):
