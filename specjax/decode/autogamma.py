@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.decode import acceptance
-from specjax.bench import costs
+from specjax.decode import probes
 from specjax.drafters import base as drafters
+from specjax.drafters import registry
 from specjax.decode import generation
 from specjax.model import sharding
 from specjax.decode import speculative
@@ -53,7 +54,7 @@ from specjax.model import steps
 from specjax.metrics import theory
 from specjax.decode.acceptance import AcceptRule
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 from specjax.metrics.stats import Records, SpecStats
 from specjax.metrics.timing import CompileWatch, block
 
@@ -115,7 +116,7 @@ def catches_up(drafter: drafters.Drafter | str) -> bool:
   layer-skip list that is not a prefix. ngram has no model, the layer-skip
   prefix shares the target's cache (never behind), eagle feeds its pending
   features in its own step: their Drafted.caught_up is always false."""
-  d = drafters.parse(drafter)
+  d = registry.parse(drafter)
   return d.kind == "model" or (d.kind == "layerskip" and not d.prefix)
 
 
@@ -165,14 +166,14 @@ def measure_costs(target: steps.Runner, draft: steps.Runner, batch: int, capacit
   settings, measured now (compiles the probes, untimed). A model-free
   drafter's T_draft is its proposal time per token at batch 1."""
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
-  drafter = drafters.parse(drafter)
+  drafter = registry.parse(drafter)
   sc = speculative.SpecConfig(target.cfg, draft and draft.cfg, max(gammas), drafter=drafter)
-  pt = costs.CostProbe(target, capacity, depth, batch=batch)
-  pd = costs.draft_probe(drafter, target, draft, max(gammas), capacity, depth, batch=batch)
+  pt = probes.CostProbe(target, capacity, depth, batch=batch)
+  pd = probes.draft_probe(drafter, target, draft, max(gammas), capacity, depth, batch=batch)
   ns = sorted({1} | {g + 1 for g in gammas})
   t_target = {n: t.median for n, t in pt.times(ns, reps, sp=sp).items()}
   t_draft = pd.times([1], reps, sp=sp)[1].median
-  t_accept = {g: costs.accept_cost(dataclasses.replace(sc, gamma=g, sp=sp,
+  t_accept = {g: probes.accept_cost(dataclasses.replace(sc, gamma=g, sp=sp,
                                                       simulated=rule.simulated), reps,
                                    batch=batch).median for g in gammas}
   return BatchCosts(batch, t_target, t_draft, t_accept)
@@ -209,7 +210,7 @@ def generate(target: steps.Runner, draft: steps.Runner, prompts, n_predict: int,
   instead of choosing. Every
   drafter whose state does not depend on gamma works (not eagle).
   """
-  drafter = drafters.parse(drafter)
+  drafter = registry.parse(drafter)
   if not drafter.gamma_free_state:
     raise ConfigError(f"drafter {drafter.spec} keeps state shaped by gamma: gamma cannot be "
                       "chosen at run time (use model, ngram or layerskip)")
