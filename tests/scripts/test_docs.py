@@ -318,6 +318,57 @@ def check_text(text: str, name: str) -> tuple[list[Command], list[str]]:
   return commands, [p for c in commands for p in check(c)]
 
 
+# ------------------------------------------------------------ links and paths
+
+
+def slug(heading: str) -> str:
+  """GitHub's anchor for a heading."""
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return text.replace(" ", "-")
+
+
+def check_references(text: str, path: str) -> list[str]:
+  """What is broken among a document's relative links (files and #anchors),
+  the specjax/ and tests/ paths it names, and its specjax.x.y names."""
+  problems = []
+  here = os.path.dirname(path)
+  name = os.path.relpath(path, ROOT)
+  code_free = re.sub(r"```.*?```", "", text, flags=re.S)
+  for m in re.finditer(r"\]\(([^)\s]+)\)", code_free):
+    target = m.group(1)
+    if re.match(r"[a-z]+:", target):
+      continue  # http(s), mailto
+    file, _, anchor = target.partition("#")
+    full = os.path.normpath(os.path.join(here, file)) if file else path
+    if not os.path.exists(full):
+      problems.append(f"{name}: link to a missing file: {target}")
+    elif anchor and full.endswith(".md"):
+      body = re.sub(r"```.*?```", "", open(full).read(), flags=re.S)
+      anchors = {slug(h) for h in re.findall(r"^#+\s+(.*)$", body, re.M)}
+      if anchor not in anchors:
+        problems.append(f"{name}: link to a missing heading: {target}")
+  for m in re.finditer(r"(?<![\w/.])((?:specjax|tests|experiments|configs)/[\w/.-]*)", text):
+    ref = m.group(1).rstrip(".")
+    if "NAME" not in ref and not os.path.exists(os.path.join(ROOT, ref)):
+      problems.append(f"{name}: no such path {ref}")
+  for m in re.finditer(r"(?<![\w/.])specjax(?:\.\w+)+", text):
+    parts = m.group(0).split(".")
+    k = len(parts)
+    while k > 1 and _module_file(".".join(parts[:k])) is None:
+      k -= 1
+    rest = parts[k:]
+    if k == 1 or len(rest) > 1:
+      problems.append(f"{name}: no such module {m.group(0)}")
+    elif rest:
+      tree = ast.parse(open(_module_file(".".join(parts[:k]))).read())
+      names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+      names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+      if rest[0] not in names:
+        problems.append(f"{name}: {'.'.join(parts[:k])} defines no {rest[0]}")
+  return problems
+
+
 # ------------------------------------------------------------ tests
 
 
@@ -378,3 +429,22 @@ def test_static_flags_match_absls_own(script):
   d = defined(path)
   assert d.flags == listed
   assert d.bools == bools
+
+
+def test_docs_links_paths_and_names_exist():
+  problems = []
+  for path in doc_files():
+    problems += check_references(open(path).read(), path)
+  assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("snippet,pattern", [
+    ("see [the sweep](sweep.md#the-sweeep)", r"missing heading: sweep.md#the-sweeep"),
+    ("![plot](no_such_plot.png)", r"missing file: no_such_plot.png"),
+    ("the loop is `specjax/speculative.py`.", r"no such path specjax/speculative.py"),
+    ("saved by `specjax.formats.checkpoint.saev`", r"checkpoint defines no saev"),
+    ("run `python -m specjax.launch`", r"no such module specjax.launch"),
+])
+def test_a_broken_reference_fails_the_checker(snippet, pattern):
+  problems = check_references(snippet, os.path.join(ROOT, "docs", "snippet.md"))
+  assert len(problems) == 1 and re.search(pattern, problems[0]), problems
