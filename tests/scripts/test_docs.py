@@ -147,8 +147,9 @@ def _defines(tree: ast.AST, referenced: set[str] | None) -> Defined:
         fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
         args = [a.value for a in child.args if isinstance(a, ast.Constant)]
         kw = {k.arg: k.value.value for k in child.keywords if isinstance(k.value, ast.Constant)}
-        if fname.startswith("DEFINE") and (args[:1] or "name" in kw):
-          name = args[0] if args and isinstance(child.args[0], ast.Constant) else kw["name"]
+        first = child.args[0] if child.args else None
+        name = first.value if isinstance(first, ast.Constant) else kw.get("name")
+        if fname.startswith("DEFINE") and isinstance(name, str):
           out.flags.add(name)
           if fname in BOOL_DEFINES:
             out.bools.add(name)
