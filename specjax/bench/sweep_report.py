@@ -11,6 +11,7 @@ import matplotlib.ticker
 import numpy as np
 
 from specjax import workdir as wd
+from specjax.decode import autogamma
 
 plt = wd.pyplot()
 
@@ -341,7 +342,6 @@ ALPHA_GRID = np.round(np.arange(0.1, 0.96, 0.05), 2)
 def best_gamma_map(costs: dict[str, Any], gammas, n_tokens: int | None):
   """(batches, alphas, best gamma [B, alpha], its predicted speedup) from the
   measured cost surface (autogamma.choose)."""
-  from specjax.decode import autogamma  # pylint: disable=import-outside-toplevel
   bc = {int(b): autogamma.BatchCosts.from_dict(d) for b, d in costs["batches"].items()}
   bs = sorted(bc)
   best = np.zeros((len(bs), len(ALPHA_GRID)), int)

@@ -28,6 +28,7 @@ from specjax.decode import speculative
 from specjax.model import steps
 from specjax.metrics import timing
 from specjax.model.sampling import SamplingParams
+from specjax.drafters import draft_model
 
 
 REPEATS = 8  # forwards (or accept phases) per timed repetition
@@ -163,7 +164,6 @@ def draft_probe(drafter, target: steps.Runner, draft: steps.Runner | None, gamma
   """The probe of T_draft(1) for a drafter: a CostProbe of the model it runs
   (the draft model, or the target's layer subset), otherwise (ngram, eagle)
   a ProposeProbe of its whole proposal per token, at batch 1."""
-  from specjax.drafters import draft_model  # pylint: disable=import-outside-toplevel
   if isinstance(drafter, (draft_model.ModelDrafter, draft_model.LayerSkipDrafter)):
     cfg = drafter.draft_config(target.cfg, draft and draft.cfg)
     return CostProbe(steps.Runner(cfg, drafter.draft_params(target.params, draft)), capacity,

@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.formats import safetensors_io
 from specjax.drafters import base as drafters
 from specjax.model import sampling
 from specjax.model import kv_cache as kvc
@@ -166,12 +167,11 @@ def _flat(tree, prefix=""):
 def save_head(path: str | os.PathLike, hcfg: ModelConfig, hparams, target_cfg: ModelConfig,
               target_name: str, dtype: str = "float32", extra: dict | None = None) -> Path:
   """Writes eagle_config.json + model.safetensors (weights in `dtype`)."""
-  from specjax.formats import hf  # pylint: disable=import-outside-toplevel
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
   tensors = {k: np.asarray(jnp.asarray(v).astype(dtype)) for k, v in
              _flat(jax.device_get(hparams)).items()}
-  hf.write_safetensors(path / WEIGHTS_FILE, tensors)
+  safetensors_io.write_safetensors(path / WEIGHTS_FILE, tensors)
   wd.write_json(path / CONFIG_FILE, {"format": FORMAT, "head": hcfg.to_dict(),
                                      "target": target_name, "target_config": target_cfg.to_dict(),
                                      "dtype": dtype, **(extra or {})})

@@ -40,6 +40,7 @@ from specjax.model import sharding
 from specjax.model.config import INT8, ModelConfig, RopeScaling, canonical_precision
 from specjax.errors import CheckpointError, ConfigError, TokenizerError
 from specjax.formats.tokenizer import Tokenizer
+from specjax.model.layers import rope_inv_freq
 
 SUFFIX = ".gguf"
 # llama.cpp's precomputed LLaMA-3 RoPE factors; read into cfg.rope_scaling.
@@ -179,7 +180,6 @@ def _rope_scaling(reader, source: str, theta: float, d_head: int) -> RopeScaling
   factors = np.asarray(dequantize(t), np.float64).reshape(-1)
   orig = int(field(reader, "llama.rope.scaling.original_context_length", 8192))
   guess = RopeScaling(float(factors.max()), 1.0, 4.0, orig)
-  from specjax.model.layers import rope_inv_freq  # pylint: disable=import-outside-toplevel
   probe = ModelConfig("probe", 1, d_head, 1, 1, 1, 1, head_dim=d_head, rope_theta=theta)
   base = rope_inv_freq(probe)
   want = base / rope_inv_freq(probe.replace(rope_scaling=guess))

@@ -15,6 +15,7 @@ import numpy as np
 
 from specjax.model import kv_cache
 from specjax.model.config import ModelConfig
+from specjax.model import sharding
 
 weight_init = nn.initializers.normal(stddev=0.02)
 
@@ -72,7 +73,6 @@ def int8_matmul(x, kq, scale, dtype):
   speculative loops) XLA would otherwise hoist the loop-invariant convert
   out of the loop and hold a float copy of every kernel for the whole call.
   """
-  from specjax.model import sharding  # pylint: disable=import-outside-toplevel
   x = x.astype(dtype)
   n_in, n_out = kq.shape
   axis = 1 if n_out >= n_in else 0

@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from specjax.formats import safetensors_io
 from specjax.formats import hf
 from specjax.model import kv_cache
 from specjax.model import llama as model_lib
@@ -176,10 +177,10 @@ def test_raw_safetensors_fallback_bf16(tmp_path):
   x = {"a": np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16),
        "b": np.linspace(-1, 1, 5, dtype=np.float32)}
   # pylint: disable=protected-access
-  hf._write_raw(tmp_path / "raw.safetensors", x, {"format": "pt"})
-  hf.write_safetensors(tmp_path / "lib.safetensors", x)
+  safetensors_io.write_raw(tmp_path / "raw.safetensors", x, {"format": "pt"})
+  safetensors_io.write_safetensors(tmp_path / "lib.safetensors", x)
   for got in (load_file(str(tmp_path / "raw.safetensors")),
-              hf._read_raw(tmp_path / "lib.safetensors")):
+              safetensors_io.read_raw(tmp_path / "lib.safetensors")):
     assert tree_equal(got, x)
 
 def test_load_hf_through_raw_fallback(tmp_path, init_params, monkeypatch):
@@ -265,9 +266,9 @@ def test_save_hf_loads_in_transformers(transformers, tmp_path, init_params):
 def rewrite_weights(directory, edit):
   """Applies edit(state) to the directory's model.safetensors."""
   file = directory / hf.WEIGHTS_FILE
-  state = dict(hf.read_safetensors(file))
+  state = dict(safetensors_io.read_safetensors(file))
   edit(state)
-  hf.write_safetensors(file, state)
+  safetensors_io.write_safetensors(file, state)
 
 
 def test_missing_directory(tmp_path):

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.formats import safetensors_io
 from specjax.formats import checkpoint
 from specjax.decode import generation
-from specjax.formats import hf
 from specjax.parallel import mesh_plan
 from specjax.model import sharding
 from specjax.decode import speculative
@@ -135,19 +135,19 @@ def run_mesh(spec, ck: Path, report: dict) -> dict:
 def slices_read(ck: Path) -> list[list[int]]:
   """Shapes of the blocks read from safetensors while loading on (1, 8)."""
   seen = []
-  orig = hf.SafetensorsState.read_block
+  orig = safetensors_io.SafetensorsState.read_block
 
   def spy(self, name, index):
     block = orig(self, name, index)
     if name.endswith("q_proj.weight"):
       seen.append(list(block.shape))
     return block
-  hf.SafetensorsState.read_block = spy
+  safetensors_io.SafetensorsState.read_block = spy
   try:
     with sharding.use(sharding.make_mesh("data:1,model:8")):
       checkpoint.load_model(str(ck / "target"))
   finally:
-    hf.SafetensorsState.read_block = orig
+    safetensors_io.SafetensorsState.read_block = orig
   return seen
 
 

@@ -53,6 +53,7 @@ from specjax.bench.backends.pytorch import import_torch
 from specjax.model.config import ModelConfig
 from specjax.errors import CacheOverflowError, ConfigError
 from specjax.metrics.stats import Records, SpecStats
+from specjax.bench.backends.base import first_line
 
 REPEATS = 8  # forwards per timed repetition of a cost probe (probes.REPEATS)
 
@@ -188,7 +189,6 @@ class TorchLlama:
         if not self.compiled:
           raise
         # torch.compile broken here: record why, go on eager.
-        from specjax.bench.backends.base import first_line  # pylint: disable=import-outside-toplevel
         self.compile_note = f"torch.compile failed, eager fallback: {first_line(e)}"
         self.compiled, self._fn = False, self._eager
         out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v)
