@@ -1,0 +1,238 @@
+"""Paths the other decode tests leave out (issue 24, review gap 5):
+
+  EOS in a batch       rows that reach EOS at different steps stop there
+                       (their output is the target-only greedy output up to
+                       and including EOS), the others run on: both loops,
+                       with the model, n-gram and EAGLE drafters;
+  p_min at T > 0       the draft's early stop leaves the output law the
+                       target's, and really stops drafts;
+  auto gamma at T > 0  chunks of different gammas continue each other with
+                       the target's law, and compile nothing after warm-up;
+  blocked attention    the exactness check through attention over several
+                       KV blocks (ModelConfig.attn_block), against laws from
+                       the unblocked (one masked pass) model;
+  the tail model       the engine's loop steps against
+                       theory.expected_batch_steps.
+
+Each test has a deliberate bug committed next to it (a one-line edit of the
+engine's own source, `mutant`, patched in for one run) that fails it.
+"""
+
+import __future__
+import inspect
+import itertools
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lawcheck
+from lawcheck import pair  # noqa: F401  (the V = 6 target and its noisy draft)
+from specjax.decode import acceptance
+from specjax.decode import autogamma
+from specjax.decode import generation
+from specjax.decode import speculative
+from specjax.drafters import draft_model
+from specjax.drafters import eagle
+from specjax.metrics import theory
+from specjax.model import config
+from specjax.model import layers
+from specjax.model import llama as model
+from specjax.model import steps
+from specjax.model.sampling import SamplingParams
+
+V = lawcheck.V
+
+
+def mutant(func, *edits: tuple[str, str]):
+  """`func` with each (old, new) edit made once in its source: a deliberate
+  bug, compiled in func's own module namespace (patch it in with
+  monkeypatch, then clear jax's caches so that jitted callers retrace).
+  An edit whose `old` text is not found exactly once fails loudly: the
+  engine changed, and the mutation must follow it."""
+  src = textwrap.dedent(inspect.getsource(func))
+  for old, new in edits:
+    assert src.count(old) == 1, f"{func.__qualname__}: {old!r} is not in its source once"
+    src = src.replace(old, new)
+  ns = dict(func.__globals__)
+  exec(compile(src, f"<mutant of {func.__qualname__}>", "exec",  # pylint: disable=exec-used
+               __future__.annotations.compiler_flag, dont_inherit=True), ns)
+  return ns[func.__name__]
+
+
+@pytest.fixture
+def patched(monkeypatch):
+  """patched(module, name, new): the engine with one function replaced, jax's
+  compilation caches cleared before and after (the jitted loops retrace)."""
+  def patch(module, name, new):
+    jax.clear_caches()
+    monkeypatch.setattr(module, name, new)
+  yield patch
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+def pvalues_of(tokens, which, reference, sp, lags=(1,)) -> dict[str, float]:
+  """Chi-square p-values of the windows tokens [R, W] (rows of prompt i where
+  which == i) against the target-only law of `reference`: the joint law of
+  (t_j, t_{j + lag}) for every j and lag, by enumeration (lawcheck's
+  logits and warpers)."""
+  w = tokens.shape[1]
+  out = {}
+  for i, prompt in enumerate(lawcheck.PROMPTS):
+    p = [lawcheck.warp(x, sp) for x in lawcheck.next_token_logits(reference, prompt, w - 1)]
+    joint = p[0][0]  # P(t_0 .. t_j) over the V^(j+1) prefixes, lexicographic
+    for j in range(1, w):
+      joint = (joint[:, None] * p[j]).reshape(-1)
+    joint = joint.reshape((V,) * w)
+    t = tokens[which == i]
+    for lag in lags:
+      for j in range(w - lag):
+        law = joint.sum(axis=tuple(a for a in range(w) if a not in (j, j + lag)))
+        counts = np.bincount(t[:, j] * V + t[:, j + lag], minlength=V * V)
+        out[f"prompt {i} t{j},t{j + lag}"] = lawcheck.chi2_pvalue(counts, law)
+  return out
+
+
+def adjusted(ps: dict[str, float]) -> float:
+  """The Bonferroni-adjusted p-value of a family."""
+  return min(1.0, min(ps.values()) * len(ps))
+
+
+def tiled(rows: int):
+  """lawcheck's prompts, `rows` rows each, and each row's prompt index."""
+  prompts = [p for p in lawcheck.PROMPTS for _ in range(rows)]
+  return prompts, np.repeat(np.arange(len(lawcheck.PROMPTS)), rows)
+
+# ---------------------------------------------------------------- EOS in a batch
+
+EOS_CFG = config.ModelConfig(name="eos", vocab_size=48, dim=32, n_layers=1, n_heads=2,
+                             n_kv_heads=1, ffn_dim=64, max_seq_len=64, attn_block=8)
+EOS_PROMPTS = [[5, 17, 42, 9, 10], [7, 7, 7], [20, 1, 44, 3, 9, 31, 27, 2], [11, 12]]
+EOS_N = 24
+
+
+def pick_eos(base: list[list[int]]) -> int:
+  """A token that the greedy rows first emit at two different positions
+  (neither the first token nor near the end) and that some row never emits."""
+  for tok in sorted({t for row in base for t in row}):
+    first = [row.index(tok) if tok in row else None for row in base]
+    at = [f for f in first if f is not None]
+    if (len(set(at)) >= 2 and None in first and min(at) >= 2
+        and max(at) <= EOS_N - 4):
+      return tok
+  raise AssertionError(f"no token fits as EOS in {base}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """A small model with sharp logits (its greedy rows fall into different
+  cycles), a noisy copy as its draft, a random EAGLE head for it (in a
+  temporary folder), and its greedy output."""
+  cfg = EOS_CFG
+  target = lawcheck.sharpen(steps.Runner(cfg, model.init_params(cfg, 1)), 12.0)
+  hcfg = eagle.head_config(cfg)
+  head = tmp_path_factory.mktemp("eagle") / "head"
+  eagle.save_head(head, hcfg, eagle.init_head(hcfg, 4), cfg, "tiny")
+  base = generation.generate(target, EOS_PROMPTS, EOS_N).tokens
+  return target, lawcheck.perturbed(target, 0.5, 3), f"eagle:{head}", base
+
+
+def eos_run(tiny_, drafter, loop):
+  target, draft, head, base = tiny_
+  eos = pick_eos(base)
+  draft, spec = {"model": (draft, "model"), "ngram": (None, "ngram"),
+                 "eagle": (None, head)}[drafter]
+  res = speculative.generate(target, draft, EOS_PROMPTS, EOS_N, 3, eos_id=eos, loop=loop,
+                             drafter=spec)
+  return res, base, eos
+
+
+def eos_mismatches(res, base, eos) -> list[str]:
+  """What differs from: rows that emit EOS stop right after it, with the
+  target-only tokens; the others emit all EOS_N; each row's records keep
+  exactly its tokens, and some row that stopped at EOS rode along (was not
+  live) in later steps of the loop."""
+  bad = []
+  stopped_at = [row.index(eos) + 1 if eos in row else None for row in base]
+  for b, (row, n) in enumerate(zip(res.tokens, stopped_at)):
+    want = base[b][:n] if n else base[b]
+    if row != want:
+      bad.append(f"row {b}: {row} != {want}")
+    if res.records.kept[res.records.row == b].sum() != len(row) - 1:
+      bad.append(f"row {b}: the records keep {res.records.kept[res.records.row == b].sum()} "
+                 f"tokens after the first, the row has {len(row) - 1}")
+  steps_ = res.records.steps_per_row()
+  if not any(steps_[b] < steps_.max() for b, n in enumerate(stopped_at) if n):
+    bad.append(f"no row that stopped at EOS stopped before the loop's end: steps {steps_}")
+  return bad
+
+
+@pytest.mark.parametrize("loop", ["device", "host"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "eagle"])
+def test_eos_stops_each_row_of_a_batch_at_its_own_step(tiny, drafter, loop):
+  res, base, eos = eos_run(tiny, drafter, loop)
+  stopped = sorted({row.index(eos) for row in base if eos in row})
+  assert len(stopped) >= 2  # two rows stop, at different steps; another runs on
+  assert not eos_mismatches(res, base, eos), eos_mismatches(res, base, eos)
+  if drafter != "eagle":  # a random head's drafts are rarely the greedy token
+    assert res.stats.n_accept > 0
+
+
+EOS_MUTATIONS = {
+    "a row that emitted EOS is not done": (
+        "  done = done | (count >= n_predict) | (kept >= first_eos)",
+        "  done = done | (count >= n_predict)"),
+    "EOS in one row ends every row": (
+        "  done = done | (count >= n_predict) | (kept >= first_eos)",
+        "  done = done | (count >= n_predict) | jnp.any(kept >= first_eos)"),
+}
+
+
+@pytest.mark.parametrize("bug", list(EOS_MUTATIONS))
+def test_each_eos_bug_fails_the_batch_check(tiny, patched, bug):
+  patched(speculative, "keep_tokens", mutant(speculative.keep_tokens, EOS_MUTATIONS[bug]))
+  assert eos_mismatches(*eos_run(tiny, "model", "device"))
+
+# ---------------------------------------------------------------- p_min at T > 0
+
+P_MIN = 0.25   # about the median of the V = 6 draft's top probability at T = 1
+P_MIN_ROWS = 1000
+
+
+def p_min_run(pair_, gamma=2):
+  """Windows of gamma + 3 tokens at T = 1 with the draft's early stop."""
+  target, draft = pair_
+  prompts, which = tiled(P_MIN_ROWS)
+  res = speculative.generate(target, draft, prompts, gamma + 3, gamma, sp=SamplingParams(1.0),
+                             p_min=P_MIN, seed=4)
+  return np.array(res.tokens), which, res
+
+
+def test_p_min_keeps_the_target_law_when_sampling(pair):
+  """The stop depends on the context only (the draft's top probability
+  before it draws), so the output is the target's law; the drafts really
+  stop early (rows draft 0, 1 or 2 of gamma = 2)."""
+  tokens, which, res = p_min_run(pair)
+  st = res.stats
+  assert st.n_drafted < 0.8 * 2 * st.n_steps, (st.n_drafted, st.n_steps)
+  assert 0 < st.n_accept
+  hist = np.bincount(res.records.n_drafted, minlength=3)
+  assert hist.min() > 0.05 * hist.sum(), hist  # every draft length happens
+  ps = pvalues_of(tokens, which, pair[0], SamplingParams(1.0), lags=(1, 2))
+  assert adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items() if v * len(ps) <= 0.01}
+
+
+def test_a_stop_that_reads_the_drawn_token_fails_the_law(pair, patched):
+  """The deliberate bug: the stop tests the probability of the token the
+  draft just drew, not its top probability: whether a position is drafted
+  then depends on the draft's sample, and the law is biased."""
+  patched(draft_model, "draft_phase", mutant(draft_model.draft_phase, (
+      "top = jnp.max(jax.nn.softmax(logits) if sp.greedy else q, -1)",
+      "top = jnp.take_along_axis(q, nxt[:, None], -1)[:, 0]")))
+  tokens, which, _ = p_min_run(pair)
+  ps = pvalues_of(tokens, which, pair[0], SamplingParams(1.0), lags=(1, 2))
+  print(f"MUTATION | p_min on the drawn token | adjusted p {adjusted(ps):.3g}")
+  assert adjusted(ps) < lawcheck.ALPHA
