@@ -99,13 +99,13 @@ def test_no_recompile_as_the_used_length_grows(pair):
 
 
 def test_attended_slots():
-  from specjax.bench import llama_bench as bench  # pylint: disable=import-outside-toplevel
+  from specjax.bench import roofline  # pylint: disable=import-outside-toplevel
   cfg = config.get_preset("llama-160m")
   assert cfg.attn_block == 256
-  assert bench.attended_slots(cfg, 4096, 128) == 256
-  assert bench.attended_slots(cfg, 4096, 257) == 512
-  assert bench.attended_slots(cfg, 200, 128) == 200  # one masked pass
-  assert bench.attended_slots(cfg.replace(attn_block=0), 4096, 128) == 4096
+  assert roofline.attended_slots(cfg, 4096, 128) == 256
+  assert roofline.attended_slots(cfg, 4096, 257) == 512
+  assert roofline.attended_slots(cfg, 200, 128) == 200  # one masked pass
+  assert roofline.attended_slots(cfg.replace(attn_block=0), 4096, 128) == 4096
 
 
 def test_decode_step_moves_no_cache_sized_array():
