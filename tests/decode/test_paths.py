@@ -236,3 +236,83 @@ def test_a_stop_that_reads_the_drawn_token_fails_the_law(pair, patched):
   ps = pvalues_of(tokens, which, pair[0], SamplingParams(1.0), lags=(1, 2))
   print(f"MUTATION | p_min on the drawn token | adjusted p {adjusted(ps):.3g}")
   assert adjusted(ps) < lawcheck.ALPHA
+
+# ---------------------------------------------------------------- auto gamma at T > 0
+
+AUTO_GAMMAS = (1, 4)
+AUTO_FIXED = [1, 4]  # chunks of 1, 2, 4 steps: gamma 1, then 4, then 1 again
+AUTO_W = lawcheck.N_MAX + 1  # tokens per row: the longest window the laws enumerate
+AUTO_ROWS = 1000
+AUTO_SP = SamplingParams(1.0)
+
+
+def auto_costs(batch: int) -> autogamma.BatchCosts:
+  """Costs for the chooser's run: a flat verify and a cheap draft. The
+  chooser is not under test here (what it picks for 3000 rows of 7 tokens
+  is its business), only that what it picks was compiled."""
+  return autogamma.BatchCosts(batch, {1: 1.0, 2: 1.0, 5: 1.0}, 0.01)
+
+
+def auto_run(target, draft, prompts, fixed=AUTO_FIXED, **kw):
+  return autogamma.generate(target, draft, prompts, AUTO_W, auto_costs(len(prompts)),
+                            AUTO_GAMMAS, sp=AUTO_SP, fixed=fixed, seed=9, **kw)
+
+
+def auto_pvalues(pair_, runs) -> dict[str, float]:
+  """Every pair (t_i, t_j) of the window, for each run's rows."""
+  _, which = tiled(AUTO_ROWS)
+  ps = {}
+  for name, res in runs.items():
+    tokens = np.array(res.tokens)
+    ps.update({f"{name}, {k}": v for k, v in pvalues_of(
+        tokens, which, pair_[0], AUTO_SP, lags=range(1, AUTO_W)).items()})
+  return ps
+
+
+@pytest.fixture(scope="module")
+def auto_warm(pair):
+  """autogamma.warm_up for the runs below (every gamma's chunk program; the
+  self-draft runs have the same shapes)."""
+  prompts, _ = tiled(AUTO_ROWS)
+  target, draft = pair
+  autogamma.warm_up(target, draft, prompts, AUTO_W, auto_costs(len(prompts)), AUTO_GAMMAS,
+                    sp=AUTO_SP)
+  return prompts
+
+
+def test_auto_gamma_keeps_the_target_law_and_compiles_nothing_after_warm_up(pair, auto_warm):
+  """Gamma switches between chunks (1 -> 4 -> 1, forced) and as the chooser
+  picks: every pair of tokens of the window follows the target's law, with
+  the noisy draft and with the target as its own draft (every step fully
+  accepted: each switch follows a step that left the draft behind), and
+  nothing compiles after warm-up.
+
+  The compile check's deliberate bug, checked by hand (not committed: a
+  recompile costs ~15 s): warm_up over `gammas[-1:]` only (its loop's one
+  line) makes the forced run compile gamma 1's chunk program (7.3 s).
+  The law's is committed below."""
+  target, draft = pair
+  runs = {"noisy draft": auto_run(target, draft, auto_warm),
+          "self draft": auto_run(target, target, auto_warm),
+          "chooser": auto_run(target, draft, auto_warm, fixed=None)}
+  assert runs["noisy draft"].gammas_used[:3] == [1, 4, 4]
+  assert runs["self draft"].records.n_acc.max() == 4
+  for name, res in runs.items():
+    assert res.compile_s == 0, (name, res.compile_s)
+  ps = auto_pvalues(pair, runs)
+  assert adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items() if v * len(ps) <= 0.01}
+
+
+def test_chunks_that_reuse_step_keys_fail_the_law(pair, patched):
+  """The deliberate bug: each chunk numbers its steps from 0 again for
+  their keys (the device loop, one chunk, is unaffected)."""
+  patched(speculative, "_run_steps", mutant(
+      speculative._run_steps,  # pylint: disable=protected-access
+      ("  def cond(c):", "  i_start = i\n\n  def cond(c):"),
+      ("_steps(key, i, tparams", "_steps(key, i - i_start, tparams")))
+  prompts, _ = tiled(AUTO_ROWS)
+  target, draft = pair
+  ps = auto_pvalues(pair, {"noisy draft": auto_run(target, draft, prompts),
+                           "self draft": auto_run(target, target, prompts)})
+  print(f"MUTATION | chunk keys restart | adjusted p {adjusted(ps):.3g}")
+  assert adjusted(ps) < lawcheck.ALPHA
