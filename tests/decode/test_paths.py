@@ -316,3 +316,59 @@ def test_chunks_that_reuse_step_keys_fail_the_law(pair, patched):
                            "self draft": auto_run(target, target, prompts)})
   print(f"MUTATION | chunk keys restart | adjusted p {adjusted(ps):.3g}")
   assert adjusted(ps) < lawcheck.ALPHA
+
+# ---------------------------------------------------------------- blocked attention
+
+BLOCK = 4  # KV slots per attention block: the cache (16 slots) holds 4
+BLOCK_SETTING = ("T0.7", 2)
+BLOCK_ROWS = 4000  # rows per prompt: the pair depends weakly on far context
+
+
+def blocked(m: steps.Runner) -> steps.Runner:
+  """The same weights with attention over blocks of BLOCK slots."""
+  return steps.Runner(m.cfg.replace(attn_block=BLOCK), m.params)
+
+
+def blocked_pvalues(pair_) -> dict[str, float]:
+  """lawcheck's p-values (every pair of consecutive tokens, the acceptance)
+  of runs through blocked attention, against the laws of the unblocked
+  models (attention in one masked pass: lawcheck's reference forward over a
+  cache of at most 11 slots never blocks)."""
+  target, draft = pair_
+  sp, gamma = lawcheck.SAMPLINGS[BLOCK_SETTING[0]], BLOCK_SETTING[1]
+  ps = {}
+  for name, d in (("noisy draft", draft), ("self draft", target)):
+    tokens, ks, which = lawcheck.sample(blocked(target), blocked(d), sp, gamma, BLOCK_ROWS)
+    for i, prompt in enumerate(lawcheck.PROMPTS):
+      laws = lawcheck.exact_laws(target, d, prompt, sp, gamma)
+      t, k = tokens[which == i], ks[which == i]
+      for j, law in enumerate(laws.pairs):
+        counts = np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V)
+        ps[f"{name}, prompt {i} pair t{j},t{j + 1}"] = lawcheck.chi2_pvalue(counts, law)
+      counts = np.bincount(k[:, 0] * 2 + (k[:, 1] > 0), minlength=2 * (gamma + 1))
+      ps[f"{name}, prompt {i} acceptance"] = lawcheck.chi2_pvalue(counts, laws.accept)
+  return ps
+
+
+def test_sampling_through_several_attention_blocks_is_exact(pair):
+  """Every row's verify reaches the second block in its first step (the
+  shortest prompt has 2 tokens, gamma 2: slots 2..4), the longest prompt's
+  rows the third (slots up to 12); the cache has more than one block, so
+  the blocked path runs (layers.Attention)."""
+  gamma = BLOCK_SETTING[1]
+  cap = generation.plan_capacity(blocked(pair[0]).cfg, max(map(len, lawcheck.PROMPTS)),
+                                 gamma + 3, extra=gamma)
+  assert cap > BLOCK and min(map(len, lawcheck.PROMPTS)) + gamma >= BLOCK, cap
+  ps = blocked_pvalues(pair)
+  assert adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items() if v * len(ps) <= 0.01}
+
+
+def test_blocks_counted_from_the_shortest_row_fail_the_law(pair, patched):
+  """The deliberate bug: the blocks visited follow the shortest row of the
+  ragged batch, not the longest: the longer rows miss their last block."""
+  patched(layers, "attend_blocked", mutant(layers.attend_blocked, (
+      "n_blocks = (jnp.max(positions) + block) // block",
+      "n_blocks = (jnp.min(positions) + block) // block")))
+  ps = blocked_pvalues(pair)
+  print(f"MUTATION | blocks from the shortest row | adjusted p {adjusted(ps):.3g}")
+  assert adjusted(ps) < lawcheck.ALPHA
