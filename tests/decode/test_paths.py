@@ -372,3 +372,61 @@ def test_blocks_counted_from_the_shortest_row_fail_the_law(pair, patched):
   ps = blocked_pvalues(pair)
   print(f"MUTATION | blocks from the shortest row | adjusted p {adjusted(ps):.3g}")
   assert adjusted(ps) < lawcheck.ALPHA
+
+# ---------------------------------------------------------------- the tail model
+
+TAIL_RULE, TAIL_GAMMA, TAIL_N, TAIL_RUNS = "bernoulli:0.7", 2, 16, 400
+TAIL_PROMPTS = lawcheck.PROMPTS + [[5, 5]]  # B = 4
+
+
+def loop_steps(target, runs: int = TAIL_RUNS) -> np.ndarray:
+  """The loop steps of `runs` runs (seeds) of B = 4 rows: the steps the
+  batch ran, until its slowest row was done."""
+  out = []
+  for seed in range(runs):
+    res = speculative.generate(target, target, TAIL_PROMPTS, TAIL_N, TAIL_GAMMA,
+                               rule=TAIL_RULE, seed=seed)
+    out.append(int(res.records.step.max()) + 1)
+  return np.array(out)
+
+
+def tail_mismatch(steps_: np.ndarray) -> list[str]:
+  """The engine's loop steps against theory's tail model for B = 4 rows of
+  n_predict - 1 tokens after the first (the first comes from the prefill):
+  the mean within 4 standard errors of expected_batch_steps, and the
+  histogram against P(max <= s) = P(S <= s)^B (chi-square, p > 1e-4)."""
+  rule = acceptance.parse_rule(TAIL_RULE)
+  pmf = theory.accept_pmf_from_position_probs(acceptance.position_probs(rule, TAIL_GAMMA))
+  b, n = len(TAIL_PROMPTS), TAIL_N - 1
+  want = theory.expected_batch_steps(pmf, n, b)
+  tol = 4 * steps_.std() / np.sqrt(len(steps_))
+  bad = []
+  if abs(steps_.mean() - want) > tol:
+    bad.append(f"mean loop steps {steps_.mean():.3f}, predicted {want:.3f} +- {tol:.3f}")
+  law = np.diff(theory.steps_cdf(pmf, n) ** b, prepend=0.0)  # P(max = s), s = 0..n
+  p = lawcheck.chi2_pvalue(np.bincount(steps_, minlength=n + 1), law)
+  if p < lawcheck.ALPHA:
+    bad.append(f"loop steps histogram {np.bincount(steps_).tolist()}: p = {p:.3g}")
+  return bad
+
+
+def test_loop_steps_follow_the_tail_model(pair):
+  """400 runs at B = 4, gamma 2, bernoulli:0.7, 15 tokens after the first:
+  measured mean 8.315 loop steps, sd 0.91, against 8.314 predicted; the
+  predictions at B = 1 (7.20) and B = 3 (8.10) lie outside the tolerance
+  (0.18): the test sees the tail."""
+  steps_ = loop_steps(pair[0])
+  assert not tail_mismatch(steps_), tail_mismatch(steps_)
+  rule = acceptance.parse_rule(TAIL_RULE)
+  pmf = theory.accept_pmf_from_position_probs(acceptance.position_probs(rule, TAIL_GAMMA))
+  tol = 4 * steps_.std() / np.sqrt(len(steps_))
+  for b in (1, 3):
+    assert abs(steps_.mean() - theory.expected_batch_steps(pmf, TAIL_N - 1, b)) > tol, b
+
+
+def test_a_loop_that_stops_with_its_first_row_fails_the_tail_model(pair, patched):
+  """The deliberate bug: the loop ends when any row is done, not all."""
+  patched(speculative, "_run_steps", mutant(
+      speculative._run_steps,  # pylint: disable=protected-access
+      ("return (i < stop) & ~jnp.all(done)", "return (i < stop) & ~jnp.any(done)")))
+  assert tail_mismatch(loop_steps(pair[0], 100))
