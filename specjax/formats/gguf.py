@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from specjax.formats import hf
+from specjax.formats import hf, pretokenizers
 from specjax.model import llama as model_lib
 from specjax.model import quant
 from specjax.model import sharding
@@ -352,12 +352,6 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None, role: str = "ta
 
 # ---------------------------------------------------------------- tokenizer
 
-# LLaMA-3's pre-tokenizer split (llama.cpp's 'llama-bpe').
-LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# tokenizer.ggml.pre values of the byte-level BPE pre-tokenizers rebuilt here.
-GPT2_PRE = ("default", "gpt-2", "gpt2")
-LLAMA3_PRE = ("llama-bpe", "llama3", "llama-v3")
 # gguf.TokenType values
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -422,21 +416,29 @@ def _spm_tokenizer(tokens, scores, types, merges, unk, add_prefix):
   return tok
 
 
-def _bpe_tokenizer(tokens, merges, pre: str):
-  """llama.cpp's 'gpt2' (byte-level BPE) vocabulary as `tokenizers`."""
+def _bpe_tokenizer(tokens, merges, fam: pretokenizers.Family):
+  """llama.cpp's 'gpt2' (byte-level BPE) vocabulary as `tokenizers`, split
+  by the family's regexes (formats/pretokenizers.py)."""
   import tokenizers  # pylint: disable=import-outside-toplevel
-  from tokenizers import Regex, decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
+  from tokenizers import decoders, models  # pylint: disable=import-outside-toplevel
   vocab = {t: i for i, t in enumerate(tokens)}
-  llama3 = pre in LLAMA3_PRE
-  tok = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=llama3))
-  if llama3:
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-  else:
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=fam.ignore_merges))
+  tok.pre_tokenizer = pretokenizers.pre_tokenizer(fam)
   tok.decoder = decoders.ByteLevel()
   return tok
+
+
+class _UnsplitTokenizer(Tokenizer):
+  """A byte-level BPE vocabulary whose pre-tokenizer specjax does not know:
+  it decodes (the weights load, prompts may be given as ids), and encoding
+  raises the reason in one line."""
+
+  def __init__(self, backend, bos_id, eos_id, source: str, reason: str):
+    super().__init__(backend, "hf", bos_id, eos_id, source)
+    self.reason = reason
+
+  def encode(self, text: str, add_special: bool = True) -> list[int]:
+    raise TokenizerError(f"{self.reason}: give the prompt as token ids")
 
 
 def gguf_tokenizer(reader, source: str) -> Tokenizer | None:
@@ -444,14 +446,19 @@ def gguf_tokenizer(reader, source: str) -> Tokenizer | None:
   when the file has no token list.
 
   `llama` (SentencePiece BPE: scores decide the merges, '▁' for spaces,
-  byte tokens <0xNN>) and `gpt2` (byte-level BPE with tokenizer.ggml.merges;
-  pre-tokenizer 'default'/'gpt-2' or LLaMA-3's 'llama-bpe'). BOS / EOS are
-  added as `add_bos_token` / `add_eos_token` say; without the key, llama.cpp's
-  defaults: BOS for `llama`, nothing for `gpt2`. Control tokens are special
-  (matched in text, skipped in decoding), user-defined ones are matched too.
+  byte tokens <0xNN>) and `gpt2` (byte-level BPE with tokenizer.ggml.merges,
+  split first as tokenizer.ggml.pre says: llama.cpp's table, in
+  formats/pretokenizers.py; without the key, llama.cpp's 'default'). BOS /
+  EOS are added as `add_bos_token` / `add_eos_token` say; without the key,
+  llama.cpp's defaults: BOS for `llama` and for the pre-tokenizers llama.cpp
+  adds it with (llama-bpe, tekken, chameleon), else nothing. Control tokens
+  are special (matched in text, skipped in decoding), user-defined ones are
+  matched too.
 
-  A `gpt2` pre-tokenizer other than those gives None and a warning (the
-  model still loads; prompts are then given as ids).
+  A `gpt2` vocabulary whose pre-tokenizer is not in the table still gives a
+  tokenizer, one that decodes but raises TokenizerError (naming the value and
+  the supported ones) when asked to encode: the weights load, and prompts can
+  be given as ids.
 
   Raises:
     TokenizerError: an unknown tokenizer model, or a `gpt2` vocabulary
@@ -473,15 +480,19 @@ def gguf_tokenizer(reader, source: str) -> Tokenizer | None:
                              bool(field(reader, "tokenizer.ggml.add_space_prefix", True)))
     add_bos_default = True
   elif kind == "gpt2":
-    pre = field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in GPT2_PRE + LLAMA3_PRE:  # the weights still load; prompts as ids
-      logging.warning("%s: pre-tokenizer %r is not supported (only %s): no tokenizer",
-                      source, pre, ", ".join(GPT2_PRE + LLAMA3_PRE))
-      return None
+    pre = field(reader, "tokenizer.ggml.pre")
+    if pre is None:
+      logging.warning("%s: no tokenizer.ggml.pre; splitting as llama.cpp's %r",
+                      source, pretokenizers.MISSING)
+    try:
+      fam, reason = pretokenizers.family(pre, source), None
+    except TokenizerError as e:  # the weights still load; prompts as ids
+      fam, reason = pretokenizers.FAMILIES["gpt2"], str(e)
+      logging.warning("%s", reason)
     if not merges:
       raise TokenizerError(f"{source}: a gpt2 tokenizer without tokenizer.ggml.merges")
-    backend = _bpe_tokenizer(tokens, merges, pre)
-    add_bos_default = False
+    backend = _bpe_tokenizer(tokens, merges, fam)
+    add_bos_default = fam.add_bos
   else:
     raise TokenizerError(f"{source}: tokenizer model {kind!r} is not supported "
                          f"(only 'llama' and 'gpt2')")
@@ -489,4 +500,6 @@ def gguf_tokenizer(reader, source: str) -> Tokenizer | None:
   backend.post_processor = _post_processor(
       tokens, bos, eos, bool(field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
       bool(field(reader, "tokenizer.ggml.add_eos_token", False)))
+  if kind == "gpt2" and reason is not None:
+    return _UnsplitTokenizer(backend, bos, eos, source, reason)
   return Tokenizer(backend, "hf", bos, eos, source)

@@ -443,7 +443,7 @@ def test_gpt2_tokenizer_matches_tokenizers(tmp_path, bpe_json):
 
   def write(w):
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre("gpt-2")
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([3 if i == eot else 1 for _, i in vocab])
     w.add_token_merges(merges)
