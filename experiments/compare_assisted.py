@@ -1,8 +1,8 @@
 """specjax speculative decoding against HF assisted generation, same weights.
 
-  python experiments/compare_assisted.py --target=cpu-target --draft=cpu-draft \
+  python experiments/compare_assisted.py --model=cpu-target --model_draft=cpu-draft \
       --gamma=4 --n_predict=64 --reps=3
-  python experiments/compare_assisted.py --target=llama-160m --draft=llama-160m
+  python experiments/compare_assisted.py --model=llama-160m --model_draft=llama-160m
 
 Two pairs per run: the given (target, draft), and draft = target (the target's
 own weights as draft: every draft accepted, which compares the two engines'
@@ -11,7 +11,9 @@ overheads). For each pair and engine: target-only baseline and speculative
 --accept=real), all four token lists compared exactly. tokens/s = generated
 tokens (the first, from the prompt evaluation, included) / wall time of the
 whole generate call, prefill included; specjax's decode-only tokens/s is shown
-too. Needs torch and transformers.
+too. --json_out keeps every number and, per (pair, engine), a row with the
+prompt ids, the speculative tokens and the target-only tokens. Needs torch and
+transformers.
 """
 
 import os
@@ -28,8 +30,8 @@ from specjax.formats import tokenizer
 from specjax import workdir as wd
 from specjax.errors import ConfigError
 
-_TARGET = flags.DEFINE_string("target", "cpu-target", "Target: preset name, HF directory, orbax directory or GGUF file.")
-_DRAFT = flags.DEFINE_string("draft", "cpu-draft", "Draft: preset name, HF directory, orbax directory or GGUF file.")
+_MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory, orbax directory or GGUF file.")
+_MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset name, HF directory, orbax directory or GGUF file.")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft tokens per step (HF num_assistant_tokens, constant).",
                               lower_bound=1, upper_bound=64)
 _N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate (the first included).", lower_bound=1)
@@ -62,8 +64,8 @@ def main(argv):
   del argv
   torch = _torch()
   torch.set_num_threads(_THREADS.value)
-  tcfg, tparams, tok = checkpoint.load_model(_TARGET.value, dtype=_DTYPE.value, seed=_SEED.value)
-  dcfg, dparams, dtok = checkpoint.load_model(_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1,
+  tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value, seed=_SEED.value)
+  dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1,
                                               role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
   tokenizer.check_same_tokens(tok, dtok)
@@ -71,8 +73,8 @@ def main(argv):
   target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
   pt_target, pt_draft = assisted.torch_models(target, draft, _HF_ATTN.value)
   pt_self = assisted.torch_models(target, target, _HF_ATTN.value)[1]
-  pairs = [(f"{_TARGET.value} / {_DRAFT.value}", draft, pt_draft),
-           (f"{_TARGET.value} / itself (draft = target)", target, pt_self)]
+  pairs = [(f"{_MODEL.value} / {_MODEL_DRAFT.value}", draft, pt_draft),
+           (f"{_MODEL.value} / itself (draft = target)", target, pt_self)]
   env = {**wd.environment(), "torch": torch.__version__,
          "transformers": __import__("transformers").__version__,
          "torch_threads": torch.get_num_threads()}
@@ -110,11 +112,14 @@ def _report(results, env, loads, prompt):
         f"{g['hf_speedup']:.3f}x: {'holds' if g['holds'] else 'FAILS'}")
   if _JSON_OUT.value:
     wd.write_json(_JSON_OUT.value, {
-        "flags": {"target": _TARGET.value, "draft": _DRAFT.value, "gamma": _GAMMA.value,
+        "flags": {"model": _MODEL.value, "model_draft": _MODEL_DRAFT.value, "gamma": _GAMMA.value,
                   "n_predict": _N_PREDICT.value, "reps": _REPS.value, "dtype": _DTYPE.value,
                   "threads": _THREADS.value, "hf_attn": _HF_ATTN.value, "seed": _SEED.value},
         "environment": env, "load_avg_1m_after_each_pair": loads,
-        "pairs": [r.to_dict() for r in results], "goal": g})
+        "pairs": [r.to_dict() for r in results], "goal": g,
+        "rows": [{"pair": r.pair, "engine": name, **cli.row_records(
+            [prompt], [e.spec_tokens], [e.baseline_tokens])[0]}
+                 for r in results for name, e in r.engines.items()]})
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ no download):
 A real checkpoint (HF directory with config.json + safetensors, or an orbax
 directory written by specjax) works the same way:
   python experiments/generate.py --model=/path/to/llama --prompt="Hello"
+
+Several prompts run as the rows of one batch (--prompt_file, one per line;
+--n_parallel repeats each); --json_out keeps every row's prompt ids and tokens.
 """
 
 from absl import flags
@@ -26,36 +29,42 @@ _CTX = flags.DEFINE_integer("ctx_size", None, "Context: the longest sequence (pr
 _LOOP = flags.DEFINE_enum("loop", "device", ["device", "host"], "Device while_loop or host loop of jitted steps.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Run once untimed first so the timed run excludes compilation.")
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", False, "Do not stop at the end-of-sequence token.")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, text and timings as one JSON object.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Write every row's prompt ids and tokens, text and "
+                                "timings as one JSON object.")
 
 
 def main(argv):
   del argv
   cfg, params, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
-  prompt = _GEN.prompt(tok, cfg.vocab_size)
+  prompts = _GEN.prompts(tok, cfg.vocab_size)
   sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else cfg.eos_token_id)
   m = steps.Runner(cfg, params)
-  run = lambda: generation.generate(m, [prompt], _N_PREDICT.value, sp, seed=_GEN.seed,
+  run = lambda: generation.generate(m, prompts, _N_PREDICT.value, sp, seed=_GEN.seed,
                                     eos_id=eos, loop=_LOOP.value, ctx_size=_CTX.value)
   compile_s = run().compile_s if _WARMUP.value else 0.0
   res = run()
   compile_s += res.compile_s
-  out = res.tokens[0]
-  print(cli.detokenize(tok, prompt) + cli.detokenize(tok, out), flush=True)
-  print()
-  print(f"model: {cfg.name}, {cfg.num_params() / 1e6:.1f} M params, {cfg.precision}, loop={_LOOP.value}")
+  for p, out in zip(prompts, res.tokens):
+    print(cli.detokenize(tok, p) + cli.detokenize(tok, out), flush=True)
+    print()
+  print(f"model: {cfg.name}, {cfg.num_params() / 1e6:.1f} M params, {cfg.precision}, "
+        f"loop={_LOOP.value}" + (f", {len(prompts)} rows" if len(prompts) > 1 else ""))
   print(f"{'compile time':>18} = {1e3 * compile_s:10.2f} ms (excluded from the timings below)")
   print(cli.rate_line("prompt eval time", res.prompt_s, res.n_prompt, "tokens"))
   print(cli.rate_line("eval time", res.eval_s, res.n_eval, "runs"))
   if _JSON_OUT.value:
     wd.write_json(_JSON_OUT.value, {
-        "model": cfg.name, "config": cfg.to_dict(), "prompt_tokens": prompt, "tokens": out,
-        "text": cli.detokenize(tok, out) if tok else None,
+        "model": cfg.name, "config": cfg.to_dict(),
+        **({"prompt_tokens": prompts[0], "tokens": res.tokens[0],
+            "text": cli.detokenize(tok, res.tokens[0]) if tok else None}
+           if len(prompts) == 1 else {}),
+        "batch": len(prompts), "rows": cli.row_records(prompts, res.tokens),
         "n_prompt": res.n_prompt, "n_eval": res.n_eval,
         "prompt_ms": 1e3 * res.prompt_s, "eval_ms": 1e3 * res.eval_s,
         "eval_ms_per_token": 1e3 * res.eval_s / max(res.n_eval, 1),
-        "eval_tokens_per_s": res.n_eval / res.eval_s if res.eval_s else None,
+        "eval_tokens_per_s": (res.n_eval * len(prompts) / res.eval_s  # summed over rows
+                              if res.eval_s else None),
         "compile_ms": 1e3 * compile_s, "loop": _LOOP.value,
         "sampling": {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,
                      "seed": _GEN.seed},

@@ -1,7 +1,7 @@
 """Speculative decoding, like llama.cpp's `speculative` example.
 
 Built-in defaults (random weights at the CPU pair's real shapes, no download):
-  python experiments/speculative.py --draft=4 --accept=bernoulli:0.8
+  python experiments/speculative.py --gamma=4 --accept=bernoulli:0.8
 
 Drafters beyond a second model (--drafter):
   --drafter=ngram            prompt lookup (no draft model; ngram:2-4 for sizes 2..4)
@@ -18,14 +18,15 @@ The seed thread's experiments as settings:
 Batches and gamma chosen at run time:
   --prompt_file=prompts.txt  one prompt per line (text with a tokenizer, else comma-separated ids)
   --n_parallel=4             each prompt repeated 4 times (rows of one batch)
-  --gamma_auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps from costs
+  --gamma=auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps from costs
                              measured at start (or --auto_costs=<sweep workdir>/costs.json);
                              each gamma's loop step timed after warm-up (--auto_calibrate)
 
 Each run also times target-only generation on the same prompt and the same
 cache capacity (--baseline), the two alternating over --reps repetitions, and
-prints the median speedup. --draft is gamma, the draft length (llama.cpp's
-name for the flag).
+prints the median speedup. --gamma is the draft length (an integer, or auto);
+--draft is its alias, llama.cpp's name for the flag. --json_out keeps every
+row: its prompt ids, its tokens and the target-only baseline's tokens.
 """
 
 import json
@@ -54,8 +55,10 @@ _MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset na
                                    "orbax directory or GGUF file (--drafter=model only).")
 _DRAFTER = cli.define_drafter_flag()
 _N_PREDICT = flags.DEFINE_integer("n_predict", 128, "Tokens to generate.", lower_bound=1)
-_DRAFT = flags.DEFINE_integer("draft", 5, "gamma, the draft length: tokens drafted per step "
-                              "(llama.cpp's --draft).", lower_bound=1, upper_bound=64)
+_GAMMA = flags.DEFINE_string("gamma", "5", "gamma, the draft length: tokens drafted per step "
+                             f"(1 to {cli.MAX_GAMMA}), or 'auto': chosen at run time from "
+                             "--auto_set (measured costs, acceptance so far).")
+flags.DEFINE_alias("draft", "gamma")  # llama.cpp's name for it
 _ACCEPT = flags.DEFINE_string("accept", "real", "Acceptance rule: real | always | bernoulli:P | "
                               "fraction:F | mean_length:L")
 _P_MIN = flags.DEFINE_float("p_min", 0.0, "Stop drafting when the draft's top probability is below this.",
@@ -73,16 +76,11 @@ _BASELINE = flags.DEFINE_bool("baseline", True, "Also time target-only generatio
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions; target-only and speculative alternate, "
                              "medians reported.", lower_bound=1)
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", True, "Do not stop at end-of-sequence (fixed-length runs).")
-_JSON_OUT = flags.DEFINE_string("json_out", None, "Write tokens, statistics and timings as one JSON object.")
-_PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "One prompt per line (text; comma-separated "
-                                   "ids for a model without a tokenizer): the rows of one batch.")
-_N_PARALLEL = flags.DEFINE_integer("n_parallel", 1, "Rows per prompt: each prompt repeated this "
-                                   "many times in the batch.", lower_bound=1)
-_GAMMA_AUTO = flags.DEFINE_bool("gamma_auto", False, "Choose gamma at run time from --auto_set "
-                                "(measured costs, acceptance so far); --draft is then unused.")
-_AUTO_SET = flags.DEFINE_string("auto_set", "1,2,4,8", "The gammas --gamma_auto chooses from.")
+_JSON_OUT = flags.DEFINE_string("json_out", None, "Write statistics, timings and every row's "
+                                "prompt ids, tokens and baseline tokens as one JSON object.")
+_AUTO_SET = flags.DEFINE_string("auto_set", "1,2,4,8", "The gammas --gamma=auto chooses from.")
 _AUTO_CALIBRATE = flags.DEFINE_bool(
-    "auto_calibrate", True, "--gamma_auto: time each gamma's loop step after the warm-up "
+    "auto_calibrate", True, "--gamma=auto: time each gamma's loop step after the warm-up "
     "(one run per gamma) and choose from those step costs.")
 _AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY, "Steps between gamma choices (chunks of 1, 2, 4, .. up to this).",
                                    lower_bound=1)
@@ -101,24 +99,6 @@ def _drafter():
   return d
 
 
-def read_prompt_file(path: str, tok, vocab_size: int) -> list[list[int]]:
-  """One prompt per line; an empty line is an error (it would be an empty row)."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      lines = f.read().splitlines()
-  except OSError as e:
-    raise ConfigError(f"cannot read --prompt_file {path}: {e.strerror}") from None
-  if not lines:
-    raise ConfigError(f"--prompt_file {path} holds no prompt")
-  prompts = []
-  for i, line in enumerate(lines, 1):
-    if not line.strip():
-      raise ConfigError(f"--prompt_file {path}: line {i} is empty (one prompt per line)")
-    prompts.append(cli.parse_prompt(line, None, tok, vocab_size) if tok is not None
-                   else cli.parse_prompt(None, line, None, vocab_size))
-  return prompts
-
-
 def auto_costs(target, draft, batch, capacity, depth, gammas, sp, rule, drafter):
   """The chooser's costs at this batch: from --auto_costs or measured now."""
   if _AUTO_COSTS.value:
@@ -135,8 +115,9 @@ def auto_costs(target, draft, batch, capacity, depth, gammas, sp, rule, drafter)
 
 def main(argv):
   del argv
-  auto = autogamma.parse_set(_AUTO_SET.value) if _GAMMA_AUTO.value else None
-  gamma = max(auto) if auto else _DRAFT.value
+  gamma = cli.parse_gamma(_GAMMA.value)
+  auto = autogamma.parse_set(_AUTO_SET.value) if gamma == cli.AUTO else None
+  gamma = max(auto) if auto else gamma
   rule = acceptance.parse_rule(_ACCEPT.value)
   for g in auto or (gamma,):
     rule.resolve(g)
@@ -153,10 +134,7 @@ def main(argv):
     draft = steps.Runner(dcfg, dparams)
   # the config the drafter runs (a layer subset of the target, None for ngram)
   dcfg = speculative.SpecConfig(tcfg, draft and draft.cfg, gamma, drafter=drafter).draft
-  prompts = (read_prompt_file(_PROMPT_FILE.value, tok, tcfg.vocab_size) if _PROMPT_FILE.value
-             else [_GEN.prompt(tok, tcfg.vocab_size)])
-  prompts = [p for p in prompts for _ in range(_N_PARALLEL.value)]
-  prompt = prompts[0]
+  prompts = _GEN.prompts(tok, tcfg.vocab_size)
   sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)
   target = steps.Runner(tcfg, tparams)
@@ -167,7 +145,7 @@ def main(argv):
   kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)
   if auto:
     if _LOOP.value != "device" or _P_MIN.value:
-      raise ConfigError("--gamma_auto runs the device loop in chunks: no --loop=host, no --p_min")
+      raise ConfigError("--gamma=auto runs the device loop in chunks: no --loop=host, no --p_min")
     cost = auto_costs(target, draft, len(prompts), capacity, depth, auto, sp, rule, drafter)
     akw = dict(sp=sp, rule=rule, every=_AUTO_EVERY.value, drafter=drafter, **kw)
     spec = lambda: autogamma.generate(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
@@ -219,7 +197,6 @@ def row_lines(res) -> list[str]:
 def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_tps, capacity,
             compile_s):
   st = res.stats
-  prompt = prompts[0]
   for p, out in zip(prompts, res.tokens):
     print(cli.detokenize(tok, p) + cli.detokenize(tok, out), flush=True)
     print()
@@ -248,7 +225,7 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
       seed=_GEN.seed, loop=_LOOP.value, capacity=capacity, reps=_REPS.value,
       spec_tps=spec_tps, prompt_s=res.prompt_s, compile_s=compile_s, env=wd.environment(),
       batch=len(prompts),
-      **({"prompt_tokens": prompt, "tokens": res.tokens[0]} if len(prompts) == 1 else {}),
+      **({"prompt_tokens": prompts[0], "tokens": res.tokens[0]} if len(prompts) == 1 else {}),
       **({"auto_set": sorted(set(res.gammas_used)), "auto_every": _AUTO_EVERY.value}
          if getattr(res, "gammas_used", None) else {}))
   print(f"{'speculative':>18} = {spec_tps:9.3f} tokens per second (median of {_REPS.value})")
@@ -259,8 +236,9 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
     out.update(baseline_tps=base_tps, speedup=spec_tps / base_tps)
     if len(prompts) == 1:
       out.update(baseline_tokens=base.tokens[0])
-  if _JSON_OUT.value:
-    wd.write_json(_JSON_OUT.value, out)
+  if _JSON_OUT.value:  # the run's record, then every row (not a run field: per row)
+    rows = cli.row_records(prompts, res.tokens, base.tokens if base is not None else None)
+    wd.write_json(_JSON_OUT.value, {**out, "rows": rows})
 
 
 if __name__ == "__main__":

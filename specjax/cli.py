@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from absl import app, flags, logging
 
-from specjax.errors import SpecjaxError
+from specjax.errors import ConfigError, SpecjaxError
 from specjax.model.sampling import SamplingParams
 
 # Used when a model has no tokenizer and no prompt is given: 32 fixed ids.
@@ -95,8 +95,55 @@ def run(main: Callable[[list[str]], Any]) -> None:
   app.run(wrapped, flags_parser=_parse_flags)
 
 
+# --gamma: the draft length, one meaning on every script.
+AUTO = "auto"        # --gamma=auto: chosen at run time (specjax.decode.autogamma)
+MAX_GAMMA = 64
+
+
+def parse_gamma(value: str) -> int | str:
+  """One --gamma value: an integer in [1, MAX_GAMMA], or AUTO (chosen at run
+  time). Raises SpecjaxError (one line) otherwise."""
+  v = str(value).strip().lower()
+  if v == AUTO:
+    return AUTO
+  try:
+    g = int(v)
+  except ValueError:
+    g = None
+  if g is None or not 1 <= g <= MAX_GAMMA:
+    raise ConfigError(f"--gamma must be an integer from 1 to {MAX_GAMMA} or '{AUTO}', "
+                       f"got {value!r}")
+  return g
+
+
+def parse_gammas(values: list[str]) -> tuple[list[int], bool]:
+  """A --gamma list (e.g. 1,2,4,auto): (the fixed gammas, sorted and
+  distinct; whether 'auto' is among them)."""
+  got = [parse_gamma(v) for v in values]
+  if not got:
+    raise ConfigError("--gamma is empty")
+  return sorted({g for g in got if g != AUTO}), AUTO in got
+
+
+def row_records(prompts: list[list[int]], tokens: list[list[int]],
+                baseline_tokens: list[list[int]] | None = None) -> list[dict[str, Any]]:
+  """The `rows` of a --json_out: per row its prompt ids, its output tokens and
+  (when a target-only baseline ran) the baseline's tokens, so that a batched
+  run can be checked and reused row by row."""
+  if len(tokens) != len(prompts) or (baseline_tokens is not None
+                                     and len(baseline_tokens) != len(prompts)):
+    raise ValueError(f"{len(prompts)} prompts but {len(tokens)} token rows")
+  rows = []
+  for i, (p, t) in enumerate(zip(prompts, tokens)):
+    row = {"prompt_ids": list(p), "tokens": list(t)}
+    if baseline_tokens is not None:
+      row["baseline_tokens"] = list(baseline_tokens[i])
+    rows.append(row)
+  return rows
+
+
 class GenerationFlags:
-  """The flags every generation script shares: prompt, sampling, seed, dtype.
+  """The flags every generation script shares: prompt(s), sampling, seed, dtype.
 
   Defined once here (call at import time of the script, like any absl flag).
   """
@@ -105,6 +152,12 @@ class GenerationFlags:
     self._prompt = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
     self._prompt_tokens = flags.DEFINE_string("prompt_tokens", None,
                                               "Prompt as comma-separated token ids.")
+    self._prompt_file = flags.DEFINE_string(
+        "prompt_file", None, "One prompt per line (text; comma-separated ids for a model "
+        "without a tokenizer): the rows of one batch.")
+    self._n_parallel = flags.DEFINE_integer("n_parallel", 1, "Rows per prompt: each prompt "
+                                            "repeated this many times in the batch.",
+                                            lower_bound=1)
     self._temp = flags.DEFINE_float("temp", 0.0, "Sampling temperature; 0 = greedy.",
                                     lower_bound=0.0)
     self._top_k = flags.DEFINE_integer("top_k", 0, "Top-k filter; 0 = off.", lower_bound=0)
@@ -131,6 +184,17 @@ class GenerationFlags:
 
   def prompt(self, tokenizer, vocab_size: int) -> list[int]:
     return parse_prompt(self._prompt.value, self._prompt_tokens.value, tokenizer, vocab_size)
+
+  def prompts(self, tokenizer, vocab_size: int) -> list[list[int]]:
+    """The batch's rows: --prompt_file's prompts (else the one prompt), each
+    repeated --n_parallel times."""
+    if self._prompt_file.value is not None:
+      if self._prompt.value is not None or self._prompt_tokens.value is not None:
+        raise ConfigError("give --prompt_file or --prompt / --prompt_tokens, not both")
+      prompts = read_prompt_file(self._prompt_file.value, tokenizer, vocab_size)
+    else:
+      prompts = [self.prompt(tokenizer, vocab_size)]
+    return [p for p in prompts for _ in range(self._n_parallel.value)]
 
 
 class RecordFlags:
@@ -188,6 +252,25 @@ def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
     raise SpecjaxError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                        f"[0, {vocab_size})")
   return ids
+
+
+def read_prompt_file(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
+  """One prompt per line (text with a tokenizer, else comma-separated ids);
+  an empty line is an error (it would be an empty row)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      lines = f.read().splitlines()
+  except OSError as e:
+    raise ConfigError(f"cannot read --prompt_file {path}: {e.strerror}") from None
+  if not lines:
+    raise ConfigError(f"--prompt_file {path} holds no prompt")
+  prompts = []
+  for i, line in enumerate(lines, 1):
+    if not line.strip():
+      raise ConfigError(f"--prompt_file {path}: line {i} is empty (one prompt per line)")
+    prompts.append(parse_prompt(line, None, tokenizer, vocab_size) if tokenizer is not None
+                   else parse_prompt(None, line, None, vocab_size))
+  return prompts
 
 
 def detokenize(tokenizer, ids: list[int]) -> str:

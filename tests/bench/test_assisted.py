@@ -123,7 +123,7 @@ def test_script_runs_both_pairs(tmp_path):
   out = tmp_path / "cmp.json"
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments", "compare_assisted.py"),
-       "--target=tiny", "--draft=tiny-draft", "--gamma=3", "--n_predict=12", "--reps=1",
+       "--model=tiny", "--model_draft=tiny-draft", "--gamma=3", "--n_predict=12", "--reps=1",
        "--prompt_tokens=4,5,6", f"--json_out={out}"],
       capture_output=True, text=True, timeout=300, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr
@@ -133,12 +133,19 @@ def test_script_runs_both_pairs(tmp_path):
   assert all(p["tokens_identical"] for p in rec["pairs"]), proc.stdout
   assert rec["environment"]["torch_threads"] == 2 and "jax" in rec["environment"]
   assert "holds" in rec["goal"]
+  # a row per (pair, engine): the prompt ids, its tokens, its target-only tokens (greedy,
+  # float32: the same)
+  assert [(r["pair"], r["engine"]) for r in rec["rows"]] == [
+      (p["pair"], e) for p in rec["pairs"] for e in p["engines"]]
+  for r in rec["rows"]:
+    assert r["prompt_ids"] == [4, 5, 6] and len(r["tokens"]) == 12
+    assert r["tokens"] == r["baseline_tokens"], r
 
 
 def test_script_bad_input_is_one_line():
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments", "compare_assisted.py"),
-       "--target=tiny", "--draft=no-such-model"],
+       "--model=tiny", "--model_draft=no-such-model"],
       capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert proc.returncode == 1 and "Traceback" not in proc.stderr
   assert any(l.startswith("error:") for l in proc.stderr.splitlines())

@@ -172,14 +172,16 @@ def test_compiled_equals_eager_and_timing(pair, baseline):
 def test_bench_script_reports_both_engines_and_auto(transformers, tmp_path):
   """experiments/torch_spec_bench.py end to end on tiny models: both
   engines' points with identical tokens under `always`, an auto point, the
-  crossover and auto tables, the plots."""
+  crossover and auto tables, the plots; every point keeps its rows (prompt
+  ids, tokens, baseline tokens), and under the real rule (greedy, float32)
+  each row's speculative tokens are its target-only tokens, on both engines."""
   import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
   del transformers
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   out = tmp_path / "out"
   proc = subprocess.run(
       [sys.executable, os.path.join(root, "experiments", "torch_spec_bench.py"),
-       "--target=tiny", "--draft=tiny-draft", "--batch=2", "--gamma=1,2", "--rules=always",
+       "--model=tiny", "--model_draft=tiny-draft", "--batch=2", "--gamma=1,2,auto", "--rules=always,real",
        "--n_predict=8", "--prompt_len=9", "--reps=1", "--nocompile", "--threads=1", "--k=1",
        f"--out_dir={out}", f"--jsonl_out={tmp_path / 'r.jsonl'}"],
       capture_output=True, text=True, timeout=600, cwd=root)
@@ -189,9 +191,23 @@ def test_bench_script_reports_both_engines_and_auto(transformers, tmp_path):
   pts = [r for r in recs if r["kind"] == "point"]
   assert {(r["engine"], r["gamma"]) for r in pts} == {
       ("torch-eager", 1), ("torch-eager", 2), ("specjax", 1), ("specjax", 2), ("specjax", "auto")}
-  assert all(r["tokens_equal"] for r in pts if r["engine"] == "specjax" and r["gamma"] != "auto")
+  always = [r for r in pts if r["accept_rule"] == "always"]
+  assert all(r["tokens_equal"] for r in always if r["engine"] == "specjax" and r["gamma"] != "auto")
   auto = next(r for r in pts if r["gamma"] == "auto")
   assert sum(auto["gammas_used"].values()) == auto["n_loop"] > 0  # loop steps, not row-steps
+  # the rows: the same two ragged prompts at every point, 8 tokens each
+  prompts = [row["prompt_ids"] for row in pts[0]["rows"]]
+  assert [len(p) for p in prompts] == [9, 7]
+  for r in pts:
+    assert [row["prompt_ids"] for row in r["rows"]] == prompts
+    assert all(len(row["tokens"]) == len(row["baseline_tokens"]) == 8 for row in r["rows"])
+  real = [r for r in pts if r["accept_rule"] == "real"]
+  assert len(real) == 5
+  for r in real:  # greedy: speculative = target-only, row by row
+    assert [row["tokens"] for row in r["rows"]] == [row["baseline_tokens"] for row in r["rows"]]
+  assert real[0]["rows"][0]["tokens"] != real[0]["rows"][1]["tokens"]  # rows not mixed up
+  # every draft accepted: not the target's tokens (the rows are not the baseline copied)
+  assert all(any(row["tokens"] != row["baseline_tokens"] for row in r["rows"]) for r in always)
   summary = (out / "summary.md").read_text()
   for s in ("## Crossover", "| always | 2 |", "## Auto gamma (specjax)", "auto / best fixed",
             "By speculative tokens/s alone"):

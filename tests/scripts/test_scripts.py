@@ -53,7 +53,7 @@ def test_generate_writes_json(tmp_path):
 def test_speculative_writes_json(tmp_path):
   out = tmp_path / "spec.json"
   proc = run("speculative.py", "--model=tiny", "--model_draft=tiny-draft", "--n_predict=12",
-             "--draft=3", "--accept=bernoulli:0.5", "--prompt_tokens=4,5,6", "--reps=2",
+             "--gamma=3", "--accept=bernoulli:0.5", "--prompt_tokens=4,5,6", "--reps=2",
              f"--json_out={out}")
   assert proc.returncode == 0, proc.stderr
   for word in ("n_draft", "n_predict", "n_drafted", "n_accept", "accept", "speedup",
@@ -64,11 +64,66 @@ def test_speculative_writes_json(tmp_path):
               "tokens_per_step", "alpha", "accept_hist", "alpha_at_pos", "speedup",
               "baseline_tps", "spec_tps", "capacity", "env"):
     assert key in rec, key
-  assert set(rec) <= set(schema.FIELDS)
+  assert set(rec) - {"rows"} <= set(schema.FIELDS)  # rows: per row, next to the run's fields
   # the rule and the rate are two fields, not one overwriting the other
   assert rec["accept_rule"] == "bernoulli:0.5" and 0 <= rec["accept_rate"] <= 1
   assert rec["n_predict"] == 12 and len(rec["tokens"]) == 12
+  assert rec["rows"] == [{"prompt_ids": [4, 5, 6], "tokens": rec["tokens"],
+                          "baseline_tokens": rec["baseline_tokens"]}]
   assert rec["env"]["cpu"]["model"] and rec["env"]["git_commit"]
+
+
+PROMPTS = [[4, 5, 6], [7, 8, 9, 10, 11]]  # one per line of a --prompt_file
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+  path = tmp_path / "prompts.txt"
+  path.write_text("".join(",".join(map(str, p)) + "\n" for p in PROMPTS))
+  return path
+
+
+def _rows_hold_every_prompt(rows, n_predict, baseline):
+  """Every row of a --prompt_file run with --n_parallel=2: its prompt ids in
+  file order, n_predict tokens, the baseline's tokens when one ran."""
+  assert [r["prompt_ids"] for r in rows] == [p for p in PROMPTS for _ in range(2)]
+  assert all(len(r["tokens"]) == n_predict for r in rows)
+  assert all(("baseline_tokens" in r) == baseline for r in rows)
+  assert rows[0]["tokens"] == rows[1]["tokens"] != rows[2]["tokens"]  # rows not mixed up
+
+
+@pytest.mark.parametrize("gamma", ["3", "auto"])
+def test_speculative_prompt_file_json_keeps_every_row(tmp_path, prompt_file, gamma):
+  """A batched run's record holds every row's prompt ids, tokens and
+  target-only tokens; greedy in float32 they are the same tokens."""
+  out = tmp_path / "spec.json"
+  proc = run("speculative.py", "--model=tiny", "--model_draft=tiny-draft", "--dtype=float32",
+             f"--prompt_file={prompt_file}", "--n_parallel=2", f"--gamma={gamma}",
+             "--auto_set=1,2", "--n_predict=10", "--reps=1", f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr
+  rec = json.loads(out.read_text())
+  assert rec["batch"] == 4 and "tokens" not in rec  # no single-prompt fields for a batch
+  _rows_hold_every_prompt(rec["rows"], 10, baseline=True)
+  for r in rec["rows"]:
+    assert r["tokens"] == r["baseline_tokens"], r
+
+
+def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
+  """generate.py's batch: every row in the record, each row's tokens those of
+  the prompt run alone (greedy)."""
+  from specjax.decode import generation  # pylint: disable=import-outside-toplevel
+  from specjax.model import steps  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "gen.json"
+  proc = run("generate.py", "--model=tiny", "--dtype=float32", f"--prompt_file={prompt_file}",
+             "--n_parallel=2", "--n_predict=7", f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr
+  rec = json.loads(out.read_text())
+  assert rec["batch"] == 4 and "tokens" not in rec
+  _rows_hold_every_prompt(rec["rows"], 7, baseline=False)
+  cfg, params, _ = checkpoint.load_model("tiny", dtype="float32")
+  m = steps.Runner(cfg, params)
+  for r in rec["rows"]:
+    assert r["tokens"] == generation.generate(m, [r["prompt_ids"]], 7).tokens[0]
 
 
 @pytest.mark.parametrize("script,args,pattern", [
@@ -82,11 +137,14 @@ def test_speculative_writes_json(tmp_path):
     ("generate.py", ["--model=tiny", "--prompt=hello"], r"error: .*no tokenizer"),
     ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--accept=sometimes"],
      r"error: .*acceptance rule"),
-    ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--draft=0"], r"draft"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--gamma=0"], r"error: --gamma"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--gamma=four"], r"error: --gamma"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny", "--draft=65"], r"error: --gamma"),
+    ("generate.py", ["--model=tiny", "--prompt_file=/no/such/file"], r"error: .*prompt_file"),
     ("speculative.py", ["--model=tiny", "--drafter=layerskip:0,5"], r"error: .*out of range"),
     ("loop_overhead.py", ["--model=tiny", "--drafter=ngram:3-1"], r"error: .*ngram_min"),
     ("speculative.py", ["--model=tiny", "--drafter=eagle"], r"error: EAGLE head .* does not fit"),
-    ("speculative.py", ["--model=tiny", "--model_draft=tiny-draft", "--gamma_auto",
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny-draft", "--gamma=auto",
                         "--auto_set=0,2"], r"error: .*auto"),
 ])
 def test_bad_input_is_one_line(script, args, pattern):
