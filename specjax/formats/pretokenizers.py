@@ -28,13 +28,15 @@ categories; every other regex runs in std::regex, which has no \\p{..}, so:
   without         std::wregex on the code points, non-ASCII whitespace
                   replaced by \\v: \\d, \\w and \\b are ASCII.
 `compile_regex` rewrites a regex so that Oniguruma (the `tokenizers` engine,
-which knows Unicode categories) splits as llama.cpp does: the letter
-subcategories become \\p{L}, \\p{S} loses '~', \\d becomes [0-9] where llama.cpp
-uses std::wregex. What is left differs only on characters whose category
-differs between Unicode versions, on unassigned code points (the hand-written
-splitters put each alone in a piece) and, for tiny_aya's \\b, on non-ASCII
-letters next to digits. tests/formats/test_pretokenizers.py checks the rewrite
-against a re-implementation of llama.cpp's collapsing in the `regex` module.
+which knows Unicode categories) splits as llama.cpp does: with a \\p{..}, the
+letter subcategories become \\p{L} and \\p{S} loses '~'; without, \\d becomes
+[0-9], \\b a boundary of ASCII word characters (glibc's "C" locale, assumed),
+`$` the end of the piece, and a bracket of non-ASCII literals loses the
+non-ASCII whitespace (deepseek-llm's lists U+3000). What is left differs only
+on characters whose category differs between llama.cpp's Unicode tables and
+Oniguruma's. tests/formats/test_pretokenizers.py checks the rewrite against a
+re-implementation of llama.cpp's splitting (its hand-written splitters step
+for step, the collapsing for the rest in the `regex` module).
 
 Not byte-level BPE, hence not here: gemma4, granite-embed-multi-311m and
 sarvam-moe (SentencePiece-style BPE on raw UTF-8), whitespace, and kimi-k2
@@ -262,8 +264,6 @@ _CATEGORY = re.compile(r"\\p\{[LNPMS][ultmo]?\}")
 # Unicode's non-ASCII White_Space: llama.cpp turns these into \v before
 # matching, so no literal of a bracket matches them.
 _WIDE_SPACES = "\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-
-
 _ASCII_BOUNDARY = r"(?:(?<=\w)(?!\w)|(?<!\w)(?=\w))".replace(r"\w", "[0-9A-Za-z_]")
 
 
@@ -292,9 +292,9 @@ def _amend_brackets(regex: str, amend, bare=None) -> str:
 def compile_regex(regex: str) -> str:
   """`regex` rewritten for Oniguruma to split as llama.cpp does (see the
   module docstring): the hand-written splitters' regexes in full; with a
-  \\p{..}, the letter subcategories as \\p{L} and \\p{S} without '~'; else (its
-  std::wregex) \\d as [0-9], \\b between ASCII word characters, `$` as the end of the piece, and no non-ASCII
-  whitespace in a bracket that lists non-ASCII characters."""
+  \\p{..}, the letter subcategories as \\p{L} and \\p{S} without '~'; else
+  (llama.cpp's std::wregex) \\d and \\b ASCII, `$` the end of the piece, and
+  no non-ASCII whitespace in a bracket that lists non-ASCII characters."""
   if regex in CUSTOM:
     return CUSTOM[regex]
   if not _CATEGORY.search(regex):

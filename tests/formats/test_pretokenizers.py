@@ -3,9 +3,9 @@ table, split as llama.cpp splits.
 
 References:
   llama_cpp_split  an independent re-implementation of llama.cpp's
-                   unicode_regex_split (src/unicode.cpp) in the `regex`
-                   module: the hand-written GPT-2 / LLaMA-3 / AFMoE splitters
-                   by their regexes, every other regex on llama.cpp's
+                   unicode_regex_split (src/unicode.cpp): its hand-written
+                   GPT-2 / LLaMA-3 / AFMoE splitters step for step, every
+                   other regex in the `regex` module on llama.cpp's
                    collapsed text (one byte per Unicode category) or, without
                    \\p{..}, with ASCII classes. Compared piece for piece with
                    the `tokenizers` (Oniguruma) pre-tokenizer specjax builds,
@@ -120,6 +120,94 @@ def _afmoe_digits(piece: str) -> list[str]:
   return out
 
 
+class _Flags:
+  """unicode_cpt_flags of a piece's code points (none past its end)."""
+
+  def __init__(self, piece: str):
+    self.piece = piece
+
+  def cat(self, pos: int) -> str:
+    return unicodedata.category(self.piece[pos])[0] if pos < len(self.piece) else ""
+
+  def letter(self, pos):
+    return self.cat(pos) == "L"
+
+  def number(self, pos):
+    return self.cat(pos) == "N"
+
+  def space(self, pos):
+    return pos < len(self.piece) and _is_space(self.piece[pos])
+
+  def other(self, pos):  # in the piece, and none of the three
+    return pos < len(self.piece) and not (self.letter(pos) or self.number(pos) or self.space(pos))
+
+
+def _custom_split(piece: str, llama3: bool) -> list[str]:
+  """unicode_regex_split_custom_gpt2 / _llama3, step for step."""
+  f, n, out, prev, pos = _Flags(piece), len(piece), [], 0, 0
+
+  def cut(end):
+    nonlocal prev
+    out.append(piece[prev:end])
+    prev = end
+    return end
+
+  while pos < n:
+    c = piece[pos]
+    low = lambda k: piece[k].lower() if llama3 else piece[k]
+    if c == "'" and pos + 1 < n:  # 's|'t|'re|'ve|'m|'ll|'d (llama3: any case)
+      if low(pos + 1) in "stmd":
+        pos = cut(pos + 2)
+        continue
+      if pos + 2 < n and low(pos + 1) + low(pos + 2) in ("re", "ve", "ll"):
+        pos = cut(pos + 3)
+        continue
+    if llama3:
+      if c not in "\r\n" and not f.number(pos) and (f.letter(pos) or f.letter(pos + 1)):
+        pos += 1  # [^\r\n\p{L}\p{N}]?\p{L}+
+        while f.letter(pos):
+          pos += 1
+        cut(pos)
+        continue
+      if f.number(pos):  # \p{N}{1,3}
+        start = pos
+        while f.number(pos):
+          pos += 1
+          if pos - start >= 3:
+            start = cut(pos)
+        cut(pos)
+        continue
+    else:
+      at = pos + (c == " ")
+      kind = next((k for k in (f.letter, f.number) if k(at)), None)
+      if kind is not None:  # ' ?\p{L}+', ' ?\p{N}+'
+        pos = at
+        while kind(pos):
+          pos += 1
+        cut(pos)
+        continue
+    at = pos + (c == " ")
+    if f.other(at) or (llama3 and c == " " and at == n):  # ' ?[^\s\p{L}\p{N}]+' (llama3: [\r\n]*)
+      pos = at
+      while f.other(pos):
+        pos += 1
+      while llama3 and pos < n and piece[pos] in "\r\n":
+        pos += 1
+      cut(pos)
+      continue
+    spaces = 0
+    while f.space(pos + spaces):
+      spaces += 1
+    ends = [pos + k + 1 for k in range(spaces) if piece[pos + k] in "\r\n"]
+    if llama3 and ends:  # \s*[\r\n]+
+      pos = cut(ends[-1])
+    elif spaces > 1 and pos + spaces < n:  # \s+(?!\S)
+      pos = cut(pos + spaces - 1)
+    else:  # \s+, or one code point
+      pos = cut(pos + max(spaces, 1))
+  return out
+
+
 def _matches(pattern, piece: str, view: str) -> list[str]:
   """llama.cpp's split of one piece: each match and each gap between."""
   out, at = [], 0
@@ -136,9 +224,10 @@ def llama_cpp_split(regexes, text: str) -> list[str]:
     if expr == AFMOE_DIGITS:
       pieces = [q for p in pieces for q in _afmoe_digits(p)]
       continue
-    if expr in (P.GPT2, P.LLAMA3):  # the hand-written splitters: Unicode categories
-      pattern, view = regex.compile(expr + (r"|\s+" if expr == P.GPT2 else "")), lambda p: p
-    elif any(cat in expr for cat in _CATS):  # std::regex on the collapsed text
+    if expr in (P.GPT2, P.LLAMA3):  # the hand-written splitters
+      pieces = [q for p in pieces for q in _custom_split(p, expr == P.LLAMA3) if q]
+      continue
+    if any(cat in expr for cat in _CATS):  # std::regex on the collapsed text
       pattern, view = regex.compile(_collapse_regex(expr)), _collapse_text
     else:  # std::wregex: ASCII classes, non-ASCII whitespace as \v, $ at the end
       expr = expr[:-1] + r"\Z" if expr.endswith("$") else expr
