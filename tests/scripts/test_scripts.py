@@ -188,6 +188,27 @@ def test_gpu_check_smoke(tmp_path):
   assert (tmp_path / "sweep" / "results.jsonl").exists()
 
 
+def test_mesh_bench_smoke(tmp_path):
+  """mesh_bench's three parts on tiny models and two virtual devices: the
+  report's tables (written from the records alone) and the loop's rows."""
+  out = tmp_path / "mesh.json"
+  proc = run("mesh_bench.py", "--host_devices=2", "--model=tiny", "--model_draft=tiny-draft",
+             "--model_axes=2", "--spec_axis=2", "--draft_modes=replicated", "--reps=1",
+             "--n_predict=6", "--depth=16", "--capacity=32", "--plan_model=tiny",
+             "--plan_model_draft=tiny-draft", "--plan_mesh=data:1,model:2", "--plan_capacity=32",
+             f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for s in ("16 of 32 slots used, medians of 1", "| draft replicated |",
+            "identical across draft placements: yes", "Plan: tiny + tiny-draft"):
+    assert s in proc.stdout, s
+  loop = [r for r in json.loads(out.read_text())["results"] if r["part"] == "loop"]
+  assert [r["draft_sharding"] for r in loop] == [None, "replicated"]
+  base, spec = loop[0]["rows"][0], loop[1]["rows"][0]
+  assert base["prompt_ids"] == spec["prompt_ids"] and len(base["prompt_ids"]) == 32
+  assert base["tokens"] == base["baseline_tokens"] == spec["baseline_tokens"]
+  assert len(spec["tokens"]) == 6
+
+
 def test_gpu_check_without_gpu_is_one_line(tmp_path):
   import jax
   if jax.default_backend() == "gpu":
