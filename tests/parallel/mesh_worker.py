@@ -19,6 +19,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from specjax.formats import safetensors_io
 from specjax.formats import checkpoint
@@ -34,18 +36,56 @@ MESHES = {"a": ("data:1,model:8", "data:2,model:4"),
           "b": (None, "data:1,model:1", "data:8,model:1")}
 PROMPTS = [[1, 5, 7, 9, 11], [1, 2], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 9, 9]]
 N_PREDICT = 10
-COLLECTIVE = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|"
-                        r"reduce-scatter)(?:-start)?\(")
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")  # name = shape opcode(...)
+ARRAY = re.compile(r"\b[a-z][a-z0-9]*\[([^\]]*)\]")                  # f32[4,128] -> '4,128'
+
+
+def _shape_and_rest(rhs: str) -> tuple[str, str]:
+  """An instruction's right-hand side split after its result shape: a tuple
+  shape, '(f32[4]{0}, f32[8]{0})', holds spaces and may nest."""
+  if not rhs.startswith("("):
+    shape, _, rest = rhs.partition(" ")
+    return shape, rest
+  depth = 0
+  for k, ch in enumerate(rhs):
+    depth += {"(": 1, ")": -1}.get(ch, 0)
+    if depth == 0:
+      return rhs[:k + 1], rhs[k + 1:].lstrip()
+  return rhs, ""
 
 
 def collectives(compiled_text: str) -> dict[str, list[int]]:
-  """{op: [element count of each result]} of an optimized HLO module."""
+  """{op: [element count of each result]} of an optimized HLO module, by
+  opcode whatever the instruction's name. An all-reduce counts once per
+  array it reduces: XLA's all-reduce combiner merges several into one op
+  with a tuple result. An async collective counts at its `-start` (its
+  `-done` is the same op). The other collectives count once per op, by
+  their largest array."""
   out: dict[str, list[int]] = {}
-  for shape, op in COLLECTIVE.findall(compiled_text):
-    dims = re.findall(r"\[([\d,]*)\]", shape)
-    sizes = [int(np.prod([int(d) for d in ds.split(",") if d] or [1])) for ds in dims]
-    out.setdefault(op, []).append(max(sizes or [1]))
+  for line in compiled_text.splitlines():
+    m = INSTRUCTION.match(line)
+    if not m:
+      continue
+    shape, rest = _shape_and_rest(m.group(1))
+    opcode = re.match(r"[a-z][a-z\-]*(?=\()", rest)
+    op = opcode and opcode.group(0).removesuffix("-start")
+    if op not in COLLECTIVES:
+      continue
+    sizes = [int(np.prod([int(d.lstrip("<=")) for d in dims.split(",") if d] or [1]))
+             for dims in ARRAY.findall(shape)] or [1]
+    out.setdefault(op, []).extend(sizes if op == "all-reduce" else [max(sizes)])
   return out
+
+
+def combined_all_reduces() -> str:
+  """The optimized HLO of two independent row-split products on model:8:
+  XLA's CPU pipeline combines their two all-reduces into one tuple op."""
+  mesh = sharding.make_mesh("data:1,model:8")
+  split = lambda spec, shape: jax.device_put(jnp.ones(shape), NamedSharding(mesh, spec))
+  x, w = split(P(None, "model"), (4, 64)), split(P("model", None), (64, 32))
+  return jax.jit(lambda x, a, b: (x @ a, x @ b), out_shardings=NamedSharding(mesh, P())
+                 ).lower(x, w, w).compile().as_text()
 
 
 def shard_fractions(tree) -> dict[str, float]:
@@ -95,6 +135,20 @@ def run_mesh(spec, ck: Path, report: dict) -> dict:
       d4 = steps.Runner(*checkpoint.load_model("tiny-draft", seed=4, role="draft")[:2])
       out["script"] = speculative.generate(target, d4, [[1, 5, 7, 9]], 12, 4, sp=hot,
                                            seed=3).tokens[0]
+    if spec in (None, "data:2,model:4"):
+      # int8 weights, the target's split over the model axis, the draft's
+      # replicated, in a greedy speculative run
+      qcfg, qparams, _ = checkpoint.load_model(str(ck / "target"), dtype="int8")
+      qdraft = steps.Runner(*checkpoint.load_model("tiny-draft", dtype="int8", seed=1,
+                                                   role="draft")[:2])
+      shares = shard_fractions(qparams)
+      out["int8"] = {
+          "spec": speculative.generate(steps.Runner(qcfg, qparams), qdraft, PROMPTS, N_PREDICT,
+                                       4).tokens,
+          "share": {k: shares[f"layers_0/{k}"]
+                    for k in ("attn/wq/kernel_q", "attn/wq/kernel_scale", "mlp/w_down/kernel_q")},
+          "dtypes": [str(p["layers_0"]["attn"]["wq"]["kernel_q"].dtype)
+                     for p in (qparams, qdraft.params)]}
     if spec == "data:1,model:8":
       report["fractions"] = {"params": shard_fractions(tparams),
                              "cache": shard_fractions(cache.k[0]),
@@ -107,7 +161,8 @@ def run_mesh(spec, ck: Path, report: dict) -> dict:
                        "n_layers": tcfg.n_layers,
                        "smallest_weight": min(x.size for x in jax.tree_util.tree_leaves(tparams)
                                               if x.ndim == 2),
-                       "cache_shard": int(cache.k[0].size)}
+                       "cache_shard": int(cache.k[0].size),
+                       "combined": collectives(combined_all_reduces())}
       # the draft split over the model axis too
       with sharding.use(mesh, "model"):
         dcfg2, dparams2, _ = checkpoint.load_model(str(ck / "draft_tp"), role="draft")

@@ -114,6 +114,28 @@ def test_decode_step_has_two_all_reduces_per_layer_and_no_gathers(report):
       assert all(n < limit for n in ops.get(op, [])), (step, op, ops)
 
 
+def test_combined_all_reduces_count_once_per_array(report):
+  """Two independent row-split products on model:8: XLA's CPU pipeline
+  combines their all-reduces into one op with a tuple result, and
+  mesh_worker.collectives counts both (the regex before it counted none;
+  tests/parallel/test_mesh_paths.py has the HLO forms one by one)."""
+  assert report["hlo"]["combined"] == {"all-reduce": [4 * 32, 4 * 32]}
+
+
+def test_int8_speculative_tokens_on_a_mesh_equal_one_devices(report):
+  """int8 target and draft, greedy speculative, on data:2,model:4 (the
+  target's int8 kernels and scales split 4 ways, the draft replicated): the
+  single-device int8 tokens, which are not the float ones (int8 really ran).
+  Checked by hand: the int8 kernels' PARAM_SPECS rules set to P() fail the
+  shares here; a mesh load that fell back to float fails the last check."""
+  ref, got = report["meshes"]["None"]["int8"], report["meshes"]["data:2,model:4"]["int8"]
+  assert got["spec"] == ref["spec"]
+  assert got["dtypes"] == ref["dtypes"] == ["int8", "int8"]
+  assert set(ref["share"].values()) == {1.0}
+  assert got["share"] == {k: pytest.approx(1 / 4) for k in got["share"]}
+  assert got["spec"] != report["meshes"]["None"]["spec4"]
+
+
 def test_auto_draft_is_split_when_it_divides_and_replicated_otherwise(report):
   assert report["auto"] == {"draft_tp": 1 / 8, "tiny_draft": 1.0}
 
