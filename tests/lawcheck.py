@@ -5,8 +5,11 @@ implementation of the warpers, never from specjax.model.sampling; see
 tests/decode/test_lossless.py for what each law sees."""
 
 
+import __future__
 import dataclasses
+import inspect
 import itertools
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -121,19 +124,40 @@ def exact_laws(target, draft, prompt, sp: SamplingParams, gamma: int,
     nxt = (joint[:, None] * p[j]).reshape(-1)
     pairs.append(nxt.reshape(V ** (j - 1), V, V).sum(0))
     joint = nxt
-  # Acceptance: mass of prefixes t_0 d_1..d_j whose drafts were all accepted.
-  overlap = [np.minimum(a, b) for a, b in zip(p, q)]
-  mass = p[0][0]  # prefixes of length 1 (t_0)
-  accept = np.zeros((gamma + 1, 2))
+  return Laws(pairs, acceptance_law(p, q, q, gamma))
+
+
+def acceptance_law(p: list[np.ndarray], q_draft: list, q_next: list, gamma: int,
+                   by_first: bool = False) -> np.ndarray:
+  """The law of (k1, 1[k2 > 0]) [gamma + 1, 2] from the target's p and the
+  drafter's proposal laws, all indexed like next_token_logits (entry j:
+  [V^j, V], one row per continuation t_0 .. t_{j-1} of the prompt):
+    q_draft[j]  the law of d_j, the first step's j-th draft, after t_0 d_1 ..
+                d_{j-1} (j = 1..gamma);
+    q_next[j]   the law of the second step's first draft after a first step
+                that left the continuation t_0 .. t_{j-1} (j = 2..gamma + 2).
+  A draft model has one q for both; a drafter that drafts from other
+  context (EAGLE's predicted features within a step, n-gram lookup's
+  history as of the step's start) has two. A row of zeros means nothing is
+  drafted there: the engine then accepts nothing and draws its token from p,
+  as max(0, p - 0) does; a onehot row is a deterministic draft.
+
+  `by_first`: the joint law with the first token t_0 [V, gamma + 1, 2], whose
+  cells see a drafter that drafts well after some t_0 and badly after
+  others where the marginal may average the difference away."""
+  mass = p[0][0]  # prefixes t_0 whose drafts so far were all accepted
+  accept = np.zeros((V, gamma + 1, 2))
   for j in range(gamma + 1):
     length = j + 1
-    resid = np.maximum(p[length] - q[length], 0.0) if j < gamma else p[length]
+    resid = np.maximum(p[length] - q_draft[length], 0.0) if j < gamma else p[length]
     s1 = (mass[:, None] * resid).reshape(-1)          # the step's last token y
-    beta = overlap[length + 1].sum(-1)                 # P(k2 > 0 | s1)
-    accept[j] = [(s1 * (1 - beta)).sum(), (s1 * beta).sum()]
-    mass = (mass[:, None] * overlap[length]).reshape(-1)
+    beta = np.minimum(p[length + 1], q_next[length + 1]).sum(-1)  # P(k2 > 0 | s1)
+    accept[:, j] = np.stack([(s1 * (1 - beta)).reshape(V, -1).sum(1),
+                             (s1 * beta).reshape(V, -1).sum(1)], 1)  # t_0 leads the index
+    if j < gamma:
+      mass = (mass[:, None] * np.minimum(p[length], q_draft[length])).reshape(-1)
   np.testing.assert_allclose(accept.sum(), 1.0, atol=1e-9)
-  return Laws(pairs, accept)
+  return accept if by_first else accept.sum(0)
 
 # ---------------------------------------------------------------- the test
 
@@ -184,7 +208,9 @@ def pvalues(target, draft, sp, gamma, rows, accept_law=None, **kw) -> dict[str, 
 
   `draft` is the model whose q the acceptance law uses (and the draft of the
   `model` drafter); `accept_law(prompt, sp, gamma)` replaces that law (a
-  drafter without a draft model: tests/test_drafters.py)."""
+  drafter without a draft model, or one that drafts from more than the
+  tokens: tests/drafters/); a law [V, gamma + 1, 2] is tested jointly with
+  t_0."""
   tokens, ks, which = sample(target, draft, sp, gamma, rows, **kw)
   out = {}
   for i, prompt in enumerate(PROMPTS):
@@ -200,7 +226,10 @@ def pvalues(target, draft, sp, gamma, rows, accept_law=None, **kw) -> dict[str, 
     for j, law in enumerate(laws.pairs):
       counts = np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V)
       out[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(counts, law)
-    counts = np.bincount(k[:, 0] * 2 + (k[:, 1] > 0), minlength=2 * (gamma + 1))
+    cell = k[:, 0] * 2 + (k[:, 1] > 0)
+    if laws.accept.ndim == 3:  # the joint law with t_0 (acceptance_law's by_first)
+      cell = cell + t[:, 0] * 2 * (gamma + 1)
+    counts = np.bincount(cell, minlength=laws.accept.size)
     out[f"prompt {i} acceptance"] = chi2_pvalue(counts, laws.accept)
   return out
 
@@ -220,3 +249,17 @@ def exactness(pair_, sp, gamma, **kw) -> tuple[float, dict[str, float]]:
 def full_forward_kv(m: steps.Runner, seq: list[int]):
   cache = m.new_cache(1, len(seq))
   return model.forward(m.params, jnp.asarray([seq]), cache, m.cfg)[1]
+
+
+def mutant(fn, old: str, new: str):
+  """`fn` with the source text `old` replaced by `new`: a deliberate bug at
+  one expression, compiled in fn's own module (its globals), for a mutation
+  check to monkeypatch in. `old` must occur exactly once, so that an edit of
+  the engine that moves it fails the check loudly instead of testing nothing."""
+  src = textwrap.dedent(inspect.getsource(fn))
+  assert src.count(old) == 1, f"{fn.__qualname__}: {old!r} occurs {src.count(old)} times"
+  code = compile(src.replace(old, new), inspect.getsourcefile(fn), "exec",
+                 flags=__future__.annotations.compiler_flag, dont_inherit=True)
+  scope: dict = {}
+  exec(code, fn.__globals__, scope)  # pylint: disable=exec-used
+  return scope[fn.__name__]

@@ -1,6 +1,9 @@
 """The EAGLE-1 head (specjax/eagle.py): features, training, resume, files,
 and drafting with it in the speculative loop."""
 
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +21,8 @@ from specjax.train import loop as train
 from specjax.model import kv_cache as kvc
 from specjax.model.config import get_preset
 from specjax.model.sampling import SamplingParams
+
+import lawcheck
 
 CFG = get_preset("tiny")
 
@@ -170,33 +175,155 @@ def test_drafts_equal_the_teacher_forced_head(shipped):
     np.testing.assert_allclose(np.asarray(d.q[b, 1]), np.asarray(want), atol=1e-4)
 
 
-def test_sampled_output_follows_the_target_law(tmp_path):
-  """Exact sampling with the head drafting (its own q) leaves the output law
-  the target's: tests/test_lossless.py's chi-square machinery on its V=6
-  target, top-p 0.8 at gamma 2 (a random head: many rejections, so the
-  residual path carries the law)."""
-  import lawcheck as lossless  # pylint: disable=import-outside-toplevel
+# ------------------------------------------------- exact sampling on a V = 6 target
+
+
+@pytest.fixture(scope="module")
+def v6_head(tmp_path_factory):
+  """(target, drafter, law): lawcheck's V = 6 target with unit-scale
+  embeddings (x30) and layer kernels x3, so that its features follow the
+  tokens and the context; a head built to draft it: the target's own layer
+  (its attention logits and output x4) over fc = the token's embedding +
+  the feature, so that q moves with each input the bookkeeping hands it (a
+  random head's q barely does: stale features and unshifted pairs passed
+  unseen with one); `law(prompt, sp, gamma)` the exact acceptance law of its
+  drafts, jointly with t_0 (head_acceptance_law)."""
   from specjax.model import config  # pylint: disable=import-outside-toplevel
-  cfg = config.ModelConfig(name="v6", vocab_size=lossless.V, dim=32, n_layers=1, n_heads=2,
+  cfg = config.ModelConfig(name="v6", vocab_size=lawcheck.V, dim=32, n_layers=1, n_heads=2,
                            n_kv_heads=1, ffn_dim=64, max_seq_len=32)
-  target = lossless.sharpen(steps.Runner(cfg, model.init_params(cfg, 11)), 4.0)
+  params = dict(model.init_params(cfg, 11))
+  params["embed"] = {"embedding": params["embed"]["embedding"] * 30}
+  params["layers_0"] = jax.tree_util.tree_map(lambda x: 3 * x if x.ndim == 2 else x,
+                                              params["layers_0"])
+  target = lawcheck.sharpen(steps.Runner(cfg, params), 4.0)
   hcfg = eagle.head_config(cfg)
-  hp = jax.tree_util.tree_map(lambda x: x * 8 if x.ndim == 2 else x, eagle.init_head(hcfg, 4))
-  eagle.save_head(tmp_path / "v6-eagle", hcfg, hp, cfg, "v6")
-  drafter = eagle.EagleDrafter(str(tmp_path / "v6-eagle"))
-  ps = {}
-  for name, gamma in (("top_p0.8", 2),):
-    sp = lossless.SAMPLINGS[name]
-    tokens, ks, which = lossless.sample(target, None, sp, gamma, lossless.ROWS, drafter=drafter)
-    assert ks[:, 0].max() > 0  # some drafts were accepted
-    for i, prompt in enumerate(lossless.PROMPTS):
-      laws = lossless.exact_laws(target, target, prompt, sp, gamma)
-      t = tokens[which == i]
-      for j, law in enumerate(laws.pairs):
-        counts = np.bincount(t[:, j] * lossless.V + t[:, j + 1], minlength=lossless.V ** 2)
-        ps[f"{name} prompt {i} pair t{j},t{j + 1}"] = lossless.chi2_pvalue(counts, law)
-  assert min(ps.values()) * len(ps) > lossless.ALPHA, {
-      k: v for k, v in ps.items() if v * len(ps) <= lossless.ALPHA}
+  block = jax.tree_util.tree_map(lambda x: x, target.params["layers_0"])
+  scale = {"wq": 2, "wk": 2, "wo": 4}  # attention logits x4, its output x4
+  block["attn"] = {k: {"kernel": v["kernel"] * scale.get(k, 1)} for k, v in block["attn"].items()}
+  eye = jnp.eye(cfg.dim)
+  hp = {"fc": {"kernel": jnp.concatenate([eye, eye], 0), "bias": jnp.zeros(cfg.dim)},
+        "block": block}
+  path = eagle.save_head(tmp_path_factory.mktemp("v6") / "v6-eagle", hcfg, hp, cfg, "v6")
+  hcfg, hp, _ = eagle.load_eagle(path)  # what the drafter runs
+  return target, eagle.EagleDrafter(str(path)), head_acceptance_law(target, hcfg, hp)
+
+
+def head_acceptance_law(target, hcfg, hparams):
+  """law(prompt, sp, gamma) -> the law of (t_0, k1, 1[k2 > 0]) [V, gamma+1, 2]
+  (lawcheck.acceptance_law) under EAGLE drafting, its q from teacher-forced
+  passes without a cache (none of the drafter's bookkeeping: the head cache's
+  rollbacks, the pending pairs, the output index), over every continuation
+  of the prompt at once:
+    second step's first draft after x_0..x_{n-1}: the head over the true
+      pairs (f_i, x_{i+1}), i = 0..n-2, output n-2 (module docstring);
+    first step's draft d_j after the prompt (P tokens) and t_0 d_1..d_{j-1}:
+      the true pairs 0..P-1, then (g_{P-2+i}, d_i), i = 1..j-1 (the head's
+      own predictions stand in for the features), output P+j-2."""
+  tcfg = target.cfg.replace(attn_block=0)
+  hcfg = hcfg.replace(attn_block=0)
+
+  @jax.jit
+  def features(tokens):
+    cache = kvc.init_cache(tcfg, tokens.shape[0], tokens.shape[1])
+    return model.forward(target.params, tokens, cache, tcfg, return_hidden=True)[2]
+
+  @jax.jit
+  def head_q_logits(feats, tokens):  # pairs 0..T-1 -> (g [B, T, E], logits of g [B, T, V])
+    cache = eagle.new_cache(hcfg, tokens.shape[0], tokens.shape[1])
+    g = eagle.head_forward(hparams, target.params, feats, tokens, cache, hcfg, tcfg)[0]
+    return g, model.head_logits(target.params, g, tcfg)
+
+  def q_laws(prompt, sp, gamma, tie_shift):
+    v, big_p, m = lawcheck.V, len(prompt), gamma + 2
+    seqs = np.array(list(itertools.product(range(v), repeat=m)), np.int32)
+    x = jnp.asarray(np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], 1))
+    f = features(x)                                    # f_0 .. f_{P+m-1}
+    g, logits = head_q_logits(f[:, :-1], x[:, 1:])     # g_0 .. g_{P+m-2}
+    law = lambda a, j: lawcheck.warp(np.asarray(a)[::v ** (m - j)], sp, tie_shift)
+    q_next = [None, None] + [law(logits[:, big_p + j - 2], j) for j in range(2, m + 1)]
+    q_draft, pred = [None, law(logits[:, big_p - 1], 1)], [g[:, big_p - 1]]
+    for j in range(2, gamma + 1):
+      feats = jnp.concatenate([f[:, :big_p], jnp.stack(pred, 1)], 1)
+      gj, lj = head_q_logits(feats, x[:, 1:big_p + j])
+      q_draft.append(law(lj[:, -1], j))
+      pred.append(gj[:, -1])
+    return q_draft, q_next
+
+  @functools.lru_cache(maxsize=None)
+  def law(prompt, sp, gamma, tie_shift=0.0):
+    p = [lawcheck.warp(x, sp, tie_shift)
+         for x in lawcheck.next_token_logits(target, list(prompt), gamma + 2)]
+    return lawcheck.acceptance_law(p, *q_laws(list(prompt), sp, gamma, tie_shift), gamma,
+                                   by_first=True)
+
+  def checked(prompt, sp, gamma):
+    out = law(tuple(prompt), sp, gamma)
+    if sp.top_p < 1:  # near-ties at the top-p boundary move no tested cell visibly
+      for shift in (-lawcheck.TIE, lawcheck.TIE):
+        assert np.max(np.abs(law(tuple(prompt), sp, gamma, shift) - out)) < 1e-3
+    return out
+  return checked
+
+
+def head_exactness(v6_head, name, gamma):
+  """(Bonferroni-adjusted p-value, all p-values): lawcheck's output law and
+  the head's acceptance law, one ragged batch of ROWS rows per prompt."""
+  target, drafter, law = v6_head
+  ps = lawcheck.pvalues(target, target, lawcheck.SAMPLINGS[name], gamma, lawcheck.ROWS,
+                        drafter=drafter, accept_law=law)
+  return min(1.0, min(ps.values()) * len(ps)), ps
+
+
+# plain sampling at gamma 3 (the predicted-feature chain twice in a step);
+# top-p at gamma 2 (q warped as p is, a filtered residual)
+HEAD_CONFIGS = [("T1", 3), ("top_p0.8", 2)]
+
+
+@pytest.mark.parametrize("name,gamma", HEAD_CONFIGS)
+def test_sampling_with_the_head_is_exact(v6_head, name, gamma):
+  """Exact sampling with the head drafting: the output law is the target's
+  (rejection sampling keeps it for any q), and the accepted counts follow
+  the law of the drafts the head must propose given its features, which
+  only the bookkeeping's bugs change. The windows hold full and partial
+  first steps often."""
+  _, _, law = v6_head
+  for prompt in lawcheck.PROMPTS:
+    accept = law(prompt, lawcheck.SAMPLINGS[name], gamma).sum(0)
+    assert accept[gamma].sum() > 0.15 and accept[:gamma].sum() > 0.1, accept
+  adjusted, ps = head_exactness(v6_head, name, gamma)
+  assert adjusted > lawcheck.ALPHA, {k: v for k, v in ps.items()
+                                     if v * len(ps) <= lawcheck.ALPHA}
+
+
+# Each a one-expression bug in the drafter (lawcheck.mutant), run at the first
+# configuration above with its seed; each must fail the acceptance law.
+HEAD_MUTATIONS = {
+    "pending features not updated on commit (stale)": (
+        eagle.EagleDrafter, "commit", "Pending(feats=c.features,",
+        "Pending(feats=dstate.pending.feats,"),
+    "the wrong output index taken (k + 1)": (
+        eagle, "draft_phase", "idx = jnp.clip(n - 2 - pending.start",
+        "idx = jnp.clip(n - 1 - pending.start"),
+    "pending tokens not shifted (pair (f_i, x_i), not (f_i, x_{i+1}))": (
+        eagle.EagleDrafter, "commit", "tokens=c.emitted,", "tokens=jnp.roll(c.emitted, 1, 1),"),
+    "pending start one slot late (the drafted pair (g, d_1) stays)": (
+        eagle.EagleDrafter, "commit", "start=c.n_prev - 1)", "start=c.n_prev)"),
+}
+
+
+@pytest.mark.parametrize("bug", list(HEAD_MUTATIONS))
+def test_each_deliberate_head_bug_fails_the_same_test(v6_head, monkeypatch, bug):
+  owner, name, old, new = HEAD_MUTATIONS[bug]
+  jax.clear_caches()
+  monkeypatch.setattr(owner, name, lawcheck.mutant(getattr(owner, name), old, new))
+  try:
+    adjusted, ps = head_exactness(v6_head, *HEAD_CONFIGS[0])
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  worst = min(ps, key=ps.get)
+  print(f"MUTATION | {bug} | adjusted p {adjusted:.3g} | worst: {worst} ({ps[worst]:.3g})")
+  assert adjusted < lawcheck.ALPHA, ps
 
 
 def test_eagle_specs_and_errors(tmp_path):
