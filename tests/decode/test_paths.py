@@ -20,11 +20,9 @@ engine's own source, `mutant`, patched in for one run) that fails it.
 
 import __future__
 import inspect
-import itertools
 import textwrap
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
