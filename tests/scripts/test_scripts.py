@@ -73,6 +73,19 @@ def test_speculative_writes_json(tmp_path):
   assert rec["env"]["cpu"]["model"] and rec["env"]["git_commit"]
 
 
+def test_gamma_has_one_meaning():
+  """--gamma on every script: an integer from 1 to 64, or auto; a list of them
+  where a script sweeps gamma."""
+  from specjax import cli  # pylint: disable=import-outside-toplevel
+  from specjax.errors import ConfigError  # pylint: disable=import-outside-toplevel
+  assert cli.parse_gamma("4") == 4 and cli.parse_gamma(" Auto ") == cli.AUTO
+  for bad in ("0", "65", "four", "", "2.5", "-1"):
+    with pytest.raises(ConfigError, match="--gamma"):
+      cli.parse_gamma(bad)
+  assert cli.parse_gammas(["4", "1", "auto", "4"]) == ([1, 4], True)
+  assert cli.parse_gammas(["2"]) == ([2], False)
+
+
 PROMPTS = [[4, 5, 6], [7, 8, 9, 10, 11]]  # one per line of a --prompt_file
 
 

@@ -1,0 +1,204 @@
+"""experiments/gpu_check.py's parts: each a runner that measures and returns
+its records (appending them to gpu_check.jsonl as they finish) and a section
+of gpu_summary.md written from those records and the part's settings alone.
+The parts and their goals are described in the script's docstring.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from specjax import workdir as wd
+from specjax.bench import costs
+from specjax.bench import llama_bench as bench
+from specjax.bench import roofline
+from specjax.bench import sweep
+from specjax.bench import sweep_report
+from specjax.bench import tables
+from specjax.bench.batch_scaling_report import FLAT_LIMIT, scaling_report
+from specjax.formats import checkpoint
+from specjax.model import config
+from specjax.model import steps
+
+Records = list[dict[str, Any]]
+
+
+class Out:
+  """gpu_check.jsonl, appended as each record is finished."""
+
+  def __init__(self, workdir: str):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "gpu_check.jsonl")
+    open(self.path, "w").close()  # pylint: disable=consider-using-with
+    self.env = wd.environment()
+
+  def __call__(self, part: str, rec: dict) -> None:
+    wd.append_jsonl(self.path, [{"part": part, **rec, "env": self.env}])
+
+
+# ---------------------------------------------------------------- peaks
+
+
+def peaks_run(smoke: bool, reps: int, out: Callable[[str, dict], None]) -> dict[str, Any]:
+  """The device's measured ceilings (roofline.measure_peaks, bf16 on a GPU)."""
+  n, mib, dtype = (256, 8, "float32") if smoke else (8192, 2048, "bfloat16")
+  rec = {"n": n, "read_mib": mib, "dtype": dtype,
+         **roofline.measure_peaks(reps=reps, n=n, read_mib=mib, dtype=dtype)}
+  out("peaks", rec)
+  return rec
+
+
+def peaks_section(rec: dict[str, Any]) -> list[str]:
+  n, mib, dtype = rec["n"], rec["read_mib"], rec["dtype"]
+  item = jnp.dtype(dtype).itemsize  # bytes per weight
+  ridge = rec["peak_gflops"] * item / (2 * rec["read_gbs"])
+  return ["## Measured ceilings", "",
+          f"{dtype} {n}^3 product: {rec['peak_gflops'] / 1e3:.1f} TFLOP/s; summing "
+          f"{mib} MiB: {rec['read_gbs']:.0f} GB/s. Ridge point for {item}-byte weights at "
+          f"batch 1: N = {ridge:.0f} tokens per forward (below it the weights' read sets "
+          f"the time: T(N)/T(1) can stay near 1)."]
+
+
+# ---------------------------------------------------------------- decode and verify cost
+
+
+def bench_run(models, dtype, n_prompt, n_gen, depth, reps, out) -> Records:
+  return bench.run_bench(models, [dtype], n_prompt=n_prompt, n_gen=n_gen, n_depth=depth,
+                         reps=reps, on_record=lambda r: out("bench", r))
+
+
+def bench_section(records: Records, models, dtype, n_prompt, n_gen, depth, bandwidth,
+                  measured_gbs=None) -> list[str]:
+  """tg speed, the roofline share (against the datasheet and the measured
+  read bandwidth), T(N)/T(1), where the flat region ends, the FLOP rate."""
+  lines = ["## Decode and verify cost (batch 1, depth %d)" % depth, "",
+           "| model | tg t/s | ms/token | roofline | measured read | " + " | ".join(
+               f"T({n})/T(1)" for n in n_prompt[1:]) + " | leaves flat at N | TFLOP/s at N=%d |"
+           % max(n_prompt), "|---" * (7 + len(n_prompt) - 1) + "|"]
+  for spec in models:
+    cfg = config.get_preset(spec, dtype)
+    rs = [r for r in records if r["model"] == cfg.name]
+    tg = next(r for r in rs if r["kind"] == "tg")
+    pp = {r["n_tokens"]: r for r in rs if r["kind"] == "pp"}
+    ratio = {n: r["verify_ratio"] for n, r in pp.items()}
+    step_s = tg["median_s"] / tg["n_tokens"]
+    slots = roofline.attended_slots(cfg, tg["capacity"], depth + n_gen)
+    roof = (roofline.roofline_fraction(cfg, tg["size_bytes"], slots, step_s, bandwidth)
+            if bandwidth else None)
+    leave, _ = scaling_report({n: r["median_s"] for n, r in pp.items()})
+    n_max = max(pp)
+    tflops = 2 * tg["n_params"] * n_max / pp[n_max]["median_s"] / 1e12
+    share = (roofline.roofline_fraction(cfg, tg["size_bytes"], slots, step_s, measured_gbs)
+             if measured_gbs else None)
+    measured = f"{100 * share:.0f}%" if measured_gbs else "-"
+    lines.append(f"| {spec} | {1 / step_s:.1f} | {1e3 * step_s:.2f} | "
+                 + (f"{100 * roof:.0f}% of {bandwidth:.0f} GB/s" if roof else "bandwidth unknown")
+                 + " | " + measured
+                 + " | " + " | ".join(f"{ratio.get(n, float('nan')):.2f}" for n in n_prompt[1:])
+                 + f" | {leave or '-'} | {tflops:.1f} |")
+  lines += ["", f"Leaves flat at N: the smallest N with T(N)/T(1) > {FLAT_LIMIT} (- if none). "
+            "TFLOP/s: 2 x params x N / T(N) at the largest N; past the ridge point the "
+            "verify is compute-bound and T(N) grows with N. Measured read: the roofline "
+            "share against the read bandwidth measured in the first part."]
+  return lines
+
+
+# ---------------------------------------------------------------- attention
+
+
+def attention_run(spec, dtype, points, n_gen, reps, out) -> Records:
+  cfg, params, _ = checkpoint.load_model(spec, dtype=dtype)
+  return bench.attention_scaling(steps.Runner(cfg, params), points, n_gen, reps,
+                                 on_record=lambda r: out("attention", r))
+
+
+def attention_section(rs: Records, spec, points) -> list[str]:
+  precision = rs[0]["dtype"]  # the model's precision (tables.model_info)
+  ms = {(r["capacity"], r["n_depth"], r["variant"]): r["ms_per_token"] for r in rs}
+  (c_lo, d_lo), (c_hi, _) = points[0], points[1]
+  ratio = ms[(c_hi, d_lo, "blocked")] / ms[(c_lo, d_lo, "blocked")]
+  return [f"## Attention over the used length ({spec}, {precision})", "",
+          bench.attention_table(rs), "",
+          f"Blocked, {d_lo} used: capacity {c_hi} costs {ratio:.2f}x capacity {c_lo} "
+          f"(goal <= 1.1)."]
+
+
+# ---------------------------------------------------------------- the sweeps
+
+
+def sweep_run(cfg, workdir: str, name: str) -> Records:
+  """sweep.run_sweep of cfg into workdir/name (its own results.jsonl)."""
+  return sweep.run_sweep(cfg, os.path.join(workdir, name), progress=False)
+
+
+def sweep_section(points: Records, cfg) -> list[str]:
+  lines = [f"## Speedup, {cfg.draft} draft / {cfg.target} target ({cfg.dtype or 'own dtype'}, "
+           "random weights)", "",
+           "| gamma | accept rule | speedup | T(g+1)/T(1) | Leviathan | measured-cost | efficiency |",
+           "|---" * 7 + "|"]
+  for r in sorted(points, key=lambda r: (r["accept_rule"], r["gamma"])):
+    lines.append(f"| {r['gamma']} | {r['accept_rule']} | {r['speedup']:.2f}x | "
+                 f"{r['verify_ratio']:.2f} | {r['predicted_leviathan']:.2f}x | "
+                 f"{r['predicted_measured_cost']:.2f}x | {r['efficiency']:.2f} |")
+  return lines
+
+
+def batch_section(points: Records, cfg) -> list[str]:
+  lines = [f"## Batch > 1: {cfg.draft} draft / {cfg.target} target ({cfg.dtype or 'own dtype'})",
+           "", "| batch | gamma | accept rule | speedup | loop steps (measured / tail model) | "
+           "T(B,g+1)/T(B,1) | predicted |", "|---" * 7 + "|"]
+  for r in sorted(points, key=lambda r: (r["accept_rule"], r["gamma"], r["batch"])):
+    lines.append(f"| {r['batch']} | {r['gamma']} | {r['accept_rule']} | {r['speedup']:.2f}x | "
+                 f"{r['steps_measured']:.1f} / {r['steps_predicted']:.1f} | "
+                 f"{r['verify_ratio']:.2f} | {r['predicted_tail']:.2f}x |")
+  lines.append("")
+  for g in sorted({r["gamma"] for r in points}):
+    for rule in sorted({r["accept_rule"] for r in points}):
+      xs = [(r["batch"], r["speedup"]) for r in points
+            if r["gamma"] == g and r["accept_rule"] == rule]
+      b = sweep_report.crossover(xs)
+      lines.append(f"Crossover, gamma {g}, {rule}: "
+                   + (f"batch {b}" if b else f"none up to batch {max(x for x, _ in xs)}") + ".")
+  return lines
+
+
+# ---------------------------------------------------------------- loop overhead
+
+
+def overhead_run(target, draft, dtype, gamma, reps, out) -> dict[str, Any]:
+  tcfg, tparams, _ = checkpoint.load_model(target, dtype=dtype)
+  dcfg, dparams, _ = checkpoint.load_model(draft, dtype=dtype, seed=1, role="draft")
+  prompt = list(range(3, 35))
+  rec = costs.loop_overhead(steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams), prompt,
+                            gamma, n_steps=8, reps=reps)
+  out("overhead", rec)
+  return rec
+
+
+def overhead_section(rec: dict[str, Any], target, draft, gamma) -> list[str]:
+  return [f"## Device-loop overhead ({target} / {draft}, gamma {gamma})", "",
+          f"Loop {1e3 * rec['loop_step_s']:.3f} ms/step, its phases alone "
+          f"{1e3 * rec['phases_step_s']:.3f} ms/step: overhead "
+          f"{100 * rec['overhead_share']:.2f} % (goal <= 2 %)."]
+
+
+# ---------------------------------------------------------------- tensor parallelism
+
+
+def mesh_section(recs: Records, model: str, reps: int, n_devices: int,
+                 backend: str) -> list[str]:
+  """T(1), T(5) on data:1,model:M (mesh_plan.model_axis_costs' records; none
+  with one device)."""
+  lines = [f"## Tensor parallelism over the local devices ({n_devices})", ""]
+  if n_devices < 2:
+    return lines + [f"One {backend} device: the model-axis figures need several "
+                    "(experiments/mesh_bench.py measures them on virtual CPU devices)."]
+  return lines + [f"{model} ({recs[0]['precision']}), batch 1, 128 of 256 slots used, medians "
+                  f"of {reps}:", "", tables.markdown_table(
+                      ["mesh", "T(1) ms", "T(5) ms", "T(5)/T(1)", "T(1) vs model:1"],
+                      [[r["mesh"], f"{1e3 * r['t1_s']:.2f}", f"{1e3 * r['tv_s']:.2f}",
+                        f"{r['verify_ratio']:.2f}", f"{r['t1_vs_first']:.2f}"] for r in recs])]
+
