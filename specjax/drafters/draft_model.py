@@ -61,6 +61,11 @@ class ModelDrafter(Drafter):
   def draft_config(self, target, draft):
     if draft is None:
       raise ConfigError("drafter 'model' needs a draft model (--model_draft)")
+    if draft.vocab_size == target.vocab_size and draft.padded_vocab != target.padded_vocab:
+      # q and p are compared column by column (sharding.pad_vocab pads both alike)
+      raise ConfigError(f"draft {draft.name} and target {target.name} are padded to "
+                        f"{draft.padded_vocab} and {target.padded_vocab} tokens: load "
+                        f"both on the same mesh")
     return draft
 
   def draft_params(self, tparams, draft):

@@ -97,7 +97,8 @@ def head_config(target: ModelConfig) -> ModelConfig:
   run in float32 whatever the target's precision; an int8 target keeps a
   float head)."""
   return target.replace(name=f"{target.name}-eagle", n_layers=1, quant=None,
-                        dtype="float32", param_dtype="float32", dot_dtype=None)
+                        dtype="float32", param_dtype="float32", dot_dtype=None,
+                        vocab_multiple=1)  # no vocabulary params of its own
 
 
 def check_head(hcfg: ModelConfig, target: ModelConfig) -> None:
@@ -172,6 +173,7 @@ def save_head(path: str | os.PathLike, hcfg: ModelConfig, hparams, target_cfg: M
   tensors = {k: np.asarray(jnp.asarray(v).astype(dtype)) for k, v in
              _flat(jax.device_get(hparams)).items()}
   safetensors_io.write_safetensors(path / WEIGHTS_FILE, tensors)
+  target_cfg = target_cfg.replace(vocab_multiple=1)  # as saved: no mesh padding
   wd.write_json(path / CONFIG_FILE, {"format": FORMAT, "head": hcfg.to_dict(),
                                      "target": target_name, "target_config": target_cfg.to_dict(),
                                      "dtype": dtype, **(extra or {})})

@@ -43,6 +43,8 @@ def is_orbax_dir(path: str | os.PathLike) -> bool:
 def save(path: str | os.PathLike, cfg: ModelConfig, params,
          tokenizer_dir: str | os.PathLike | None = None) -> Path:
   """Writes `params` with orbax plus specjax_config.json; overwrites.
+  A padded vocabulary (ModelConfig.padded_vocab) is saved without its
+  padding: the checkpoint holds vocab_size rows whatever the mesh.
 
   Args:
     tokenizer_dir: a directory whose tokenizer files (tokenizer.json,
@@ -52,6 +54,7 @@ def save(path: str | os.PathLike, cfg: ModelConfig, params,
   """
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   path = Path(path).absolute()  # orbax wants absolute paths
+  cfg, params = model_lib.strip_vocab(cfg, params)
   _check_layout(cfg, params, "params to save")
   path.mkdir(parents=True, exist_ok=True)
   with ocp.StandardCheckpointer() as ckptr:
@@ -125,7 +128,9 @@ def load(path: str | os.PathLike, dtype: str | None = None, role: str = "target"
   Args:
     dtype: if given, cast the params (and the config's dtypes) to it.
     role: 'target' or 'draft': how the params are placed on the active mesh
-      (sharding.role_shardings; each device restores only its shards).
+      (sharding.role_shardings; each device restores only its shards), the
+      vocabulary padded for it (sharding.pad_vocab: orbax fills the rows
+      past the stored ones with zeros).
   Raises:
     CheckpointError: missing directory or files, or orbax cannot restore.
   """
@@ -144,11 +149,15 @@ def load(path: str | os.PathLike, dtype: str | None = None, role: str = "target"
   # Checked first: orbax would cast dtypes silently, and its shape errors
   # are walls of tensorstore specs.
   _check_layout(cfg, getattr(stored, "item_metadata", stored), str(params_dir))
+  cfg = sharding.pad_vocab(cfg)
   try:
     with ocp.StandardCheckpointer() as ckptr:
       shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
+      # strict=False lets orbax zero-pad the vocabulary (every shape was
+      # checked against the stored config just above).
       params = ckptr.restore(params_dir, abstract_params(
-          cfg, sharding.role_shardings(cfg, shapes, role)))
+          cfg, sharding.role_shardings(cfg, shapes, role)),
+                             strict=cfg.padded_vocab == cfg.vocab_size)
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(f"cannot restore {params_dir} for config "
                           f"{cfg.name!r}: {_one_line(e)}") from e
@@ -193,10 +202,12 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
       (--draft_sharding); every device reads or creates only its own shards.
   Raises:
     CheckpointError: `spec` is none of the three, or the checkpoint is bad.
-    ConfigError: the model axis does not divide the model's sizes.
+    ConfigError: the model axis does not divide the model's sizes (heads,
+      KV heads, FFN width; a vocabulary it does not divide is padded:
+      sharding.pad_vocab).
   """
   if spec in preset_names():
-    cfg = get_preset(spec, dtype)
+    cfg = sharding.pad_vocab(get_preset(spec, dtype))
     shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
     return cfg, model_lib.init_params(
         cfg, seed, sharding.role_shardings(cfg, shapes, role)), None

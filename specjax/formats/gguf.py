@@ -338,6 +338,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None, role: str = "ta
     raise CheckpointError(str(e)) from None
   if dtype:
     cfg = cfg.with_dtype(dtype)
+  cfg = sharding.pad_vocab(cfg)  # on a mesh the model axis does not divide V
   state = GGUFState(reader, cfg, source)
   shardings = None
   if sharding.current() is not None:

@@ -39,6 +39,9 @@ _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers",
              "num_attention_heads", "intermediate_size")
 # Tensors some checkpoints carry that hold nothing the model needs.
 _HARMLESS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# The tensors whose rows (torch layout) are the vocabulary: padded to
+# cfg.padded_vocab on load, the padding stripped on save (llama.strip_vocab).
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 # ---------------------------------------------------------------- config
 
@@ -203,6 +206,7 @@ def params_to_hf_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   """Params -> {HF name: numpy array in torch layout}, in the params' dtype.
 
   With tied embeddings there is no `lm_head.weight` (as in HF's own files).
+  A padded vocabulary (ModelConfig.padded_vocab) is cut back to vocab_size.
 
   Raises:
     ConfigError: quantized (int8) params, which have no HF layout.
@@ -210,6 +214,7 @@ def params_to_hf_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   if cfg.quant:
     raise ConfigError(f"{cfg.name}: {cfg.quant} params have no HF / GGUF / torch "
                       f"layout; convert or compare the float model")
+  cfg, params = model_lib.strip_vocab(cfg, params)
   state = {}
   for t in tensor_map(cfg):
     node = params
@@ -223,6 +228,10 @@ def params_to_hf_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
 def hf_state_to_params(cfg: ModelConfig, state: Mapping[str, Any],
                        source: str = "HF state", shardings=None):
   """{HF name: array} -> the `params` tree of `Llama(cfg)`, in cfg.param_dtype.
+
+  The state holds cfg.vocab_size rows of the vocabulary tensors; with a
+  padded vocabulary (ModelConfig.padded_vocab) the params get zero rows
+  past them.
 
   Args:
     cfg: the model config the tensors must match.
@@ -247,28 +256,49 @@ def hf_state_to_params(cfg: ModelConfig, state: Mapping[str, Any],
     node = params
     for key in t.path[:-1]:
       node = node.setdefault(key, {})
+    pad = cfg.padded_vocab - cfg.vocab_size if t.hf_name in VOCAB_TENSORS else 0
     if shardings is None:
       arr = np.asarray(state[t.hf_name])
+      arr = np.pad(arr, [(0, pad), (0, 0)]) if pad else arr
       node[t.path[-1]] = jnp.asarray(arr.T if t.transpose else arr,
                                      dtype=cfg.jnp_param_dtype)
       continue
     sh = shardings
     for key in t.path:
       sh = sh[key]
-    node[t.path[-1]] = _sharded_tensor(state, t, sh, cfg.jnp_param_dtype)
+    node[t.path[-1]] = _sharded_tensor(state, t, sh, cfg.jnp_param_dtype, pad)
   return params
 
 
-def _sharded_tensor(state, t, sharding, dtype):
-  """One param as a global array, each device's block read on its own."""
+def _read_block(state, t, hf_index: tuple, pad: int) -> np.ndarray:
+  """state[t.hf_name][hf_index] (torch layout) of the tensor with `pad`
+  zero rows after its own: only the rows the file holds are read."""
+  def read(index):
+    if hasattr(state, "read_block"):
+      return np.asarray(state.read_block(t.hf_name, index))
+    return np.asarray(state[t.hf_name])[index]
+  if not pad:
+    return read(hf_index)
+  n = t.hf_shape[0]
+  start, stop, _ = hf_index[0].indices(n + pad)  # a device's rows: a slice, step 1
+  rest = hf_index[1:]
+  block = read((slice(min(start, n), min(stop, n)),) + rest) if start < n else None
+  if block is not None and block.shape[0] == stop - start:
+    return block
+  cols = tuple(len(range(*s.indices(d))) for s, d in zip(rest, t.hf_shape[1:]))
+  zeros = np.zeros((stop - max(start, n),) + cols, np.float32)
+  return zeros if block is None else np.concatenate([block, zeros.astype(block.dtype)])
+
+
+def _sharded_tensor(state, t, sharding, dtype, pad: int = 0):
+  """One param as a global array, each device's block read on its own
+  (`pad` zero rows of the torch layout after the file's: ModelConfig.padded_vocab)."""
   def read(index):  # index in specjax's layout; the file is in torch's
     hf_index = tuple(reversed(index)) if t.transpose else tuple(index)
-    if hasattr(state, "read_block"):
-      block = state.read_block(t.hf_name, hf_index)
-    else:
-      block = np.asarray(state[t.hf_name])[hf_index]
+    block = _read_block(state, t, hf_index, pad)
     return block.T if t.transpose else block
-  shape = tuple(reversed(t.hf_shape)) if t.transpose else t.hf_shape
+  shape = (t.hf_shape[0] + pad,) + t.hf_shape[1:]
+  shape = tuple(reversed(shape)) if t.transpose else shape
   return jax.make_array_from_callback(
       shape, sharding, lambda idx: np.asarray(read(idx)).astype(dtype))
 
@@ -321,7 +351,8 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, role: str = "targ
     role: 'target' or 'draft': the placement on the active mesh
       (sharding.role_shardings); each process reads only its devices' slices.
   Returns:
-    (cfg, params) with params in cfg.param_dtype.
+    (cfg, params) with params in cfg.param_dtype; on a mesh whose model
+    axis does not divide the vocabulary, padded (sharding.pad_vocab).
   Raises:
     CheckpointError: one line naming what is missing, mis-shaped or corrupt.
   """
@@ -329,7 +360,7 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, role: str = "targ
     raise ConfigError("load_hf loads float weights; int8 goes through "
                       "checkpoint.load_model(..., dtype='int8')")
   path = Path(path)
-  cfg = read_hf_config(path, dtype)
+  cfg = sharding.pad_vocab(read_hf_config(path, dtype))
   state = SafetensorsState(_weight_files(path))
   shardings = None
   if sharding.current() is not None:

@@ -82,11 +82,16 @@ class ModelConfig:
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   quant: str | None = None      # 'int8': weight-only int8 projections (see INT8)
+  vocab_multiple: int = 1       # the embedding and LM head hold padded_vocab rows: V
+                                # rounded up to this multiple (a mesh's model axis,
+                                # sharding.pad_vocab); never saved (see padded_vocab)
 
   def __post_init__(self):
     if self.quant not in (None,) + QUANT_MODES:
       raise ConfigError(f"{self.name}: quant must be one of {QUANT_MODES} or None, "
                         f"got {self.quant!r}")
+    if int(self.vocab_multiple) < 1:
+      raise ConfigError(f"{self.name}: vocab_multiple must be >= 1, got {self.vocab_multiple}")
     if int(self.attn_block) < 0:
       raise ConfigError(f"{self.name}: attn_block must be >= 0, got {self.attn_block}")
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
@@ -108,6 +113,17 @@ class ModelConfig:
   @property
   def d_head(self) -> int:
     return self.head_dim or self.dim // self.n_heads
+
+  @property
+  def padded_vocab(self) -> int:
+    """Rows of the embedding and columns of the LM head: vocab_size rounded
+    up to vocab_multiple. A vocabulary the mesh's model axis does not divide
+    (32001, 50277, ...) is padded so that both split evenly over it; the
+    padded ids are never looked up (tokens are < vocab_size), their logits
+    are masked (llama.mask_padded_logits) and saving strips them
+    (llama.strip_vocab), so a checkpoint always holds vocab_size."""
+    m = self.vocab_multiple
+    return -(-self.vocab_size // m) * m
 
   @property
   def jnp_dtype(self):

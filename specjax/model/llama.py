@@ -17,6 +17,7 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.model import kv_cache as kvc
 from specjax.model.config import ModelConfig
@@ -34,8 +35,9 @@ class Llama(nn.Module):
     # logit_index [B] (prefill needs only the last real token's logits).
     # return_hidden: also the final-normed hidden state [B, T, E] of every
     # position (what the LM head reads; HF LlamaModel's output).
+    # V is cfg.padded_vocab; the padded ids' logits are masked.
     cfg = self.cfg
-    embed = nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
+    embed = nn.Embed(cfg.padded_vocab, cfg.dim, dtype=cfg.jnp_dtype,
                      param_dtype=cfg.jnp_param_dtype, embedding_init=weight_init,
                      name="embed")
     x = embed(tokens)  # [B, T, E]
@@ -58,15 +60,79 @@ class Llama(nn.Module):
       logits = dot_general(cfg)(x.astype(cfg.jnp_dtype), table,
                                 (((x.ndim - 1,), (1,)), ((), ())))
     else:
-      logits = dense(cfg, cfg.vocab_size, "lm_head")(x)
+      logits = dense(cfg, cfg.padded_vocab, "lm_head")(x)
+    logits = mask_padded_logits(logits.astype(jnp.float32), cfg)
     t = tokens.shape[1]
     new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
     if return_hidden:
-      return logits.astype(jnp.float32), new_cache, hidden
-    return logits.astype(jnp.float32), new_cache
+      return logits, new_cache, hidden
+    return logits, new_cache
+
+
+# ------------------------------------------------------- the padded vocabulary
+#
+# On a mesh whose model axis does not divide the vocabulary, the embedding
+# [V, E] and the LM head [E, V] hold cfg.padded_vocab rows / columns (zeros
+# past vocab_size; ModelConfig.padded_vocab, sharding.pad_vocab) so that the
+# one partition table splits them evenly. The model's logits keep the padded
+# width, the padded columns at MASKED_LOGIT, rather than being sliced to
+# vocab_size: they are split on V over the model axis, and an array of
+# vocab_size columns cannot be (jax wants even shards), so a slice would
+# gather every step's logits onto every device, while the mask is an
+# elementwise select on each shard, with no communication. Every consumer
+# (sampling.probs, the argmax of greedy paths, the acceptance test, the
+# drafters) then sees padded ids with probability exactly 0; a speculative
+# pair is padded alike (sharding.pad_vocab pads by the mesh, not the role).
+
+# The logit of a padded id: finite, so that where a distribution meets its
+# log (a KL, a cross-entropy: train/) 0 * log 0 stays 0 and not NaN as with
+# -inf, and so far below any real logit that softmax gives it exactly 0 (and
+# a temperature below 0.7 turns it into -inf, which softmax also takes).
+MASKED_LOGIT = -0.7 * float(np.finfo(np.float32).max)
+
+# The params with a vocabulary axis, by path, and that axis.
+VOCAB_AXES = {("embed", "embedding"): 0, ("lm_head", "kernel"): 1,
+              ("lm_head", "kernel_q"): 1, ("lm_head", "kernel_scale"): 0}
+
+
+def mask_padded_logits(logits, cfg: ModelConfig):
+  """logits [..., padded_vocab] with the padded ids' columns at MASKED_LOGIT
+  (no-op when nothing is padded)."""
+  if cfg.padded_vocab == cfg.vocab_size:
+    return logits
+  real = jnp.arange(cfg.padded_vocab) < cfg.vocab_size  # [V]
+  return jnp.where(real, logits, jnp.asarray(MASKED_LOGIT, logits.dtype))
+
+
+def resize_vocab(params, rows: int):
+  """`params` with the vocabulary axis of the embedding and LM head params
+  (VOCAB_AXES) cut or zero-padded to `rows`; every other leaf as it is (the
+  same array). Arrays of any kind (numpy, jax, traced)."""
+  def one(path, x):
+    axis = VOCAB_AXES.get(tuple(str(getattr(k, "key", k)) for k in path)[-2:])
+    if axis is None or x.shape[axis] == rows:
+      return x
+    if x.shape[axis] > rows:
+      return jax.lax.slice_in_dim(x, 0, rows, axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, rows - x.shape[axis])
+    return jnp.pad(x, pad)
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def strip_vocab(cfg: ModelConfig, params):
+  """(cfg, params) without the vocabulary padding, as they are saved: the
+  config with vocab_multiple 1, the embedding and LM head cut to vocab_size
+  (on a mesh the two cut arrays come back replicated: a V-split of
+  vocab_size rows does not exist)."""
+  if cfg.padded_vocab == cfg.vocab_size:
+    return cfg.replace(vocab_multiple=1), params
+  return cfg.replace(vocab_multiple=1), resize_vocab(params, cfg.vocab_size)
 
 
 def _random_params(cfg: ModelConfig, key):
+  if cfg.padded_vocab != cfg.vocab_size:  # the unpadded model's values, zero-padded
+    return resize_vocab(_random_params(cfg.replace(vocab_multiple=1), key), cfg.padded_vocab)
   if cfg.quant:  # the float model's random weights, quantized
     return quant.quantize_params(_random_params(cfg.replace(quant=None), key))
   cache = kvc.init_cache(cfg, 1, 1)
@@ -83,7 +149,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
   Jitted (once per config) so that only the final arrays are materialised,
   which matters at 7B+; with `shardings` (a tree of NamedShardings, see
   sharding.role_shardings) each device materialises only its own shards.
-  The values do not depend on the shardings.
+  The values do not depend on the shardings, nor on the vocabulary padding
+  (the padded rows are zeros).
   """
   key = jax.random.PRNGKey(seed)
   if shardings is None:
@@ -118,7 +185,7 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
 
 def embed_tokens(params, tokens, cfg: ModelConfig):
   """The model's input embedding of tokens [B, T] -> [B, T, E] (cfg.dtype)."""
-  return nn.Embed(cfg.vocab_size, cfg.dim, dtype=cfg.jnp_dtype,
+  return nn.Embed(cfg.padded_vocab, cfg.dim, dtype=cfg.jnp_dtype,
                   param_dtype=cfg.jnp_param_dtype).apply(
                       {"params": params["embed"]}, tokens)
 
@@ -126,15 +193,16 @@ def embed_tokens(params, tokens, cfg: ModelConfig):
 def head_logits(params, hidden, cfg: ModelConfig):
   """The model's LM head on final-normed hidden states [..., E] -> float32
   logits [..., V]: the same product as the forward's (tied embedding or
-  lm_head, int8 included), with the model's own weights (no copy)."""
+  lm_head, int8 included), with the model's own weights (no copy), and the
+  same mask on padded ids (V = cfg.padded_vocab)."""
   if cfg.tie_embeddings:
     table = params["embed"]["embedding"].astype(cfg.jnp_dtype)  # [V, E]
     logits = dot_general(cfg)(hidden.astype(cfg.jnp_dtype), table,
                               (((hidden.ndim - 1,), (1,)), ((), ())))
   else:
-    logits = dense(cfg, cfg.vocab_size, "lm_head").apply(
+    logits = dense(cfg, cfg.padded_vocab, "lm_head").apply(
         {"params": params["lm_head"]}, hidden)
-  return logits.astype(jnp.float32)
+  return mask_padded_logits(logits.astype(jnp.float32), cfg)
 
 
 def param_count(params) -> int:

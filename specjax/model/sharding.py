@@ -14,6 +14,12 @@ is the one place that says how each weight is split:
   lm_head             split on the vocabulary (logits sharded on V)
   norms               replicated
 
+A vocabulary the model axis does not divide (32001, 50277, ...) is padded to
+a multiple of it when a model is loaded on the mesh (`pad_vocab`,
+ModelConfig.padded_vocab): zero rows in the embedding and LM head, their
+logits masked in the model (llama.mask_padded_logits) and stripped again on
+save (llama.strip_vocab); the table above is unchanged.
+
 The cache [B, K, S, D] is split on batch over `data` and on KV heads over
 `model`, so each device holds the KV heads of its query heads and attention
 needs no communication. GQA with fewer KV heads than the model axis is
@@ -150,11 +156,12 @@ def mesh_shape(mesh: Mesh | None) -> MeshShape:
 
 
 def check_model(cfg: ModelConfig, model_axis: int) -> None:
-  """Raises ConfigError unless the model axis divides every split size."""
+  """Raises ConfigError unless the model axis divides every split size (the
+  vocabulary as padded: `pad_vocab`)."""
   if model_axis <= 1:
     return
   sizes = {"n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
-           "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.vocab_size}
+           "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.padded_vocab}
   bad = [f"{k}={v}" for k, v in sizes.items() if v % model_axis]
   if bad:
     hint = (" (KV heads are not replicated across the model axis: use a "
@@ -162,6 +169,17 @@ def check_model(cfg: ModelConfig, model_axis: int) -> None:
             if cfg.n_kv_heads % model_axis else "")
     raise ConfigError(f"{cfg.name}: the model axis ({model_axis} devices) does "
                       f"not divide {', '.join(bad)}{hint}")
+
+
+def pad_vocab(cfg: ModelConfig, mesh: Mesh | None = None) -> ModelConfig:
+  """`cfg` as it is loaded on `mesh` (default: the active one): its
+  vocabulary padded to a multiple of the model axis when the axis does not
+  divide it (vocab_multiple, see ModelConfig.padded_vocab), else unchanged
+  (vocab_multiple 1). By the mesh, not the role: a replicated draft is padded
+  like its target, so that the two distributions the acceptance test
+  compares have the same width."""
+  m = mesh_shape(current() if mesh is None else mesh).model
+  return cfg.replace(vocab_multiple=m if cfg.vocab_size % m else 1)
 
 
 # ------------------------------------------------------------- the active mesh

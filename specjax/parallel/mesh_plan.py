@@ -91,6 +91,9 @@ def plan(target: ModelConfig, draft: ModelConfig | None, batch: int, capacity: i
   mesh = sharding.current()
   if mesh is None:
     raise ValueError("plan needs an active mesh (sharding.activate / sharding.use)")
+  # as load_model would place them: a vocabulary padded for the model axis
+  target = sharding.pad_vocab(target)
+  draft = None if draft is None else sharding.pad_vocab(draft)
   tp = abstract_params(target, "target")
   tc = abstract_cache(target, tp, batch, capacity)
   rec: Record = {

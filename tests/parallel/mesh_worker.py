@@ -2,10 +2,12 @@
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/mesh_worker.py DIR PART
 
-DIR holds the HF checkpoints `target` and `draft_tp` (written by
+DIR holds the HF checkpoints `target` and `draft_tp`, and `pad{V}`,
+`pad{V}_draft` of vocabularies no model axis divides (written by
 tests/test_sharding.py); the report goes to DIR/report_PART.json. PART `a`
 runs the split meshes (1,8) and (2,4) and the checks tied to them, PART `b`
-the others and the error cases: test_sharding.py runs both at once (XLA
+the others and the error cases; the padded vocabularies run on model:8 in
+`a`, on model:2 and model:4 in `b`: test_sharding.py runs both at once (XLA
 compiles on one core, and compiling is most of the work) and merges them.
 """
 
@@ -24,6 +26,11 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.formats import safetensors_io
 from specjax.formats import checkpoint
+from specjax.formats import gguf as gguf_file
+from specjax.formats import gguf_write
+from specjax.formats import hf
+from specjax.model import llama
+from specjax.model import sampling
 from specjax.decode import generation
 from specjax.parallel import mesh_plan
 from specjax.model import sharding
@@ -36,6 +43,11 @@ MESHES = {"a": ("data:1,model:8", "data:2,model:4"),
           "b": (None, "data:1,model:1", "data:8,model:1")}
 PROMPTS = [[1, 5, 7, 9, 11], [1, 2], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 9, 9]]
 N_PREDICT = 10
+# Padded vocabularies (sharding.pad_vocab): each on every mesh of the part.
+PAD_VOCABS = (259, 1001)
+PAD_MESHES = {"a": ("data:1,model:8",), "b": ("data:1,model:2", "data:1,model:4")}
+PAD_PROMPTS = [[1, 5, 7, 9, 11], [1, 2]]
+PAD_N = 8
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*(.*)$")  # name = shape opcode(...)
 ARRAY = re.compile(r"\b[a-z][a-z0-9]*\[([^\]]*)\]")                  # f32[4,128] -> '4,128'
@@ -227,13 +239,139 @@ def errors(ck: Path) -> dict[str, str]:
   return out
 
 
+def padded_runs(ck: Path, part: str) -> dict:
+  """Greedy target-only and speculative tokens of the padded-vocabulary
+  models on the part's meshes (the 2-head draft replicated, padded alike),
+  and, on model:8, the int8 target's."""
+  out = {}
+  for spec in PAD_MESHES[part]:
+    mesh = sharding.make_mesh(spec)
+    for v in PAD_VOCABS:
+      with sharding.use(mesh):  # 'auto': the draft's 1 KV head is not split
+        cfg, params, _ = checkpoint.load_model(str(ck / f"pad{v}"))
+        dcfg, dparams, _ = checkpoint.load_model(str(ck / f"pad{v}_draft"), role="draft")
+        target, draft = steps.Runner(cfg, params), steps.Runner(dcfg, dparams)
+        rec = {"padded": [cfg.padded_vocab, dcfg.padded_vocab],
+               "embed_fraction": shard_fractions(params)["embed/embedding"],
+               "greedy": generation.generate(target, PAD_PROMPTS, PAD_N).tokens,
+               "spec": speculative.generate(target, draft, PAD_PROMPTS, PAD_N, 3).tokens}
+        if spec == "data:1,model:8" and v == PAD_VOCABS[0]:
+          qcfg, qparams, _ = checkpoint.load_model(str(ck / f"pad{v}"), "int8")
+          q = steps.Runner(qcfg, qparams)
+          rec["int8"] = {"greedy": generation.generate(q, PAD_PROMPTS, PAD_N).tokens,
+                         "spec": speculative.generate(q, draft, PAD_PROMPTS, PAD_N, 3).tokens}
+      out[f"{v}/{spec}"] = rec
+  return out
+
+
+def int8_reference(ck: Path) -> dict:
+  """The int8 run of padded_runs on one device (nothing padded)."""
+  v = PAD_VOCABS[0]
+  qcfg, qparams, _ = checkpoint.load_model(str(ck / f"pad{v}"), "int8")
+  draft = steps.Runner(*checkpoint.load_model(str(ck / f"pad{v}_draft"))[:2])
+  q = steps.Runner(qcfg, qparams)
+  return {"greedy": generation.generate(q, PAD_PROMPTS, PAD_N).tokens,
+          "spec": speculative.generate(q, draft, PAD_PROMPTS, PAD_N, 3).tokens}
+
+
+def loud_padding(params, v: int):
+  """`params` with the padded LM head columns (ids >= v) at +-1000 along
+  two random directions: whatever the hidden state, some padded logit is
+  far above every real one, so only the mask keeps them out."""
+  kernel = np.array(sharding.to_host(params["lm_head"]["kernel"]))  # [E, Vp]
+  u = np.random.RandomState(0).randn(2, kernel.shape[0])
+  signs = np.array([1, -1] * kernel.shape[1])[:kernel.shape[1] - v]
+  kernel[:, v:] = 1000 * (u[np.arange(kernel.shape[1] - v) // 2 % 2].T * signs)
+  lm_head = dict(params["lm_head"],
+                 kernel=sharding.place(kernel, params["lm_head"]["kernel"].sharding))
+  return dict(params, lm_head=lm_head)
+
+
+def masked_runs(ck: Path) -> dict:
+  """On model:8 with loud padded columns (loud_padding): greedy and sampled
+  tokens, target-only and speculative, the first step's sampling mass on
+  the real and the padded ids and its argmax, then the same first step with
+  the mask taken out of the model (the deliberate bug: padded ids win)."""
+  v, mesh = PAD_VOCABS[0], sharding.make_mesh("data:1,model:8")
+  hot = SamplingParams(1.0)
+  out = {}
+  with sharding.use(mesh):
+    cfg, params, _ = checkpoint.load_model(str(ck / f"pad{v}"))
+    dcfg, dparams, _ = checkpoint.load_model(str(ck / f"pad{v}_draft"), role="draft")
+    target = steps.Runner(cfg, loud_padding(params, v))
+    draft = steps.Runner(dcfg, loud_padding(dparams, v))
+    out["greedy"] = generation.generate(target, PAD_PROMPTS, PAD_N).tokens
+    out["spec"] = speculative.generate(target, draft, PAD_PROMPTS, PAD_N, 3).tokens
+    out["sampled"] = generation.generate(target, PAD_PROMPTS, PAD_N, hot, seed=1).tokens
+    out["spec_sampled"] = speculative.generate(target, draft, PAD_PROMPTS, PAD_N, 3,
+                                               sp=hot, seed=1).tokens
+    cap = generation.plan_capacity(cfg, max(map(len, PAD_PROMPTS)), PAD_N)  # generate's
+
+    def first_step(key: str):  # the prompts' next-token distributions and argmax
+      logits = target.prefill(PAD_PROMPTS, target.new_cache(len(PAD_PROMPTS), cap))[0]
+      p = np.asarray(sharding.to_host(sampling.probs(logits, hot)), np.float64)  # [B, Vp]
+      out[key] = {"real": p[:, :v].sum(-1).tolist(), "padded": p[:, v:].sum(-1).tolist(),
+                  "argmax": np.asarray(sharding.to_host(logits)).argmax(-1).tolist()}
+    first_step("mass")
+    mask = llama.mask_padded_logits
+    llama.mask_padded_logits = lambda logits, cfg: logits
+    jax.clear_caches()
+    try:
+      first_step("no_mask")  # the deliberate bug
+    finally:
+      llama.mask_padded_logits = mask
+      jax.clear_caches()
+  return out
+
+
+def padded_saves(ck: Path) -> dict:
+  """Saved from model:8 (padded to 264): the shapes in the HF, orbax and
+  GGUF files, and what loading them back on model:4 (260) and model:8 gives.
+  A 9-token vocabulary on model:8 (16 rows, 2 per device) leaves three
+  devices padding only and one half and half."""
+  v, out = PAD_VOCABS[0], {}
+  with sharding.use(sharding.make_mesh("data:1,model:8")):
+    cfg, params, _ = checkpoint.load_model(str(ck / f"pad{v}"))
+    hf.save_hf(ck / "pad_saved_hf", cfg, params)
+    checkpoint.save(ck / "pad_saved_orbax", cfg, params)
+    gguf_write.write_gguf(ck / "pad_saved.gguf", cfg, params)
+    files = {"hf": ck / "pad_saved_hf" / hf.WEIGHTS_FILE}
+    out["hf_shapes"] = {n: list(safetensors_io.tensor_shape(files["hf"], n))
+                        for n in hf.VOCAB_TENSORS}
+    out["gguf_shapes"] = {t.name: [int(d) for d in t.shape]
+                          for t in gguf_file.open_reader(ck / "pad_saved.gguf").tensors
+                          if t.name in ("token_embd.weight", "output.weight")}
+    out["orbax_config"] = json.loads((ck / "pad_saved_orbax" / checkpoint.CONFIG_FILE)
+                                     .read_text())
+    ref = {k: np.asarray(sharding.to_host(x)) for k, x in
+           (("embed", params["embed"]["embedding"]), ("head", params["lm_head"]["kernel"]))}
+    g = checkpoint.load_model(str(ck / "pad_saved.gguf"))[1]
+    out["gguf_equal"] = bool(np.array_equal(np.asarray(g["lm_head"]["kernel"]), ref["head"]))
+    tiny = checkpoint.load_model(str(ck / "pad9"))[1]["embed"]["embedding"]
+    file9 = safetensors_io.read_tensor(ck / "pad9" / hf.WEIGHTS_FILE, hf.VOCAB_TENSORS[0])
+    out["pad9"] = {"shape": list(tiny.shape), "equal": bool(np.array_equal(
+        np.asarray(tiny), np.pad(file9, [(0, 7), (0, 0)])))}
+  with sharding.use(sharding.make_mesh("data:2,model:4")):
+    for name in ("hf", "orbax"):
+      rcfg, rparams, _ = checkpoint.load_model(str(ck / f"pad_saved_{name}"))
+      embed = np.asarray(rparams["embed"]["embedding"])
+      out[name] = {"padded": rcfg.padded_vocab, "shape": list(embed.shape),
+                   "equal": bool(np.array_equal(embed[:v], ref["embed"][:v])),
+                   "zeros": bool(not embed[v:].any())}
+  return out
+
+
 def main(folder: str, part: str) -> None:
   ck = Path(folder)
   assert jax.device_count() == 8, jax.devices()
   report: dict = {"meshes": {}}
   for spec in MESHES[part]:
     report["meshes"][str(spec)] = run_mesh(spec, ck, report)
+  report["pad"] = {"runs": padded_runs(ck, part)}
+  if part == "a":
+    report["pad"].update(saves=padded_saves(ck), mask=masked_runs(ck))
   if part == "b":
+    report["pad"]["int8_reference"] = int8_reference(ck)
     report["slices"] = slices_read(ck)
     report["errors"] = errors(ck)
   (ck / f"report_{part}.json").write_text(json.dumps(report))

@@ -1,6 +1,7 @@
 """Sharding over a jax Mesh: the same tokens on every mesh, 1/M of every
 split weight and of the cache per device, the Megatron collective count, and
-two processes joined by jax.distributed giving one process's tokens.
+two processes joined by jax.distributed giving one process's tokens; a
+vocabulary the model axis does not divide padded, masked and stripped on save.
 
 The 8-device checks run in two concurrent subprocesses (tests/mesh_worker.py:
 XLA's device count is fixed when jax starts); these tests read their merged
@@ -15,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+import mesh_worker
 from specjax.formats import hf
 from specjax.model import llama as model
 from specjax.model import sharding
@@ -31,6 +33,18 @@ DRAFT_TP = ModelConfig("tp-draft", vocab_size=256, dim=64, n_layers=1, n_heads=8
                        n_kv_heads=8, ffn_dim=128, max_seq_len=128, attn_block=8)
 
 
+def pad_target(v: int) -> ModelConfig:
+  """A target of vocabulary v (no model axis > 1 divides 259, 1001 or 9)."""
+  return ModelConfig(f"pad{v}", vocab_size=v, dim=64, n_layers=1, n_heads=8, n_kv_heads=8,
+                     ffn_dim=128, max_seq_len=128, attn_block=8)
+
+
+def pad_draft(v: int) -> ModelConfig:
+  """Its draft: 1 KV head, so replicated ('auto') on every mesh, padded alike."""
+  return ModelConfig(f"pad{v}-draft", vocab_size=v, dim=32, n_layers=1, n_heads=2,
+                     n_kv_heads=1, ffn_dim=64, max_seq_len=128, attn_block=8)
+
+
 def _env(devices: int) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -42,6 +56,10 @@ def ckpts(tmp_path_factory):
   folder = tmp_path_factory.mktemp("mesh")
   hf.save_hf(folder / "target", TARGET, model.init_params(TARGET, 0))
   hf.save_hf(folder / "draft_tp", DRAFT_TP, model.init_params(DRAFT_TP, 2))
+  for v in mesh_worker.PAD_VOCABS:
+    hf.save_hf(folder / f"pad{v}", pad_target(v), model.init_params(pad_target(v), 5))
+    hf.save_hf(folder / f"pad{v}_draft", pad_draft(v), model.init_params(pad_draft(v), 6))
+  hf.save_hf(folder / "pad9", pad_target(9), model.init_params(pad_target(9), 7))
   return folder
 
 
@@ -57,10 +75,13 @@ def report(ckpts):
       p.kill()
   for p, err in zip(procs, errs):
     assert p.returncode == 0, err[-3000:]
-  report = {"meshes": {}}
+  report = {"meshes": {}, "pad": {"runs": {}}}
   for part in "ab":
     got = json.loads((ckpts / f"report_{part}.json").read_text())
     report["meshes"].update(got.pop("meshes"))
+    pad = got.pop("pad")
+    report["pad"]["runs"].update(pad.pop("runs"))
+    report["pad"].update(pad)
     report.update(got)
   return report
 
@@ -222,3 +243,83 @@ def test_two_processes_give_one_process_tokens(report, ckpts, tmp_path):
   got = json.loads(out.read_text())
   assert got["env"]["n_processes"] == 2 and got["env"]["mesh"] == "data:1,model:8"
   assert got["tokens"] == report["meshes"]["data:1,model:8"]["script"]
+
+
+# ------------------------------------------------------- padded vocabularies
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(ckpts):
+  """transformers' LlamaForCausalLM greedy tokens (float32, no cache: the
+  whole sequence each step) for mesh_worker.PAD_PROMPTS, by vocabulary."""
+  import torch  # pylint: disable=import-outside-toplevel
+  out = {}
+  for v in mesh_worker.PAD_VOCABS:
+    m = hf.to_torch_model(*hf.load_hf(ckpts / f"pad{v}"))
+    rows = []
+    for prompt in mesh_worker.PAD_PROMPTS:
+      ids = list(prompt)
+      with torch.no_grad():
+        for _ in range(mesh_worker.PAD_N):
+          ids.append(int(torch.argmax(m(torch.tensor([ids])).logits[0, -1])))
+      rows.append(ids[len(prompt):])
+    out[v] = rows
+  return out
+
+
+def test_padded_vocabulary_gives_transformers_greedy_tokens(report, hf_greedy):
+  runs = report["pad"]["runs"]
+  for v in mesh_worker.PAD_VOCABS:
+    for m in (2, 4, 8):
+      run = runs[f"{v}/data:1,model:{m}"]
+      padded = -(-v // m) * m
+      assert run["padded"] == [padded, padded], (v, m)  # the draft padded like the target
+      assert run["embed_fraction"] == pytest.approx(1 / m)
+      assert run["greedy"] == hf_greedy[v], (v, m)
+      assert run["spec"] == hf_greedy[v], (v, m)
+
+
+def test_padded_vocabulary_int8_gives_the_single_device_tokens(report):
+  run, ref = report["pad"]["runs"]["259/data:1,model:8"]["int8"], report["pad"]["int8_reference"]
+  assert run == ref
+  assert ref["spec"] == ref["greedy"]
+
+
+def test_padded_ids_are_never_drawn(report, hf_greedy):
+  """Padded LM head columns far above every real one (loud_padding) change
+  no token: greedy and sampled, target-only and speculative, every id < V,
+  and the sampling distribution has all its mass on the real ids."""
+  v, got = mesh_worker.PAD_VOCABS[0], report["pad"]["mask"]
+  assert got["greedy"] == got["spec"] == hf_greedy[v]
+  for what in ("sampled", "spec_sampled"):
+    assert all(0 <= t < v for row in got[what] for t in row), (what, got[what])
+  assert_masked(got["mass"], v)
+
+
+def assert_masked(first: dict, v: int) -> None:
+  """The first step's distributions put all their mass on the real ids."""
+  assert first["real"] == pytest.approx([1.0, 1.0], abs=1e-6), first
+  assert first["padded"] == [0.0, 0.0], first
+  assert all(0 <= t < v for t in first["argmax"]), first
+
+
+def test_padded_ids_win_without_the_mask(report):
+  """The deliberate bug (llama.mask_padded_logits a no-op) fails the check
+  above: the loud padded columns take the mass and the argmax."""
+  v, got = mesh_worker.PAD_VOCABS[0], report["pad"]["mask"]["no_mask"]
+  with pytest.raises(AssertionError):
+    assert_masked(got, v)
+  assert all(t >= v for t in got["argmax"]), got
+
+
+def test_saves_strip_the_padding(report):
+  """Saved from model:8 (264 rows): 259 in the HF, orbax and GGUF files;
+  loaded back on model:4 as 260 rows, the real ones equal, the rest zeros."""
+  got, v, e = report["pad"]["saves"], 259, 64
+  assert got["hf_shapes"] == {name: [v, e] for name in hf.VOCAB_TENSORS}
+  assert sorted(map(sorted, got["gguf_shapes"].values())) == [[e, v], [e, v]]
+  assert got["orbax_config"]["vocab_size"] == v and got["orbax_config"]["vocab_multiple"] == 1
+  assert got["gguf_equal"]
+  for name in ("hf", "orbax"):
+    assert got[name] == {"padded": 260, "shape": [260, e], "equal": True, "zeros": True}, name
+  assert got["pad9"] == {"shape": [16, e], "equal": True}  # 3 of 8 devices: padding only
