@@ -49,25 +49,73 @@ def base(target):
 # new path of state through it (the n-gram history, the shared cache).
 
 
+_SUB: dict = {}
+
+
+def sub_runner(target, layers) -> steps.Runner:
+  """The target's listed layers as a model of their own, built here (not by
+  the drafter's draft_params): the reference a layer-skip draft must match.
+  Memoised, so lawcheck's enumeration (keyed by the params) runs once."""
+  key = (id(target.params), tuple(layers))
+  if key not in _SUB:
+    params = {k: v for k, v in dict(target.params).items() if not k.startswith("layers_")}
+    params.update({f"layers_{i}": target.params[f"layers_{l}"] for i, l in enumerate(layers)})
+    _SUB[key] = (target, steps.Runner(target.cfg.replace(n_layers=len(layers)), params))
+  return _SUB[key][1]
+
+
+def mismatches(target, prompts, drafter, base=None, n=N, sp=SamplingParams()):
+  """(stats, what differs) after a ragged batch at gamma 4: the tokens from
+  `base` (greedy target-only), the target's cache from a full forward over
+  the output (whatever a drafter wrote into it, layerskip:N's shared layers,
+  must have been rewritten) and, for a drafter with a cache of its own (a
+  layer list), that cache from a full forward of its layers (it may lack the
+  last kept token's predecessor d_gamma after a fully accepted step; its
+  slot is not compared: a row that finished on such a step and then rode
+  along holds its `last` there, with length n-1 all the same)."""
+  res = speculative.generate(target, None, prompts, n, 4, sp=sp, drafter=drafter,
+                             keep_state=True)
+  if base is not None and res.tokens != base:
+    return res.stats, ["tokens"]
+  bad = []
+  d = registry.parse(drafter)
+  caches = [("target", res.state.tcache, target)]
+  if isinstance(d, draft_model.LayerSkipDrafter) and not d.prefix:
+    caches.append(("draft", res.state.dcache, sub_runner(target, d.layers)))
+  for b, (prompt, out) in enumerate(zip(prompts, res.tokens)):
+    seq = prompt + out[:-1]  # the last token is the next verify's input
+    for name, cache, m in caches:
+      ref = lossless.full_forward_kv(m, seq)
+      k = int(cache.lengths[b])
+      if not (k == len(seq) if name == "target" else len(seq) - 1 <= k <= len(seq)):
+        bad.append(f"row {b} {name}: length {k}, kept {len(seq)}")
+        continue
+      k = k if name == "target" else min(k, len(seq) - 1)
+      for layer in range(m.cfg.n_layers):
+        for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
+          if not np.allclose(got[b, :, :k], want[0, :, :k], atol=1e-5):  # [B, K, S, D]
+            bad.append(f"row {b} {name} layer {layer}")
+  return res.stats, bad
+
+
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_greedy_ragged_batch_equals_target_only(target, base, drafter):
-  """... and the target's cache ends equal to a full forward over the output:
-  whatever a drafter wrote into it (layerskip:N's shared layers) was rewritten."""
-  res = speculative.generate(target, None, PROMPTS, N, 4, drafter=drafter, keep_state=True)
-  assert res.tokens == base
-  st = res.stats
+  """... and the caches hold the output (mismatches)."""
+  st, bad = mismatches(target, PROMPTS, drafter, base)
+  assert not bad, bad
   assert 0 < st.n_accept < st.n_drafted <= 4 * st.n_steps  # the drafts are real guesses
   if drafter == "ngram":
     assert st.n_drafted < 4 * st.n_steps  # some steps found no match or a short one
-  cache = res.state.tcache
-  for b, (prompt, out) in enumerate(zip(PROMPTS, res.tokens)):
-    seq = prompt + out[:-1]  # the last token is the next verify's input
-    ref = lossless.full_forward_kv(target, seq)
-    assert int(cache.lengths[b]) == len(seq)
-    for layer in range(CFG3.n_layers):
-      for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
-        np.testing.assert_allclose(got[b, :, :len(seq)], want[0, :, :len(seq)],
-                                   atol=1e-5, err_msg=f"row {b} layer {layer}")
+
+
+def test_a_list_catches_up_and_its_cache_holds_the_output(v6):
+  """layerskip:0,2 sampled on the V = 6 model, where fully accepted steps
+  are frequent (on the tiny one they never happen): its own cache is fed
+  d_gamma before the next draft, and ends equal to a full forward."""
+  prompts = [p for p in lossless.PROMPTS for _ in range(4)]
+  st, bad = mismatches(v6, prompts, "layerskip:0,2", n=12, sp=SamplingParams(1.0))
+  assert not bad, bad
+  assert st.n_catchup >= 3, st
 
 
 # (layerskip:0,2 runs the draft model's own-cache path: the ragged test covers it here)
@@ -118,9 +166,9 @@ def test_shared_prefix_drafts_what_its_own_cache_would(target):
   live, key = jnp.ones((1,), bool), jax.random.PRNGKey(7)
   got = jax.jit(lambda tc: sc.drafter.propose(dparams, (), tc, st.tail, st.n, live, key,
                                               sc)[0])(st.tcache)
-  sub = steps.Runner(sc.draft, dparams)
+  sub = sub_runner(target, sc.drafter.layers)  # the two layers, not through draft_params
   own = sub.prefill([prompt + res.tokens[0][:-1]], sub.new_cache(1, st.tcache.capacity))[1]
-  want = jax.jit(lambda c: draft_model.draft_phase(dparams, c, st.tail, st.n, live, key,
+  want = jax.jit(lambda c: draft_model.draft_phase(sub.params, c, st.tail, st.n, live, key,
                                                    sc)[0])(own)
   assert not bool(want.caught_up[0])
   np.testing.assert_allclose(got.q, want.q, atol=1e-4)
@@ -238,19 +286,13 @@ def v6(init_params):
   return lossless.sharpen(steps.Runner(cfg, params), 4.0)
 
 
-def _layerskip_runner(target, spec):
-  """The layer-skip draft as a Runner (for the acceptance law's q)."""
-  d = registry.parse(spec)
-  return steps.Runner(d.draft_config(target.cfg, None), d.draft_params(target.params, None))
-
-
 def lossless_pvalues(v6, spec, gamma, seed=0):
   d = registry.parse(spec)
   sp = SamplingParams(1.0)
   if isinstance(d, ngram.NgramDrafter):
     return lossless.pvalues(v6, v6, sp, gamma, lossless.ROWS, drafter=d, seed=seed,
                             accept_law=ngram_accept_law(v6, d))
-  return lossless.pvalues(v6, _layerskip_runner(v6, spec), sp, gamma, lossless.ROWS,
+  return lossless.pvalues(v6, sub_runner(v6, d.layers), sp, gamma, lossless.ROWS,
                           drafter=d, seed=seed)
 
 
@@ -330,3 +372,66 @@ def test_auto_gamma_runs_a_model_free_drafter(target, base):
   assert res.tokens == base and set(res.gammas_used) == {1, 4}
   with pytest.raises(ConfigError, match="shaped by gamma"):
     autogamma.generate(target, None, PROMPTS, N, cost, (1, 4), drafter="eagle")
+
+# ---------------------------------------------------------------- mutations
+# One-expression bugs in a drafter (lawcheck.mutant), each run through the
+# test it must fail with that test's own configuration and seed: the
+# acceptance law (tokens stay exact whatever the drafts), greedy equality
+# with target-only, or the caches against a full forward.
+
+
+def _fails_lossless(spec, gamma):
+  def check(v6, target, base):
+    ps = lossless_pvalues(v6, spec, gamma)
+    return min(ps.values()) * len(ps) < lossless.ALPHA, min(ps.items(), key=lambda kv: kv[1])
+  return check
+
+
+def _fails_ragged(spec):
+  def check(v6, target, base):
+    bad = mismatches(target, PROMPTS, spec, base)[1]
+    return bool(bad), bad[:4]
+  return check
+
+
+def _fails_list_cache(v6, target, base):
+  prompts = [p for p in lossless.PROMPTS for _ in range(4)]
+  bad = mismatches(v6, prompts, "layerskip:0,2", n=12, sp=SamplingParams(1.0))[1]
+  return bool(bad), bad[:4]
+
+
+DRAFTER_MUTATIONS = {
+    "ngram: the proposal shifted by one position": (
+        ngram, "ngram_propose", "start = best_j + best_m ", "start = best_j + best_m + 1 ",
+        _fails_lossless("ngram:1-2", 4)),
+    "ngram: stale history (commit not applied)": (
+        ngram.NgramDrafter, "commit",
+        "return jnp.where(c.live[:, None], write(dstate, c.emitted, c.n_prev), dstate)",
+        "return dstate", _fails_lossless("ngram:1-2", 4)),
+    "ngram: drafting past n_drafted (the slots past the match count)": (
+        ngram.NgramDrafter, "propose", "n_drafted=jnp.where(live, n_drafted, 0)",
+        "n_drafted=jnp.where(live, sc.gamma, 0)", _fails_lossless("ngram:1-2", 4)),
+    "layerskip: the layers one past the listed ones": (
+        draft_model.LayerSkipDrafter, "draft_params", 'tparams[f"layers_{l}"]',
+        'tparams[f"layers_{l + 1}"]', _fails_lossless("layerskip:1", 4)),
+    "layerskip:N: the draft's lengths kept in the shared cache": (
+        draft_model.LayerSkipDrafter, "propose", "v=shared.v + tcache.v[k:])",
+        "v=shared.v + tcache.v[k:], lengths=shared.lengths)", _fails_ragged("layerskip:2")),
+    "layerskip list: the catch-up skipped (its record kept)": (
+        draft_model, "draft_phase", "jax.lax.cond(jnp.any(behind), catch_up",
+        "jax.lax.cond(jnp.any(behind) & False, catch_up", _fails_list_cache),
+}
+
+
+@pytest.mark.parametrize("bug", list(DRAFTER_MUTATIONS))
+def test_each_deliberate_drafter_bug_fails_its_test(v6, target, base, monkeypatch, bug):
+  owner, name, old, new, check = DRAFTER_MUTATIONS[bug]
+  jax.clear_caches()
+  monkeypatch.setattr(owner, name, lossless.mutant(getattr(owner, name), old, new))
+  try:
+    failed, detail = check(v6, target, base)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  print(f"MUTATION | {bug} | {detail}")
+  assert failed, detail
