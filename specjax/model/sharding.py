@@ -171,14 +171,14 @@ def check_model(cfg: ModelConfig, model_axis: int) -> None:
                       f"not divide {', '.join(bad)}{hint}")
 
 
-def pad_vocab(cfg: ModelConfig, mesh: Mesh | None = None) -> ModelConfig:
-  """`cfg` as it is loaded on `mesh` (default: the active one): its
-  vocabulary padded to a multiple of the model axis when the axis does not
+def pad_vocab(cfg: ModelConfig, model_axis: int | None = None) -> ModelConfig:
+  """`cfg` as it is loaded on a mesh of `model_axis` (default: the active
+  mesh's): its vocabulary padded to a multiple of the axis when it does not
   divide it (vocab_multiple, see ModelConfig.padded_vocab), else unchanged
   (vocab_multiple 1). By the mesh, not the role: a replicated draft is padded
   like its target, so that the two distributions the acceptance test
   compares have the same width."""
-  m = mesh_shape(current() if mesh is None else mesh).model
+  m = mesh_shape(current()).model if model_axis is None else model_axis
   return cfg.replace(vocab_multiple=m if cfg.vocab_size % m else 1)
 
 
