@@ -1,7 +1,12 @@
-"""Drafters beyond a second model (specjax/drafters.py): n-gram lookup and
-layer-skip self-speculation in the same fixed-shape loop, greedy-exact and
-lossless; the spec parser."""
+"""Drafters beyond a second model (specjax/drafters/): n-gram lookup and
+layer-skip self-speculation in the same fixed-shape loop, greedy-exact,
+their caches equal to a full forward, and lossless (tests/lawcheck.py's
+output and acceptance laws at T = 1, the acceptance law from the drafts the
+drafter must propose); deliberate bugs in each drafter that must fail one
+of these; the spec parser."""
 
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -82,10 +87,12 @@ def mismatches(target, prompts, drafter, base=None, n=N, sp=SamplingParams()):
   caches = [("target", res.state.tcache, target)]
   if isinstance(d, draft_model.LayerSkipDrafter) and not d.prefix:
     caches.append(("draft", res.state.dcache, sub_runner(target, d.layers)))
-  for b, (prompt, out) in enumerate(zip(prompts, res.tokens)):
-    seq = prompt + out[:-1]  # the last token is the next verify's input
-    for name, cache, m in caches:
-      ref = lossless.full_forward_kv(m, seq)
+  seqs = [prompt + out[:-1] for prompt, out in zip(prompts, res.tokens)]  # the last token
+  width = max(map(len, seqs))                             # is the next verify's input
+  padded = jnp.asarray([seq + [0] * (width - len(seq)) for seq in seqs])
+  for name, cache, m in caches:  # one causal pass over the rows, right-padded
+    ref = steps.forward_step(m.params, padded, m.new_cache(len(seqs), width), cfg=m.cfg)[1]
+    for b, seq in enumerate(seqs):
       k = int(cache.lengths[b])
       if not (k == len(seq) if name == "target" else len(seq) - 1 <= k <= len(seq)):
         bad.append(f"row {b} {name}: length {k}, kept {len(seq)}")
@@ -93,7 +100,7 @@ def mismatches(target, prompts, drafter, base=None, n=N, sp=SamplingParams()):
       k = k if name == "target" else min(k, len(seq) - 1)
       for layer in range(m.cfg.n_layers):
         for got, want in ((cache.k[layer], ref.k[layer]), (cache.v[layer], ref.v[layer])):
-          if not np.allclose(got[b, :, :k], want[0, :, :k], atol=1e-5):  # [B, K, S, D]
+          if not np.allclose(got[b, :, :k], want[b, :, :k], atol=1e-5):  # [B, K, S, D]
             bad.append(f"row {b} {name} layer {layer}")
   return res.stats, bad
 
@@ -112,7 +119,7 @@ def test_a_list_catches_up_and_its_cache_holds_the_output(v6):
   """layerskip:0,2 sampled on the V = 6 model, where fully accepted steps
   are frequent (on the tiny one they never happen): its own cache is fed
   d_gamma before the next draft, and ends equal to a full forward."""
-  prompts = [p for p in lossless.PROMPTS for _ in range(4)]
+  prompts = [p for p in lossless.PROMPTS for _ in range(2)]
   st, bad = mismatches(v6, prompts, "layerskip:0,2", n=12, sp=SamplingParams(1.0))
   assert not bad, bad
   assert st.n_catchup >= 3, st
@@ -315,6 +322,27 @@ def test_ngram_law_sees_matches_and_misses(v6):
     law = ngram_accept_law(v6, d)(prompt, SamplingParams(1.0), 4)
     assert law[1:].sum() > 0.03 and law[:, 1].sum() > 0.03, law
 
+def test_the_general_law_with_onehot_drafts_is_the_ngram_law(v6):
+  """lawcheck.acceptance_law, given onehot rows (the n-gram drafts: of the
+  step's starting history in the first step, of the kept one for the next
+  step's first draft) and zero rows where nothing is drafted, is the law
+  ngram_accept_law enumerates path by path: the generalisation the EAGLE
+  law rests on."""
+  d, sp, gamma, v = ngram.NgramDrafter(1, 2), SamplingParams(1.0), 4, lossless.V
+  conts = lambda j: [list(c) for c in itertools.product(range(v), repeat=j)]  # lexicographic
+  onehot = lambda drafts, i: np.eye(v)[drafts[i]] if len(drafts) > i else np.zeros(v)
+  for prompt in lossless.PROMPTS:
+    p = [lossless.warp(x, sp) for x in lossless.next_token_logits(v6, prompt, gamma + 2)]
+    first = [_ref_ngram(prompt + [t], gamma, d.n_min, d.n_max) for t in range(v)]
+    q_draft = [None] + [np.stack([onehot(first[c[0]], j - 1) for c in conts(j)])
+                        for j in range(1, gamma + 1)]
+    q_next = [None, None] + [
+        np.stack([onehot(_ref_ngram(prompt + c, gamma, d.n_min, d.n_max), 0) for c in conts(j)])
+        for j in range(2, gamma + 3)]
+    law = lossless.acceptance_law(p, q_draft, q_next, gamma, by_first=True)
+    np.testing.assert_allclose(law.sum(0), ngram_accept_law(v6, d)(prompt, sp, gamma),
+                               atol=1e-12)
+
 # ---------------------------------------------------------------- specs
 
 
@@ -395,7 +423,7 @@ def _fails_ragged(spec):
 
 
 def _fails_list_cache(v6, target, base):
-  prompts = [p for p in lossless.PROMPTS for _ in range(4)]
+  prompts = [p for p in lossless.PROMPTS for _ in range(2)]
   bad = mismatches(v6, prompts, "layerskip:0,2", n=12, sp=SamplingParams(1.0))[1]
   return bool(bad), bad[:4]
 

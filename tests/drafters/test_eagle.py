@@ -1,5 +1,9 @@
-"""The EAGLE-1 head (specjax/eagle.py): features, training, resume, files,
-and drafting with it in the speculative loop."""
+"""The EAGLE-1 head (specjax/drafters/eagle.py, its training
+specjax/train/eagle.py): features, training, resume, files, and drafting
+with it in the speculative loop: greedy-exact, the drafts the teacher-forced
+head gives, and exact sampling (tests/lawcheck.py's output law, and the
+acceptance law of the head's own q, which deliberate bookkeeping bugs
+fail)."""
 
 import functools
 import itertools
