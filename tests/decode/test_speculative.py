@@ -14,7 +14,7 @@ from specjax.decode import speculative
 from specjax.model import steps
 from specjax.metrics import theory
 from specjax.errors import ConfigError
-from specjax.decode.sampling import SamplingParams
+from specjax.model.sampling import SamplingParams
 
 def _perturbed(m: steps.Runner, scale: float, seed: int) -> steps.Runner:
   """A draft that mostly agrees with the target: its weights plus noise."""
