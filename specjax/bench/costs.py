@@ -38,6 +38,7 @@ import numpy as np
 from specjax.model import kv_cache as kvc
 from specjax.decode import speculative
 from specjax.model import steps
+from specjax.metrics import llamacpp_thread
 from specjax.metrics import theory
 from specjax.metrics import timing
 from specjax.model.sampling import SamplingParams
@@ -81,7 +82,7 @@ def predict(st: SpecStats, c: StepCosts) -> dict[str, float]:
           st.tokens_per_step, gamma, c.t_draft, c.t_target, c.t_verify,
           st.catchup_share * c.t_draft + c.t_accept)),
       "predicted_leviathan": float(theory.leviathan_speedup(st.alpha, gamma, c.c)),
-      "predicted_thread": float(theory.thread_approx_speedup(
+      "predicted_thread": float(llamacpp_thread.thread_approx_speedup(
           st.alpha, gamma, 1 / c.t_draft, 1 / c.t_target, gamma / c.t_target_gamma)),
   }
 

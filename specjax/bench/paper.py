@@ -1,7 +1,8 @@
-"""The published speculative-decoding numbers, from specjax.metrics.theory alone.
+"""The published speculative-decoding numbers, from specjax.metrics alone.
 
 No model, no accelerator: every number comes from the closed forms in
-specjax/theory.py. `write_outputs` writes into a workdir:
+specjax/metrics/theory.py and, for the llama.cpp thread's own
+approximations, specjax/metrics/llamacpp_thread.py. `write_outputs` writes into a workdir:
   speedup_vs_gamma.png        Theorem 3.8 speedup vs gamma, one panel per c,
                               one line per alpha (Leviathan et al. 2023).
   optimal_gamma_vs_alpha.png  Optimal gamma vs alpha for several c, the
@@ -24,6 +25,7 @@ import matplotlib
 import matplotlib.ticker
 import numpy as np
 
+from specjax.metrics import llamacpp_thread
 from specjax.metrics import theory
 from specjax import workdir as wd
 from specjax.errors import SpecjaxError
@@ -135,16 +137,16 @@ def thread_examples_md() -> list[str]:
       ("Corrected Theorem 3.8 plug-in (α 0.44, γ 5, c 0.11)", "1.14×",
        f"{theory.leviathan_speedup(0.44, 5, 0.11):.4f}×", "0.66× (50/76 t/s, A100)"),
       ("V100 case 0 (α 0.8, γ 5; tg 619.4 / 52.5, pp5 121.7 t/s)", "2.1594861448542773",
-       repr(theory.thread_approx_speedup(0.8, 5, 619.4, 52.5, 121.7)), "1.676× (87.954/52.49)"),
+       repr(llamacpp_thread.thread_approx_speedup(0.8, 5, 619.4, 52.5, 121.7)), "1.676× (87.954/52.49)"),
       ("V100 case 1 (α 0.875, γ 8; tg 625 / 52.5, pp8 194.6 t/s)", "2.7629832057356403",
-       repr(theory.thread_approx_speedup(0.875, 8, 625.0, 52.5, 194.6)), "2.351× (123.394/52.49)"),
+       repr(llamacpp_thread.thread_approx_speedup(0.875, 8, 625.0, 52.5, 194.6)), "2.351× (123.394/52.49)"),
       ("E[X] accepted per step, N 8, p 0.95", "6.4 (79.94 %)",
        f"{round(e_x, 2)} ({round(100 * e_x / 8, 2)} %)", "-"),
       ("70B/7B speed: 503 tokens, 119 at 14.68 + 426 at ~19.86 t/s", "~17.02 t/s",
-       f"{theory.mixed_speed(503, [(119, 14.68), (426, 19.86)]):.2f} t/s", "16.52 t/s"),
+       f"{llamacpp_thread.mixed_speed(503, [(119, 14.68), (426, 19.86)]):.2f} t/s", "16.52 t/s"),
       ("  same, 19.86 rebuilt as 1/(1/90.20 + 1/25.48) t/s", "~19.86 t/s",
-       f"{theory.serial_speed(90.20, 25.48):.2f} t/s → "
-       f"{theory.thread_expected_speed(503, 384, 426, 14.68, 90.20, 25.48):.2f} t/s", "16.52 t/s"),
+       f"{llamacpp_thread.serial_speed(90.20, 25.48):.2f} t/s → "
+       f"{llamacpp_thread.thread_expected_speed(503, 384, 426, 14.68, 90.20, 25.48):.2f} t/s", "16.52 t/s"),
   ]
   lines = ["## llama.cpp issue #3649 worked examples", "",
            "| example | thread | theory.py | measured in thread |", "|---|---|---|---|"]

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from specjax.metrics import llamacpp_thread
 from specjax.metrics import theory
 from specjax.errors import SpecjaxError
 
@@ -48,12 +49,12 @@ def test_thread_corrected_plugin_is_1_14x():
     ],
 )
 def test_thread_v100_predictions(alpha, gamma, sd_tg, st_tg, st_pp, printed):
-  got = theory.thread_approx_speedup(alpha, gamma, sd_tg, st_tg, st_pp)
+  got = llamacpp_thread.thread_approx_speedup(alpha, gamma, sd_tg, st_tg, st_pp)
   assert got == pytest.approx(printed, rel=1e-13)
 
 
 def test_thread_cost_coefficient_is_mean_of_speeds():
-  assert theory.thread_cost_coefficient(619.4, 52.5, 121.7) == pytest.approx(
+  assert llamacpp_thread.thread_cost_coefficient(619.4, 52.5, 121.7) == pytest.approx(
       52.5 / 370.55, rel=1e-14)
 
 
@@ -66,12 +67,12 @@ def test_thread_expect_script_n8_p095():
 
 def test_thread_70b_7b_expected_speed():
   # 119 tokens at 14.68 t/s and 426 at ~19.86 t/s, n_predict = 503: ~17.02 t/s.
-  assert round(theory.mixed_speed(503, [(119, 14.68), (426, 19.86)]), 2) == 17.02
-  assert theory.mixed_speed(503, [(119, 14.68), (426, 19.86)]) == pytest.approx(
+  assert round(llamacpp_thread.mixed_speed(503, [(119, 14.68), (426, 19.86)]), 2) == 17.02
+  assert llamacpp_thread.mixed_speed(503, [(119, 14.68), (426, 19.86)]) == pytest.approx(
       503 / (119 / 14.68 + 426 / 19.86), rel=1e-14)
   # The ~19.86 t/s is drafting at 90.20 t/s then verifying at ~25.48 t/s.
-  assert theory.serial_speed(90.20, 25.48) == pytest.approx(19.86, abs=0.01)
-  full = theory.thread_expected_speed(
+  assert llamacpp_thread.serial_speed(90.20, 25.48) == pytest.approx(19.86, abs=0.01)
+  full = llamacpp_thread.thread_expected_speed(
       n_predict=503, n_accept=384, n_drafted=426,
       tg_target=14.68, tg_draft=90.20, pp_target=25.48)
   assert round(full, 2) == 17.02
