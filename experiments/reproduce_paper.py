@@ -6,7 +6,7 @@ Run (after `pip install -e .`):
 
 No model, no accelerator. Writes speedup_vs_gamma.png,
 optimal_gamma_vs_alpha.png, summary.md, results.csv, results.jsonl and
-config.json into --workdir (specjax/paper.py says what each holds) and prints
+config.json into --workdir (specjax/bench/paper.py says what each holds) and prints
 summary.md.
 """
 

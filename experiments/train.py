@@ -4,7 +4,7 @@
       --export_dir=specjax/assets
 
 Stages: corpus + tokenizer, target, draft, distilled draft, real acceptance
-before/after distillation, export (see specjax/pair.py). Interrupt it at any
+before/after distillation, export (see specjax/train/pair.py). Interrupt it at any
 time: run the same command again and it resumes from the last checkpoint.
 Metrics: <workdir>/<stage>/metrics.jsonl; summary: <workdir>/training.json.
 """

@@ -4,7 +4,7 @@
       --workdir=/tmp/specjax_eagle --export_dir=specjax/assets
 
 The target (stdlib-target) is frozen; its features are computed in the same
-jitted step as the head's update (specjax/eagle.py). Interrupt at any time:
+jitted step as the head's update (specjax/train/eagle.py). Interrupt at any time:
 the same command resumes from the last checkpoint. Outputs: <workdir>/head/
 (checkpoints, metrics.jsonl), training.png, alpha.json, eagle.json; with
 --export_dir, <export_dir>/stdlib-eagle (load with eagle.load_eagle).

@@ -241,8 +241,9 @@ def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
   elif tokenizer is not None:
     ids = tokenizer.encode(DEFAULT_PROMPT_TEXT if prompt is None else prompt)
   elif prompt is not None:
-    raise SpecjaxError("this model has no tokenizer (no tokenizer.json or "
-                       "tokenizer.model in its directory): pass --prompt_tokens")
+    raise SpecjaxError("this model has no tokenizer (a GGUF file without tokenizer.ggml.tokens, "
+                       "or a directory without tokenizer.json or tokenizer.model): "
+                       "pass --prompt_tokens")
   else:
     ids = list(DEFAULT_PROMPT_TOKENS)
   if not ids:

@@ -365,7 +365,8 @@ def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) ->
 
   curves = {}
   for spec, bench in benches.items():
-    curve_d = costs.measure_curve(bench.probe_t, bench.probe_d, gammas, int(cfg.reps)).to_dict()
+    curve_d = dict(costs.measure_curve(bench.probe_t, bench.probe_d, gammas,
+                                       int(cfg.reps)).to_dict(), drafter=spec)
     if len(batches) > 1 or auto:  # the cost surface at every batch (auto points choose from it)
       bench.batch_costs = measure_batch_costs(bench, batches, gammas, cfg)
       curve_d["batches"] = {str(b): c.to_dict() for b, c in bench.batch_costs.items()}

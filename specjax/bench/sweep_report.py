@@ -341,15 +341,17 @@ ALPHA_GRID = np.round(np.arange(0.1, 0.96, 0.05), 2)
 
 def best_gamma_map(costs: dict[str, Any], gammas, n_tokens: int | None):
   """(batches, alphas, best gamma [B, alpha], its predicted speedup) from the
-  measured cost surface (autogamma.choose)."""
+  measured cost surface (autogamma.choose, for the drafter the costs were
+  measured with: only a draft model pays the catch-up)."""
+  drafter = costs.get("drafter", "model")
   bc = {int(b): autogamma.BatchCosts.from_dict(d) for b, d in costs["batches"].items()}
   bs = sorted(bc)
   best = np.zeros((len(bs), len(ALPHA_GRID)), int)
   speed = np.zeros(best.shape)
   for i, b in enumerate(bs):
     for j, a in enumerate(ALPHA_GRID):
-      pred = autogamma.predicted_speedups(bc[b], float(a), gammas, n_tokens)
-      g = autogamma.choose(bc[b], float(a), gammas, n_tokens)
+      pred = autogamma.predicted_speedups(bc[b], float(a), gammas, n_tokens, drafter=drafter)
+      g = autogamma.choose(bc[b], float(a), gammas, n_tokens, drafter=drafter)
       best[i, j], speed[i, j] = g, pred[g]
   return bs, ALPHA_GRID, best, speed
 

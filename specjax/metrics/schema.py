@@ -41,6 +41,7 @@ FIELDS: dict[str, str] = {
     "prompt_tokens": "prompt token ids (single-prompt runs)",
     "tokens": "speculative output token ids (single-prompt runs)",
     "baseline_tokens": "target-only output token ids (single-prompt runs)",
+    "rows": "batch runs: per row its prompt_ids, tokens and baseline_tokens (cli.row_records)",
     # acceptance and step statistics
     **_STATS,
     # speed

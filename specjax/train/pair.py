@@ -14,7 +14,7 @@ training stage resumed from its last checkpoint when interrupted):
   export   HF directories (config.json, model.safetensors, tokenizer.json,
            tokenizer_config.json) + training.json + heldout_prompts.json
 
-The pair is loaded by name: `--target=stdlib-target --draft=stdlib-draft`
+The pair is loaded by name: `--model=stdlib-target --model_draft=stdlib-draft`
 (checkpoint.load_model resolves the names to specjax/assets/).
 """
 
