@@ -10,6 +10,7 @@ from absl import app, flags, logging
 
 from specjax.errors import ConfigError, SpecjaxError
 from specjax.model.sampling import SamplingParams
+from specjax.metrics import divergence
 
 # Used when a model has no tokenizer and no prompt is given: 32 fixed ids.
 DEFAULT_PROMPT_TOKENS = [1] + list(range(100, 131))
@@ -126,10 +127,13 @@ def parse_gammas(values: list[str]) -> tuple[list[int], bool]:
 
 
 def row_records(prompts: list[list[int]], tokens: list[list[int]],
-                baseline_tokens: list[list[int]] | None = None) -> list[dict[str, Any]]:
+                baseline_tokens: list[list[int]] | None = None,
+                equality_claimed: bool = False) -> list[dict[str, Any]]:
   """The `rows` of a --json_out: per row its prompt ids, its output tokens and
   (when a target-only baseline ran) the baseline's tokens, so that a batched
-  run can be checked and reused row by row."""
+  run can be checked and reused row by row. `equality_claimed` (greedy, the
+  real rule: divergence.equality_claimed) adds each row's `first_divergence`
+  from its baseline."""
   if len(tokens) != len(prompts) or (baseline_tokens is not None
                                      and len(baseline_tokens) != len(prompts)):
     raise ValueError(f"{len(prompts)} prompts but {len(tokens)} token rows")
@@ -138,6 +142,8 @@ def row_records(prompts: list[list[int]], tokens: list[list[int]],
     row = {"prompt_ids": list(p), "tokens": list(t)}
     if baseline_tokens is not None:
       row["baseline_tokens"] = list(baseline_tokens[i])
+      if equality_claimed:
+        row["first_divergence"] = divergence.first_divergence(t, baseline_tokens[i])
     rows.append(row)
   return rows
 

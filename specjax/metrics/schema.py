@@ -42,6 +42,12 @@ FIELDS: dict[str, str] = {
     "tokens": "speculative output token ids (single-prompt runs)",
     "baseline_tokens": "target-only output token ids (single-prompt runs)",
     "rows": "batch runs: per row its prompt_ids, tokens and baseline_tokens (cli.row_records)",
+    "first_divergence": "greedy runs of the real rule with a target-only baseline (per row in "
+                        "`rows` too): the 0-based index of the first output token where the "
+                        "speculative and target-only tokens differ (the shorter list's length "
+                        "if one is a prefix of the other), null when they are equal; absent "
+                        "otherwise (no equality is claimed). float32: null (tested); bfloat16 "
+                        "can part at a near-tie (divergence.py, docs/results.md)",
     # acceptance and step statistics
     **_STATS,
     # speed
