@@ -4,7 +4,7 @@
 
 1. Writes the preset's random weights as GGUF files (formats.gguf_write.
    write_gguf: F16 by numpy, Q8_0 by gguf.quants.quantize), then loads each
-   with specjax (gguf_file.load_gguf: memory map, gguf.quants.dequantize,
+   with specjax (gguf_weights.load_gguf: memory map, gguf.quants.dequantize,
    float32 on device) --loads times: median wall seconds until the params
    are on device, and file MB / s. The file was just written, so it is read
    from the page cache: this is the conversion's speed, not the disk's.
@@ -25,6 +25,7 @@ from specjax.formats import checkpoint
 from specjax import cli
 from specjax.decode import probes
 from specjax.formats import gguf as gguf_file
+from specjax.formats import gguf_weights
 from specjax.model import steps
 from specjax.metrics import timing
 from specjax.model import llama as model_lib
@@ -55,7 +56,7 @@ def load_speed(cfg, params) -> list[list[str]]:
     times = []
     for _ in range(_LOADS.value):
       t0 = time.perf_counter()
-      _, loaded, _ = gguf_file.load_gguf(path)
+      _, loaded, _ = gguf_weights.load_gguf(path)
       timing.block(loaded)
       times.append(time.perf_counter() - t0)
       del loaded

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.formats import gguf as gguf_file
+from specjax.formats import gguf_weights
 from specjax.formats import hf
 from specjax.model import llama as model_lib
 from specjax.model import quant
@@ -193,7 +194,7 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
       trained pair in specjax/assets), an HF directory (has config.json) or
       a specjax orbax directory (has specjax_config.json), or a llama.cpp
       GGUF file (*.gguf: any type gguf can dequantize; its tokenizer from the
-      metadata; gguf_file.load_gguf).
+      metadata; gguf_weights.load_gguf).
     dtype: compute and param dtype; default: the preset's / checkpoint's.
       'int8' (weight-only, quant.py): a preset quantizes its random init,
       a checkpoint is loaded in float32 and quantized.
@@ -222,7 +223,7 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
 def _load_model(spec: str, dtype: str | None, role: str):
   """load_model for a GGUF file, shipped model, orbax or HF directory."""
   if gguf_file.is_gguf_file(spec):
-    return gguf_file.load_gguf(spec, dtype, role)
+    return gguf_weights.load_gguf(spec, dtype, role)
   path = SHIPPED.get(spec, Path(spec))
   if spec in SHIPPED and not (path / hf.CONFIG_FILE).is_file():
     raise CheckpointError(f"shipped model {spec!r} is missing from {path}; regenerate "

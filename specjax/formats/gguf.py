@@ -1,45 +1,27 @@
-"""GGUF checkpoints (llama.cpp's format, quantized ones too) -> specjax.
-
-    cfg, params, tokenizer = load_gguf("model.Q8_0.gguf")
+"""GGUF files (llama.cpp's format, quantized ones too): the reader.
 
 The file is read with the `gguf` package's GGUFReader, which memory-maps
-it: a tensor's bytes are read when that tensor is converted. Every tensor
-type the package can dequantize (F32, F16, BF16, the Q4/Q5/Q8 block types,
-the K-quants, the IQ types, ...) is dequantized by `gguf.quants.dequantize`
-(the package's vectorised NumPy code) to float32, then cast to the compute
-dtype. The tensors go through `hf.hf_state_to_params`, the one conversion
-table, under their HF names: a `GGUFState` maps HF names to GGUF tensors
-and undoes llama.cpp's Q/K row permutation (the inverse of
-`gguf_permute`).
+it. Here: the GGUF tensor-name table (also written by gguf_write), the
+reader, the metadata (`field`, `read_config`), and `dequantize`: every
+tensor type the package can dequantize (F32, F16, BF16, the Q4/Q5/Q8 block
+types, the K-quants, the IQ types, ...) by `gguf.quants.dequantize` (the
+package's vectorised NumPy code) to float32.
 
-On a mesh (sharding.role_shardings) each device's block is built on its
-own: the rows a device needs (torch layout: output rows) are read and
-dequantized alone, quantized rows being whole blocks; a block split on the
-input columns dequantizes the rows and keeps its columns, so o/down under
-tensor parallelism dequantize their whole tensor on every host.
-
-The tokenizer comes from the `tokenizer.ggml.*` metadata (`gguf_tokenizer`).
+The weights are loaded by gguf_weights.py (`load_gguf`), the tokenizer is
+built by gguf_tokenizer.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
-from absl import logging
 
-from specjax.formats import hf, pretokenizers
-from specjax.model import llama as model_lib
-from specjax.model import quant
-from specjax.model import sharding
-from specjax.model.config import INT8, ModelConfig, RopeScaling, canonical_precision
-from specjax.errors import CheckpointError, ConfigError, TokenizerError
-from specjax.formats.tokenizer import Tokenizer
+from specjax.model.config import ModelConfig, RopeScaling
+from specjax.errors import CheckpointError, ConfigError
 from specjax.model.layers import rope_inv_freq
 
 SUFFIX = ".gguf"
@@ -163,7 +145,7 @@ def _tensor(reader, name: str):
   return None
 
 
-def _shape(t) -> tuple[int, ...]:
+def shape_of(t) -> tuple[int, ...]:
   """A tensor's logical shape in NumPy order (ggml stores it reversed)."""
   return tuple(int(d) for d in reversed(t.shape.tolist()))
 
@@ -216,7 +198,7 @@ def read_config(reader, source: str, name: str = "gguf") -> ModelConfig:
                       f"head size {d_head}) is not supported")
   theta = _float(field(reader, "llama.rope.freq_base", 10000.0))
   tokens = field(reader, "tokenizer.ggml.tokens") or []
-  vocab = _shape(embd)[0]
+  vocab = shape_of(embd)[0]
   if len(tokens) > vocab:
     raise CheckpointError(f"{source}: {len(tokens)} tokens but token_embd.weight "
                           f"has only {vocab} rows")
@@ -263,244 +245,3 @@ def gguf_name(hf_name: str) -> str:
   if not m:
     return GGUF_TOP[hf_name]
   return f"blk.{m.group(1)}.{GGUF_LAYER[m.group(2)]}.weight"
-
-
-class GGUFState(Mapping):
-  """{HF name: float32 array in torch layout} over a GGUF file's tensors,
-  each dequantized when read, q/k rows put back in HF's rotate-half order."""
-
-  def __init__(self, reader, cfg: ModelConfig, source: str):
-    self.cfg, self.source = cfg, source
-    by_name = {t.name: t for t in reader.tensors if t.name != ROPE_FREQS}
-    wanted = {gguf_name(t.hf_name): t.hf_name for t in hf.tensor_map(cfg)}
-    missing = [g for g in wanted if g not in by_name]
-    if missing:
-      raise CheckpointError(f"{source}: missing tensor {hf.names_list(missing)}")
-    extra = sorted(set(by_name) - set(wanted))
-    if extra:
-      raise CheckpointError(f"{source}: unexpected tensor {hf.names_list(extra)}; "
-                            f"not a LLaMA model matching its metadata")
-    self._t = {h: by_name[g] for g, h in wanted.items()}
-    for t in self._t.values():
-      check_type(t, source)
-
-  def _perm(self, name: str) -> np.ndarray | None:
-    """GGUF row order -> HF row order of q / k (None for other tensors)."""
-    heads = {"q_proj": self.cfg.n_heads, "k_proj": self.cfg.n_kv_heads}
-    m = re.search(r"self_attn\.([qk]_proj)\.weight$", name)
-    if not m:
-      return None
-    n = self.shape(name)[0]
-    return np.argsort(gguf_permute(np.arange(n)[:, None], heads[m.group(1)])[:, 0])
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return _shape(self._t[name])
-
-  def read_block(self, name: str, index: tuple) -> np.ndarray:
-    """tensor[index] (torch layout): only the needed rows are dequantized."""
-    t, perm = self._t[name], self._perm(name)
-    rows, rest = index[0], tuple(index[1:])
-    if perm is not None:
-      rows = perm[rows]
-    return dequantize(t, rows)[(slice(None),) + rest]
-
-  def __getitem__(self, name: str) -> np.ndarray:
-    return self.read_block(name, (slice(None),) * len(self.shape(name)))
-
-  def __iter__(self):
-    return iter(self._t)
-
-  def __len__(self) -> int:
-    return len(self._t)
-
-
-def load_gguf(path: str | os.PathLike, dtype: str | None = None, role: str = "target"):
-  """Loads a llama GGUF file: (cfg, params, tokenizer or None).
-
-  Args:
-    dtype: compute and param dtype; default float32 (what every GGUF type
-      dequantizes to exactly, F16 and BF16 included); 'int8' quantizes the
-      float32 weights per channel (quant.py).
-    role: 'target' or 'draft': the placement on the active mesh.
-  Raises:
-    CheckpointError: one line: not GGUF, truncated, not llama, a missing or
-      unexpected tensor, a tensor type gguf cannot dequantize.
-  """
-  if dtype and canonical_precision(dtype) == INT8:  # float32, then quantized
-    cfg, params, tok = load_gguf(path, "float32", role)
-    return (*quant.quantize_model(cfg, params, role), tok)
-  path = Path(path)
-  reader = open_reader(path)
-  source = str(path)
-  try:
-    cfg = read_config(reader, source, name=path.stem)
-  except ConfigError as e:
-    raise CheckpointError(str(e)) from None
-  if dtype:
-    cfg = cfg.with_dtype(dtype)
-  cfg = sharding.pad_vocab(cfg)  # on a mesh the model axis does not divide V
-  state = GGUFState(reader, cfg, source)
-  shardings = None
-  if sharding.current() is not None:
-    shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
-    shardings = sharding.role_shardings(cfg, shapes, role)
-  params = hf.hf_state_to_params(cfg, state, source=source, shardings=shardings)
-  tok = gguf_tokenizer(reader, source)
-  if tok is not None and tok.vocab_size > cfg.vocab_size:
-    raise TokenizerError(f"{source}: tokenizer has {tok.vocab_size} tokens but the "
-                         f"model only {cfg.vocab_size}")
-  return cfg, params, tok
-
-# ---------------------------------------------------------------- tokenizer
-
-# gguf.TokenType values
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-
-def _spm_merges(tokens: list[str], scores: list[float], types: list[int]):
-  """SentencePiece BPE as BPE merges: every split of a normal piece into two
-  normal pieces, ranked by the merged piece's score (highest first), ties by
-  the halves' ids (transformers' SentencePieceExtractor does the same)."""
-  ids = {t: i for i, t in enumerate(tokens) if types[i] == NORMAL}
-  merges = []
-  for piece, i in ids.items():
-    local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
-             if piece[:k] in ids and piece[k:] in ids]
-    local.sort(key=lambda lr: (ids[lr[0]], ids[lr[1]]))
-    merges += [(l, r, scores[i]) for l, r in local]
-  merges.sort(key=lambda m: -m[2])  # stable: ties keep the id order
-  return [(l, r) for l, r, _ in merges]
-
-
-def _post_processor(tokens, bos, eos, add_bos: bool, add_eos: bool):
-  """BOS / EOS around each sequence, as the file's add_*_token say."""
-  from tokenizers import processors  # pylint: disable=import-outside-toplevel
-  add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
-  if not (add_bos or add_eos):
-    return None
-  around = lambda seq: ([f"{tokens[bos]}:{seq}"] * add_bos + [f"${'AB'[seq]}:{seq}"]
-                        + [f"{tokens[eos]}:{seq}"] * add_eos)
-  special = [(tokens[bos], bos)] * add_bos + [(tokens[eos], eos)] * add_eos
-  return processors.TemplateProcessing(single=around(0), pair=around(0) + around(1),
-                                       special_tokens=special)
-
-
-def _add_tokens(backend, tokens, types) -> None:
-  """Control tokens as special tokens (matched in text, skipped when
-  decoding); user-defined ones as plain added tokens (matched in text)."""
-  from tokenizers import AddedToken  # pylint: disable=import-outside-toplevel
-  pick = lambda kind: [AddedToken(t, special=kind == CONTROL, normalized=False)
-                       for i, t in enumerate(tokens) if types[i] == kind]
-  backend.add_special_tokens(pick(CONTROL))
-  backend.add_tokens(pick(USER_DEFINED))
-
-
-def _spm_tokenizer(tokens, scores, types, merges, unk, add_prefix):
-  """llama.cpp's 'llama' (SentencePiece BPE) vocabulary as `tokenizers`:
-  spaces as '▁', a '▁' prepended (add_space_prefix), byte fallback."""
-  import tokenizers  # pylint: disable=import-outside-toplevel
-  from tokenizers import decoders, models, normalizers  # pylint: disable=import-outside-toplevel
-  vocab = {t: i for i, t in enumerate(tokens)}
-  if merges is None:
-    merges = _spm_merges(tokens, scores, types)
-  has_bytes = BYTE in types
-  tok = tokenizers.Tokenizer(models.BPE(
-      vocab, merges, unk_token=None if unk is None else tokens[unk],
-      fuse_unk=True, byte_fallback=has_bytes))
-  norm = [normalizers.Replace(" ", "\u2581")]
-  if add_prefix:
-    norm.insert(0, normalizers.Prepend("\u2581"))
-  tok.normalizer = normalizers.Sequence(norm)
-  dec = [decoders.Replace("\u2581", " ")] + [decoders.ByteFallback()] * has_bytes
-  dec += [decoders.Fuse()] + [decoders.Strip(" ", 1, 0)] * add_prefix
-  tok.decoder = decoders.Sequence(dec)
-  return tok
-
-
-def _bpe_tokenizer(tokens, merges, fam: pretokenizers.Family):
-  """llama.cpp's 'gpt2' (byte-level BPE) vocabulary as `tokenizers`, split
-  by the family's regexes (formats/pretokenizers.py)."""
-  import tokenizers  # pylint: disable=import-outside-toplevel
-  from tokenizers import decoders, models  # pylint: disable=import-outside-toplevel
-  vocab = {t: i for i, t in enumerate(tokens)}
-  tok = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=fam.ignore_merges))
-  tok.pre_tokenizer = pretokenizers.pre_tokenizer(fam)
-  tok.decoder = decoders.ByteLevel()
-  return tok
-
-
-class _UnsplitTokenizer(Tokenizer):
-  """A byte-level BPE vocabulary whose pre-tokenizer specjax does not know:
-  it decodes (the weights load, prompts may be given as ids), and encoding
-  raises the reason in one line."""
-
-  def __init__(self, backend, bos_id, eos_id, source: str, reason: str):
-    super().__init__(backend, "hf", bos_id, eos_id, source)
-    self.reason = reason
-
-  def encode(self, text: str, add_special: bool = True) -> list[int]:
-    raise TokenizerError(f"{self.reason}: give the prompt as token ids")
-
-
-def gguf_tokenizer(reader, source: str) -> Tokenizer | None:
-  """The tokenizer of a GGUF file's `tokenizer.ggml.*` metadata, or None
-  when the file has no token list.
-
-  `llama` (SentencePiece BPE: scores decide the merges, '▁' for spaces,
-  byte tokens <0xNN>) and `gpt2` (byte-level BPE with tokenizer.ggml.merges,
-  split first as tokenizer.ggml.pre says: llama.cpp's table, in
-  formats/pretokenizers.py; without the key, llama.cpp's 'default'). BOS /
-  EOS are added as `add_bos_token` / `add_eos_token` say; without the key,
-  llama.cpp's defaults: BOS for `llama` and for the pre-tokenizers llama.cpp
-  adds it with (llama-bpe, tekken, chameleon), else nothing. Control tokens
-  are special (matched in text, skipped in decoding), user-defined ones are
-  matched too.
-
-  A `gpt2` vocabulary whose pre-tokenizer is not in the table still gives a
-  tokenizer, one that decodes but raises TokenizerError (naming the value and
-  the supported ones) when asked to encode: the weights load, and prompts can
-  be given as ids.
-
-  Raises:
-    TokenizerError: an unknown tokenizer model, or a `gpt2` vocabulary
-      without merges.
-  """
-  tokens = field(reader, "tokenizer.ggml.tokens")
-  if not tokens:
-    return None
-  kind = field(reader, "tokenizer.ggml.model", "llama")
-  types = field(reader, "tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-  merges = field(reader, "tokenizer.ggml.merges")
-  merges = None if merges is None else [tuple(m.split(" ", 1)) for m in merges]
-  opt = lambda key: None if field(reader, key) is None else int(field(reader, key))
-  bos, eos = opt("tokenizer.ggml.bos_token_id"), opt("tokenizer.ggml.eos_token_id")
-  unk = opt("tokenizer.ggml.unknown_token_id")
-  if kind == "llama":
-    scores = field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
-    backend = _spm_tokenizer(tokens, scores, types, merges, unk,
-                             bool(field(reader, "tokenizer.ggml.add_space_prefix", True)))
-    add_bos_default = True
-  elif kind == "gpt2":
-    pre = field(reader, "tokenizer.ggml.pre")
-    if pre is None:
-      logging.warning("%s: no tokenizer.ggml.pre; splitting as llama.cpp's %r",
-                      source, pretokenizers.MISSING)
-    try:
-      fam, reason = pretokenizers.family(pre, source), None
-    except TokenizerError as e:  # the weights still load; prompts as ids
-      fam, reason = pretokenizers.FAMILIES["gpt2"], str(e)
-      logging.warning("%s", reason)
-    if not merges:
-      raise TokenizerError(f"{source}: a gpt2 tokenizer without tokenizer.ggml.merges")
-    backend = _bpe_tokenizer(tokens, merges, fam)
-    add_bos_default = fam.add_bos
-  else:
-    raise TokenizerError(f"{source}: tokenizer model {kind!r} is not supported "
-                         f"(only 'llama' and 'gpt2')")
-  _add_tokens(backend, tokens, types)
-  backend.post_processor = _post_processor(
-      tokens, bos, eos, bool(field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
-      bool(field(reader, "tokenizer.ggml.add_eos_token", False)))
-  if kind == "gpt2" and reason is not None:
-    return _UnsplitTokenizer(backend, bos, eos, source, reason)
-  return Tokenizer(backend, "hf", bos, eos, source)

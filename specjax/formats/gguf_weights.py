@@ -1,0 +1,124 @@
+"""GGUF checkpoints (llama.cpp's format, quantized ones too) -> specjax.
+
+    cfg, params, tokenizer = load_gguf("model.Q8_0.gguf")
+
+The file is read by gguf.py (a memory-mapped GGUFReader): a tensor's bytes
+are read when that tensor is converted. The tensors go through
+`hf.hf_state_to_params`, the one conversion table, under their HF names: a
+`GGUFState` maps HF names to GGUF tensors and undoes llama.cpp's Q/K row
+permutation (the inverse of `gguf.gguf_permute`).
+
+On a mesh (sharding.role_shardings) each device's block is built on its
+own: the rows a device needs (torch layout: output rows) are read and
+dequantized alone, quantized rows being whole blocks; a block split on the
+input columns dequantizes the rows and keeps its columns, so o/down under
+tensor parallelism dequantize their whole tensor on every host.
+
+The tokenizer comes from gguf_tokenizer.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from specjax.errors import CheckpointError, ConfigError, TokenizerError
+from specjax.formats import gguf as gguf_file
+from specjax.formats import hf
+from specjax.formats.gguf_tokenizer import gguf_tokenizer
+from specjax.model import llama as model_lib
+from specjax.model import quant
+from specjax.model import sharding
+from specjax.model.config import INT8, ModelConfig, canonical_precision
+
+
+class GGUFState(Mapping):
+  """{HF name: float32 array in torch layout} over a GGUF file's tensors,
+  each dequantized when read, q/k rows put back in HF's rotate-half order."""
+
+  def __init__(self, reader, cfg: ModelConfig, source: str):
+    self.cfg, self.source = cfg, source
+    by_name = {t.name: t for t in reader.tensors if t.name != gguf_file.ROPE_FREQS}
+    wanted = {gguf_file.gguf_name(t.hf_name): t.hf_name for t in hf.tensor_map(cfg)}
+    missing = [g for g in wanted if g not in by_name]
+    if missing:
+      raise CheckpointError(f"{source}: missing tensor {hf.names_list(missing)}")
+    extra = sorted(set(by_name) - set(wanted))
+    if extra:
+      raise CheckpointError(f"{source}: unexpected tensor {hf.names_list(extra)}; "
+                            f"not a LLaMA model matching its metadata")
+    self._t = {h: by_name[g] for g, h in wanted.items()}
+    for t in self._t.values():
+      gguf_file.check_type(t, source)
+
+  def _perm(self, name: str) -> np.ndarray | None:
+    """GGUF row order -> HF row order of q / k (None for other tensors)."""
+    heads = {"q_proj": self.cfg.n_heads, "k_proj": self.cfg.n_kv_heads}
+    m = re.search(r"self_attn\.([qk]_proj)\.weight$", name)
+    if not m:
+      return None
+    n = self.shape(name)[0]
+    return np.argsort(gguf_file.gguf_permute(np.arange(n)[:, None], heads[m.group(1)])[:, 0])
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return gguf_file.shape_of(self._t[name])
+
+  def read_block(self, name: str, index: tuple) -> np.ndarray:
+    """tensor[index] (torch layout): only the needed rows are dequantized."""
+    t, perm = self._t[name], self._perm(name)
+    rows, rest = index[0], tuple(index[1:])
+    if perm is not None:
+      rows = perm[rows]
+    return gguf_file.dequantize(t, rows)[(slice(None),) + rest]
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return self.read_block(name, (slice(None),) * len(self.shape(name)))
+
+  def __iter__(self):
+    return iter(self._t)
+
+  def __len__(self) -> int:
+    return len(self._t)
+
+
+def load_gguf(path: str | os.PathLike, dtype: str | None = None, role: str = "target"):
+  """Loads a llama GGUF file: (cfg, params, tokenizer or None).
+
+  Args:
+    dtype: compute and param dtype; default float32 (what every GGUF type
+      dequantizes to exactly, F16 and BF16 included); 'int8' quantizes the
+      float32 weights per channel (quant.py).
+    role: 'target' or 'draft': the placement on the active mesh.
+  Raises:
+    CheckpointError: one line: not GGUF, truncated, not llama, a missing or
+      unexpected tensor, a tensor type gguf cannot dequantize.
+  """
+  if dtype and canonical_precision(dtype) == INT8:  # float32, then quantized
+    cfg, params, tok = load_gguf(path, "float32", role)
+    return (*quant.quantize_model(cfg, params, role), tok)
+  path = Path(path)
+  reader = gguf_file.open_reader(path)
+  source = str(path)
+  try:
+    cfg = gguf_file.read_config(reader, source, name=path.stem)
+  except ConfigError as e:
+    raise CheckpointError(str(e)) from None
+  if dtype:
+    cfg = cfg.with_dtype(dtype)
+  cfg = sharding.pad_vocab(cfg)  # on a mesh the model axis does not divide V
+  state = GGUFState(reader, cfg, source)
+  shardings = None
+  if sharding.current() is not None:
+    shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))
+    shardings = sharding.role_shardings(cfg, shapes, role)
+  params = hf.hf_state_to_params(cfg, state, source=source, shardings=shardings)
+  tok = gguf_tokenizer(reader, source)
+  if tok is not None and tok.vocab_size > cfg.vocab_size:
+    raise TokenizerError(f"{source}: tokenizer has {tok.vocab_size} tokens but the "
+                         f"model only {cfg.vocab_size}")
+  return cfg, params, tok
