@@ -27,6 +27,13 @@ cache capacity (--baseline), the two alternating over --reps repetitions, and
 prints the median speedup. --gamma is the draft length (an integer, or auto);
 --draft is its alias, llama.cpp's name for the flag. --json_out keeps every
 row: its prompt ids, its tokens and the target-only baseline's tokens.
+
+Greedy with the real rule (--temp=0, --accept=real), the run also says where
+the speculative tokens first differ from the target-only tokens, or that they
+agree (the record's `first_divergence`, per row in `rows`). In float32 they
+agree (tested); in bfloat16 they can part at a near-tie: the verify of
+gamma+1 rows and the decode of one row round differently
+(specjax/metrics/divergence.py, docs/results.md).
 """
 
 import json
@@ -42,6 +49,7 @@ from specjax import cli
 from specjax.drafters import registry
 from specjax.drafters import eagle
 from specjax.decode import generation
+from specjax.metrics import divergence
 from specjax.metrics import schema
 from specjax.decode import speculative
 from specjax.model import steps
@@ -236,8 +244,16 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
     out.update(baseline_tps=base_tps, speedup=spec_tps / base_tps)
     if len(prompts) == 1:
       out.update(baseline_tokens=base.tokens[0])
+  # greedy with the real rule: where the outputs part from target-only, if they do
+  claimed = base is not None and divergence.equality_claimed(sp.temperature, rule.simulated)
+  if claimed:
+    parts = [divergence.first_divergence(t, b) for t, b in zip(res.tokens, base.tokens)]
+    print(divergence.summary_line(parts, _N_PREDICT.value, tcfg.precision))
+    if len(prompts) == 1:
+      out.update(first_divergence=parts[0])
   if _JSON_OUT.value:  # the run's record, then every row (not a run field: per row)
-    rows = cli.row_records(prompts, res.tokens, base.tokens if base is not None else None)
+    rows = cli.row_records(prompts, res.tokens, base.tokens if base is not None else None,
+                           equality_claimed=claimed)
     wd.write_json(_JSON_OUT.value, {**out, "rows": rows})
 
 
