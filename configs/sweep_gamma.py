@@ -14,6 +14,11 @@ the code-editing prompts:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:drafters --workdir=/tmp/specjax_drafters
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:drafters \
       --config.prompt_set=editing --workdir=/tmp/specjax_drafters_edit
+An Instruct target's prompts as its users send them (each a user turn through the target's chat
+template; a target without one is refused):
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:drafters --config.chat=True \
+      --config.target=/path/to/instruct --config.drafters="('ngram','layerskip:4')" \
+      --workdir=/tmp/specjax_chat
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
       --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
@@ -38,6 +43,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.prompt = ""                  # prompt text (needs a tokenizer); "" = built-in
   c.prompt_tokens = ""           # prompt as comma-separated ids; "" = built-in
   c.heldout_prompts = 0          # > 0: that many shipped held-out prompts instead (run in turn)
+  c.chat = False                 # each prompt as a user turn through the target's chat template
   c.n_predict = 64               # tokens generated per run
   c.ctx_size = 256               # context; the cache holds ctx_size + max(gammas) + 1
   c.reps = 3                     # repetitions; target-only and speculative alternate (medians)

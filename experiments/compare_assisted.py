@@ -35,8 +35,7 @@ _MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset na
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft tokens per step (HF num_assistant_tokens, constant).",
                               lower_bound=1, upper_bound=64)
 _N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate (the first included).", lower_bound=1)
-_PROMPT = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
-_PROMPT_TOKENS = flags.DEFINE_string("prompt_tokens", None, "Prompt as comma-separated token ids.")
+_PROMPT = cli.PromptFlags(file=False)  # --prompt, --prompt_tokens, --chat, --system
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each generate call (after one warm-up).",
                              lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16"],
@@ -69,7 +68,7 @@ def main(argv):
                                               role="draft")
   speculative.check_vocabularies(tcfg, dcfg)
   tokenizer.check_same_tokens(tok, dtok)
-  prompt = cli.parse_prompt(_PROMPT.value, _PROMPT_TOKENS.value, tok, tcfg.vocab_size)
+  prompt = _PROMPT.prompt(tok, tcfg.vocab_size)
   target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
   pt_target, pt_draft = assisted.torch_models(target, draft, _HF_ATTN.value)
   pt_self = assisted.torch_models(target, target, _HF_ATTN.value)[1]

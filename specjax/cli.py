@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any, Callable
@@ -9,6 +10,7 @@ from typing import Any, Callable
 from absl import app, flags, logging
 
 from specjax.errors import ConfigError, SpecjaxError
+from specjax.formats import chat as chat_lib
 from specjax.model.sampling import SamplingParams
 from specjax.metrics import divergence
 
@@ -148,19 +150,51 @@ def row_records(prompts: list[list[int]], tokens: list[list[int]],
   return rows
 
 
+class PromptFlags:
+  """--prompt, --prompt_tokens, --chat and --system (and, with `file`,
+  --prompt_file): how a script's prompt is given. Defined once here (call at
+  import time of the script, like any absl flag)."""
+
+  def __init__(self, file: bool = True):
+    self._prompt = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
+    self._prompt_tokens = flags.DEFINE_string("prompt_tokens", None,
+                                              "Prompt as comma-separated token ids.")
+    self._chat = flags.DEFINE_bool(
+        "chat", False, "Render the prompt as a user turn with the model's chat template "
+        "(add_generation_prompt; as transformers' apply_chat_template): for Instruct models.")
+    self._system = flags.DEFINE_string("system", None,
+                                       "With --chat: a system turn before the prompt.")
+    self._prompt_file = None
+    if file:
+      self._prompt_file = flags.DEFINE_string(
+          "prompt_file", None, "The rows of one batch: one prompt per line (text; "
+          "comma-separated ids for a model without a tokenizer), or a .jsonl file of "
+          '{"prompt": TEXT} or, with --chat, conversations ({"messages": [...]} or a list '
+          "of messages).")
+
+  def prompt(self, tokenizer, vocab_size: int) -> list[int]:
+    return parse_prompt(self._prompt.value, self._prompt_tokens.value, tokenizer, vocab_size,
+                        chat=self._chat.value, system=self._system.value)
+
+  def prompts(self, tokenizer, vocab_size: int) -> list[list[int]]:
+    """--prompt_file's prompts, else the one prompt."""
+    if self._prompt_file is None or self._prompt_file.value is None:
+      return [self.prompt(tokenizer, vocab_size)]
+    if self._prompt.value is not None or self._prompt_tokens.value is not None:
+      raise ConfigError("give --prompt_file or --prompt / --prompt_tokens, not both")
+    return read_prompt_file(self._prompt_file.value, tokenizer, vocab_size,
+                            chat=self._chat.value, system=self._system.value)
+
+
 class GenerationFlags:
-  """The flags every generation script shares: prompt(s), sampling, seed, dtype.
+  """The flags every generation script shares: prompt(s) (PromptFlags),
+  sampling, seed, dtype.
 
   Defined once here (call at import time of the script, like any absl flag).
   """
 
   def __init__(self, seed_help: str = "Sampling seed (and random-init seed for presets)."):
-    self._prompt = flags.DEFINE_string("prompt", None, "Prompt text (needs a tokenizer).")
-    self._prompt_tokens = flags.DEFINE_string("prompt_tokens", None,
-                                              "Prompt as comma-separated token ids.")
-    self._prompt_file = flags.DEFINE_string(
-        "prompt_file", None, "One prompt per line (text; comma-separated ids for a model "
-        "without a tokenizer): the rows of one batch.")
+    self._prompts = PromptFlags(file=True)
     self._n_parallel = flags.DEFINE_integer("n_parallel", 1, "Rows per prompt: each prompt "
                                             "repeated this many times in the batch.",
                                             lower_bound=1)
@@ -189,17 +223,12 @@ class GenerationFlags:
     return SamplingParams(self._temp.value, self._top_k.value, self._top_p.value)
 
   def prompt(self, tokenizer, vocab_size: int) -> list[int]:
-    return parse_prompt(self._prompt.value, self._prompt_tokens.value, tokenizer, vocab_size)
+    return self._prompts.prompt(tokenizer, vocab_size)
 
   def prompts(self, tokenizer, vocab_size: int) -> list[list[int]]:
     """The batch's rows: --prompt_file's prompts (else the one prompt), each
     repeated --n_parallel times."""
-    if self._prompt_file.value is not None:
-      if self._prompt.value is not None or self._prompt_tokens.value is not None:
-        raise ConfigError("give --prompt_file or --prompt / --prompt_tokens, not both")
-      prompts = read_prompt_file(self._prompt_file.value, tokenizer, vocab_size)
-    else:
-      prompts = [self.prompt(tokenizer, vocab_size)]
+    prompts = self._prompts.prompts(tokenizer, vocab_size)
     return [p for p in prompts for _ in range(self._n_parallel.value)]
 
 
@@ -233,17 +262,44 @@ class RecordFlags:
                                        "results": records})
 
 
+NO_TEMPLATE = ("no chat template (no chat_template.jinja or chat_template in "
+               "tokenizer_config.json; no tokenizer.chat_template in a GGUF file)")
+
+
+def chat_ids(tokenizer, messages, what: str = "--chat") -> list[int]:
+  """A conversation's ids through the model's chat template (formats/chat.py);
+  `what` (the flag or config field that asked) names the fix when the model
+  has no tokenizer or no template."""
+  if tokenizer is None:
+    raise ConfigError(f"{what} needs the model's tokenizer and chat template, and this model "
+                      f"has no tokenizer")
+  if tokenizer.chat is None:
+    raise ConfigError(f"{what}: {tokenizer.source} has {NO_TEMPLATE}; prompt it as raw text "
+                      f"(without {what})")
+  return tokenizer.encode_chat(messages)
+
+
 def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
-                 vocab_size: int) -> list[int]:
-  """Token ids from --prompt (needs a tokenizer) or --prompt_tokens=1,2,3."""
+                 vocab_size: int, chat: bool = False, system: str | None = None) -> list[int]:
+  """Token ids from --prompt (needs a tokenizer) or --prompt_tokens=1,2,3.
+  With `chat`, the prompt (or the default text) is a user turn after an
+  optional `system` turn, rendered with the model's chat template."""
   if prompt is not None and prompt_tokens is not None:
     raise SpecjaxError("give --prompt or --prompt_tokens, not both")
+  if system is not None and not chat:
+    raise ConfigError("--system needs --chat (a system turn exists only in a chat template)")
+  if chat and prompt_tokens is not None:
+    raise ConfigError("--chat renders text with the chat template; --prompt_tokens are ids "
+                      "already: give --prompt or drop --chat")
   if prompt_tokens is not None:
     try:
       ids = [int(t) for t in prompt_tokens.replace(" ", "").split(",") if t]
     except ValueError:
       raise SpecjaxError(f"--prompt_tokens must be comma-separated integers, "
                          f"got {prompt_tokens!r}") from None
+  elif chat:
+    ids = chat_ids(tokenizer, chat_lib.user_turn(DEFAULT_PROMPT_TEXT if prompt is None
+                                                 else prompt, system))
   elif tokenizer is not None:
     ids = tokenizer.encode(DEFAULT_PROMPT_TEXT if prompt is None else prompt)
   elif prompt is not None:
@@ -252,6 +308,11 @@ def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
                        "pass --prompt_tokens")
   else:
     ids = list(DEFAULT_PROMPT_TOKENS)
+  return check_ids(ids, vocab_size)
+
+
+def check_ids(ids: list[int], vocab_size: int) -> list[int]:
+  """A prompt's ids: not empty, inside the vocabulary."""
   if not ids:
     raise SpecjaxError("the prompt is empty")
   bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -261,9 +322,18 @@ def parse_prompt(prompt: str | None, prompt_tokens: str | None, tokenizer,
   return ids
 
 
-def read_prompt_file(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
-  """One prompt per line (text with a tokenizer, else comma-separated ids);
-  an empty line is an error (it would be an empty row)."""
+def read_prompt_file(path: str, tokenizer, vocab_size: int, chat: bool = False,
+                     system: str | None = None) -> list[list[int]]:
+  """The rows of --prompt_file; an empty line is an error (it would be an
+  empty row).
+
+  A text file: one prompt per line (text with a tokenizer, else
+  comma-separated ids), each a user turn with `chat`. A .jsonl file: one JSON
+  value per line, {"prompt": TEXT} (as a text line) or a conversation,
+  {"messages": [...]} or a bare list of messages, which renders with the
+  chat template and so needs `chat` (`system` is put first in a conversation
+  that has no system turn).
+  """
   try:
     with open(path, encoding="utf-8") as f:
       lines = f.read().splitlines()
@@ -271,13 +341,42 @@ def read_prompt_file(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
     raise ConfigError(f"cannot read --prompt_file {path}: {e.strerror}") from None
   if not lines:
     raise ConfigError(f"--prompt_file {path} holds no prompt")
+  jsonl = path.endswith(".jsonl")
   prompts = []
   for i, line in enumerate(lines, 1):
     if not line.strip():
       raise ConfigError(f"--prompt_file {path}: line {i} is empty (one prompt per line)")
-    prompts.append(parse_prompt(line, None, tokenizer, vocab_size) if tokenizer is not None
-                   else parse_prompt(None, line, None, vocab_size))
+    if jsonl:
+      prompts.append(_jsonl_prompt(line, f"--prompt_file {path} line {i}", tokenizer,
+                                   vocab_size, chat, system))
+    elif tokenizer is not None or chat:
+      prompts.append(parse_prompt(line, None, tokenizer, vocab_size, chat, system))
+    else:
+      prompts.append(parse_prompt(None, line, None, vocab_size))
   return prompts
+
+
+def _jsonl_prompt(line: str, where: str, tokenizer, vocab_size: int, chat: bool,
+                  system: str | None) -> list[int]:
+  """One line of a .jsonl --prompt_file (read_prompt_file)."""
+  try:
+    value = json.loads(line)
+  except ValueError as e:
+    raise ConfigError(f"{where} is not JSON: {e}") from None
+  if isinstance(value, dict) and isinstance(value.get("prompt"), str):
+    return parse_prompt(value["prompt"], None, tokenizer, vocab_size, chat, system)
+  messages = value.get("messages") if isinstance(value, dict) else value
+  if not isinstance(messages, list):
+    raise ConfigError(f'{where}: expected {{"prompt": TEXT}}, {{"messages": [...]}} or a list '
+                      f"of messages")
+  if not chat:
+    raise ConfigError(f"{where} is a conversation, which renders with the chat template: "
+                      f"pass --chat")
+  try:
+    messages = chat_lib.check_messages(messages, where)
+  except SpecjaxError as e:
+    raise ConfigError(str(e)) from None
+  return check_ids(chat_ids(tokenizer, chat_lib.with_system(messages, system)), vocab_size)
 
 
 def detokenize(tokenizer, ids: list[int]) -> str:

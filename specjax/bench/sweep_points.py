@@ -12,6 +12,7 @@ from specjax import workdir as wd
 from specjax.decode import acceptance
 from specjax.drafters import registry
 from specjax.errors import ConfigError
+from specjax.formats import chat as chat_lib
 from specjax.metrics import schema
 from specjax.model.sampling import SamplingParams
 from specjax.train import pair
@@ -105,16 +106,28 @@ def group_key(p: Point) -> tuple:
 
 
 def sweep_prompts(cfg, tok, vocab_size: int) -> list[list[int]]:
-  """The prompts of a sweep: `heldout_prompts` shipped held-out prompts, or one."""
+  """The prompts of a sweep: `heldout_prompts` shipped held-out prompts, or one.
+  With `chat`, each is a user turn rendered with the target's chat template
+  (the chat form, for Instruct targets; a target without one is refused)."""
   n = int(cfg.get("heldout_prompts", 0))
+  chat = bool(cfg.get("chat", False))
   if n:
     if tok is None:
       raise ConfigError("config.heldout_prompts needs a target with a tokenizer")
     texts = pair.shipped_prompts(n, kind=str(cfg.get("prompt_set", "continuation")))
     if len(texts) < n:
       raise ConfigError(f"config.heldout_prompts={n}, but only {len(texts)} are shipped")
+  elif not chat:
+    return [cli.parse_prompt(cfg.prompt or None, cfg.prompt_tokens or None, tok, vocab_size)]
+  elif cfg.prompt_tokens:
+    raise ConfigError("config.chat renders text with the chat template; config.prompt_tokens "
+                      "are ids already")
+  else:
+    texts = [cfg.prompt or cli.DEFAULT_PROMPT_TEXT]
+  if not chat:
     return [tok.encode(t) for t in texts]
-  return [cli.parse_prompt(cfg.prompt or None, cfg.prompt_tokens or None, tok, vocab_size)]
+  return [cli.check_ids(cli.chat_ids(tok, chat_lib.user_turn(t), "config.chat"), vocab_size)
+          for t in texts]
 
 
 # Fields that may change between a run and its --resume (they only add points).
@@ -134,6 +147,7 @@ def check_same_sweep(workdir: str, cfg) -> None:
   old, new = saved.get("config") or {}, wd.normalised(cfg.to_dict())
   old.setdefault("drafter", "model")  # sweeps from before drafters drafted with the model
   old.setdefault("prompt_set", "continuation")  # ... and ran the continuation prompts
+  old.setdefault("chat", False)  # ... as raw text
   diff = sorted(k for k in set(old) | set(new)
                 if k not in _POINT_FIELDS and old.get(k) != new.get(k))
   if diff:

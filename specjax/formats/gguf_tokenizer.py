@@ -13,7 +13,7 @@ from __future__ import annotations
 from absl import logging
 
 from specjax.errors import TokenizerError
-from specjax.formats import pretokenizers
+from specjax.formats import chat, pretokenizers
 from specjax.formats import gguf as gguf_file
 from specjax.formats.tokenizer import Tokenizer
 
@@ -166,6 +166,7 @@ def gguf_tokenizer(reader, source: str) -> Tokenizer | None:
   backend.post_processor = _post_processor(
       tokens, bos, eos, bool(field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
       bool(field(reader, "tokenizer.ggml.add_eos_token", False)))
-  if kind == "gpt2" and reason is not None:
-    return _UnsplitTokenizer(backend, bos, eos, source, reason)
-  return Tokenizer(backend, "hf", bos, eos, source)
+  tok = (_UnsplitTokenizer(backend, bos, eos, source, reason) if kind == "gpt2" and reason
+         else Tokenizer(backend, "hf", bos, eos, source))
+  tok.chat = chat.gguf_template(lambda key: field(reader, key), tokens, source)
+  return tok

@@ -21,6 +21,12 @@ AutoTokenizer):
                    converts the model to a Metaspace BPE, which gives a text
                    that starts with spaces one '▁' fewer.
 `encode(text, add_special=False)` gives the bare ids.
+
+A tokenizer also carries its model's chat template when it has one
+(`chat`: formats/chat.py; chat_template.jinja or tokenizer_config.json's
+chat_template, a GGUF file's tokenizer.chat_template); `encode_chat` renders
+a conversation with it and encodes the text as transformers'
+apply_chat_template(..., add_generation_prompt=True) does.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from specjax.errors import TokenizerError
+from specjax.formats import chat as chat_lib
 
 HF_FILE = "tokenizer.json"
 SP_FILE = "tokenizer.model"
 CONFIG_FILE = "tokenizer_config.json"
 # Files that make up a tokenizer, copied along when a checkpoint is converted.
-FILES = (HF_FILE, SP_FILE, CONFIG_FILE)
+FILES = (HF_FILE, SP_FILE, CONFIG_FILE, chat_lib.TEMPLATE_FILE)
 # Fallbacks when neither the model nor tokenizer_config.json names them.
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>")
@@ -47,7 +54,7 @@ class Tokenizer:
 
   def __init__(self, backend: Any, kind: str, bos_id: int | None,
                eos_id: int | None, source: str, add_bos: bool = False,
-               add_eos: bool = False):
+               add_eos: bool = False, chat: chat_lib.ChatTemplate | None = None):
     self._backend = backend
     self.kind = kind          # 'hf' (tokenizers) or 'sentencepiece'
     self.bos_id = bos_id
@@ -56,6 +63,7 @@ class Tokenizer:
     # sentencepiece only (a tokenizer.json's post-processor decides for itself)
     self.add_bos = add_bos and bos_id is not None
     self.add_eos = add_eos and eos_id is not None
+    self.chat = chat          # the model's chat template, if it has one
 
   @property
   def vocab_size(self) -> int:
@@ -72,6 +80,21 @@ class Tokenizer:
     if add_special:
       ids = [self.bos_id] * self.add_bos + ids + [self.eos_id] * self.add_eos
     return ids
+
+  def encode_chat(self, messages: Sequence[chat_lib.Message],
+                  add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template,
+    encoded without the format's own special tokens (the template writes the
+    BOS it wants: never two), as transformers' apply_chat_template(messages,
+    add_generation_prompt=True, tokenize=True).
+
+    Raises:
+      TokenizerError: the model has no chat template, or the template refuses
+        the messages.
+    """
+    if self.chat is None:
+      raise TokenizerError(f"{self.source} has no chat template")
+    return self.encode(self.chat.render(messages, add_generation_prompt), add_special=False)
 
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     ids = [int(i) for i in ids]
@@ -154,21 +177,25 @@ def load_tokenizer(directory: str | os.PathLike, bos_id: int | None = None,
   """The tokenizer of a checkpoint directory, or None if it has none.
 
   Prefers tokenizer.json (HF `tokenizers`) over tokenizer.model
-  (sentencepiece).
+  (sentencepiece). The chat template, if any, comes along (`chat`).
 
   Args:
     directory: a checkpoint directory.
     bos_id, eos_id: the model's special ids (from its config); when None they
       come from tokenizer_config.json or well-known token names.
   Raises:
-    TokenizerError: the tokenizer file is corrupt or unreadable.
+    TokenizerError: the tokenizer file is corrupt or unreadable, or its chat
+      template is not a string or names no default.
   """
   directory = Path(directory)
   if (directory / HF_FILE).is_file():
-    return _load_hf(directory / HF_FILE, bos_id, eos_id)
-  if (directory / SP_FILE).is_file():
-    return _load_sp(directory / SP_FILE, bos_id, eos_id)
-  return None
+    tok = _load_hf(directory / HF_FILE, bos_id, eos_id)
+  elif (directory / SP_FILE).is_file():
+    tok = _load_sp(directory / SP_FILE, bos_id, eos_id)
+  else:
+    return None
+  tok.chat = chat_lib.hf_template(directory, _config(directory))
+  return tok
 
 
 def check_same_tokens(target: Tokenizer | None, draft: Tokenizer | None) -> None:

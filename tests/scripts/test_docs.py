@@ -131,10 +131,27 @@ class Defined:
   configs: dict[str, str]  # config flag name -> default config file (relative to ROOT)
 
 
+def _named_closure(tree: ast.AST, referenced: set[str]) -> set[str]:
+  """`referenced` plus the module's top-level functions and classes that the
+  named ones use in turn (cli.GenerationFlags builds a cli.PromptFlags)."""
+  defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+  names, todo = set(referenced), [n for n in referenced if n in defs]
+  while todo:
+    for node in ast.walk(defs[todo.pop()]):
+      name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+      if name in defs and name not in names:
+        names.add(name)
+        todo.append(name)
+  return names
+
+
 def _defines(tree: ast.AST, referenced: set[str] | None) -> Defined:
   """DEFINE_* / add_argument names in a module's tree. With `referenced`,
-  definitions inside a function or class count only when it is named there."""
+  definitions inside a function or class count only when it is named there
+  (or used by one that is)."""
   out = Defined(set(), set(), {})
+  if referenced is not None:
+    referenced = _named_closure(tree, referenced)
 
   def visit(node, scope_ok):
     for child in ast.iter_child_nodes(node):
