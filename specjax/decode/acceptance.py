@@ -17,6 +17,12 @@ the bonus token when every drafted token is accepted).
                   (the thread's `i_dft < 0.8*N`: ceil(F * gamma) tokens).
   always          every drafted token accepted.
   mean_length:L   bernoulli with the P whose expected accepted count is L.
+  siblings:P1,P2  Sequoia's positional acceptance, for token trees
+                  (decode/tree_acceptance.py): the k-th child tried is
+                  accepted with probability P_k given that the ones before
+                  it were rejected; ranks past the list take its last value
+                  (end the list with 0 to stop there). On a chain only P1
+                  is used: siblings:P equals bernoulli:P.
 Simulated rules emit the target's own token at the first rejected position.
 """
 
@@ -33,15 +39,18 @@ from specjax.metrics import theory
 from specjax.errors import ConfigError
 from specjax.model.sampling import SamplingParams
 
-KINDS = ("real", "bernoulli", "fraction", "always", "mean_length")
+KINDS = ("real", "bernoulli", "fraction", "always", "mean_length", "siblings")
 
 
 @dataclasses.dataclass(frozen=True)
 class AcceptRule:
   kind: str = "real"
-  value: float = 0.0  # P, F or L
+  value: float = 0.0  # P, F or L (siblings: P1)
+  probs: tuple[float, ...] = ()  # siblings: P1, P2, ... by rank
 
   def __str__(self) -> str:
+    if self.kind == "siblings":
+      return "siblings:" + ",".join(f"{x:g}" for x in self.probs)
     return self.kind if self.kind in ("real", "always") else f"{self.kind}:{self.value:g}"
 
   @property
@@ -58,11 +67,14 @@ class AcceptRule:
 
 
 def parse_rule(spec: str) -> AcceptRule:
-  """Parses 'real', 'always', 'bernoulli:0.8', 'fraction:0.8', 'mean_length:3'."""
+  """Parses 'real', 'always', 'bernoulli:0.8', 'fraction:0.8', 'mean_length:3',
+  'siblings:0.8,0.3,0.1'."""
   kind, _, arg = str(spec).strip().partition(":")
   if kind not in KINDS:
     raise ConfigError(f"unknown acceptance rule {spec!r}; valid: real, always, "
-                      "bernoulli:P, fraction:F, mean_length:L")
+                      "bernoulli:P, fraction:F, mean_length:L, siblings:P1,P2,...")
+  if kind == "siblings":
+    return _parse_siblings(spec, arg)
   if kind in ("real", "always"):
     if arg:
       raise ConfigError(f"acceptance rule {kind!r} takes no value, got {spec!r}")
@@ -76,6 +88,19 @@ def parse_rule(spec: str) -> AcceptRule:
   if kind == "mean_length" and value < 0:
     raise ConfigError(f"mean_length:{value:g} must be >= 0")
   return AcceptRule(kind, value)
+
+
+def _parse_siblings(spec: str, arg: str) -> AcceptRule:
+  """'siblings:P1,P2,...': one probability in [0, 1] per sibling rank."""
+  try:
+    probs = tuple(float(x) for x in arg.split(","))
+  except ValueError:
+    raise ConfigError(f"acceptance rule {spec!r} needs comma-separated numbers after "
+                      "':', e.g. siblings:0.8,0.3") from None
+  bad = [x for x in probs if not 0.0 <= x <= 1.0]
+  if bad:
+    raise ConfigError(f"siblings:{arg}: every probability must lie in [0, 1], got {bad[0]:g}")
+  return AcceptRule("siblings", probs[0], probs)
 
 
 def _leading(accepted: jax.Array) -> jax.Array:
@@ -93,11 +118,12 @@ def position_probs(rule: AcceptRule, gamma: int) -> np.ndarray:
 
   Draft position i is accepted when u_i < probs[i], u_i ~ U[0, 1), until the
   first miss: bernoulli:P is P everywhere, always is 1 everywhere, fraction:F
-  is 1 on the first ceil(F gamma) positions and 0 after. Passed to `judge` as
+  is 1 on the first ceil(F gamma) positions and 0 after; siblings:P1,... is
+  P1 everywhere (a chain has one child per node). Passed to `judge` as
   a traced array, so one compilation serves every simulated rule.
   """
   rule = rule.resolve(gamma)
-  if rule.kind == "bernoulli":
+  if rule.kind in ("bernoulli", "siblings"):
     return np.full((gamma,), rule.value, np.float32)
   if rule.kind == "fraction":
     n_keep = int(theory.expected_accepted_fraction(gamma, rule.value))
@@ -181,9 +207,10 @@ def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, 
 
 
 def expected_accepted(rule: AcceptRule, gamma: int) -> float | None:
-  """Expected accepted tokens per step under a simulated rule (None for real)."""
+  """Expected accepted tokens per step of a chain under a simulated rule (None
+  for real)."""
   rule = rule.resolve(gamma)
-  if rule.kind == "bernoulli":
+  if rule.kind in ("bernoulli", "siblings"):
     return float(theory.expected_accepted(gamma, rule.value))
   if rule.kind == "fraction":
     return float(theory.expected_accepted_fraction(gamma, rule.value))
