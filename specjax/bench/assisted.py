@@ -38,6 +38,7 @@ from specjax.decode import generation
 from specjax.formats import hf
 from specjax.decode import speculative
 from specjax.model import steps
+from specjax.metrics import divergence
 from specjax.metrics import timing
 from specjax.errors import ConfigError
 from specjax.model.sampling import SamplingParams
@@ -61,15 +62,12 @@ class Divergence:
 
 
 def first_divergence(a, b) -> Divergence | None:
-  """None when the token lists are identical, else where they first differ."""
-  a, b = [int(t) for t in a], [int(t) for t in b]
-  for i, (x, y) in enumerate(zip(a, b)):
-    if x != y:
-      return Divergence(i, x, y)
-  if len(a) != len(b):
-    n = min(len(a), len(b))
-    return Divergence(n, a[n] if n < len(a) else None, b[n] if n < len(b) else None)
-  return None
+  """None when the token lists are identical, else where they first differ
+  (divergence.first_divergence) and the two tokens there."""
+  n = divergence.first_divergence(a, b)
+  if n is None:
+    return None
+  return Divergence(n, int(a[n]) if n < len(a) else None, int(b[n]) if n < len(b) else None)
 
 # ---------------------------------------------------------------- HF side
 
