@@ -63,6 +63,7 @@ def canonical_paths(paths: Paths) -> tuple[Path, ...]:
     raise ConfigError("a tree needs at least one node, got an empty list")
   seen: set[Path] = set()
   for raw in paths:
+    raw = raw.tolist() if isinstance(raw, np.ndarray) else raw
     ok = (isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)) and len(raw) > 0
           and all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) and r >= 0
                   for r in raw))
