@@ -208,7 +208,9 @@ class DynamicTree:
   def __post_init__(self):
     if self.k < 1 or self.depth < 1 or self.n_nodes < 1:
       raise ConfigError(f"dynamic:K,D,N needs K, D, N >= 1, got {self.k},{self.depth},{self.n_nodes}")
-    if self.n_nodes > min(self.n_candidates, MAX_NODES):
+    if self.n_nodes > MAX_NODES:
+      raise ConfigError(f"dynamic:K,D,N keeps {self.n_nodes} nodes, over the limit of {MAX_NODES}")
+    if self.n_nodes > self.n_candidates:
       raise ConfigError(f"dynamic:{self.k},{self.depth},{self.n_nodes} keeps more nodes than the "
                         f"{self.n_candidates} candidates of K={self.k}, D={self.depth}")
 
