@@ -101,3 +101,40 @@ def write(cache_arr: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array
     return jax.lax.dynamic_update_slice(cache_arr, new, (0, 0, lengths[0], 0))
   upd = lambda c, n, l: jax.lax.dynamic_update_slice(c, n, (0, l, 0))
   return jax.vmap(upd)(cache_arr, new, lengths)
+
+
+def commit_path(cache: KVCache, path, n_accepted) -> KVCache:
+  """Commits a token tree's accepted path: the K/V a tree verify left in
+  scratch slots moved into contiguous ones, then the lengths set.
+
+  `cache` is the cache as the verify left it (steps.tree_verify): lengths at
+  the step's start, the verify block [root, node_0 ..] at slots lengths ..
+  lengths + T - 1, so block index j sits at slot lengths + j; the root (the
+  step's tail) is already where it belongs. path [B, P] int: the block
+  indices (1 .. T-1) of the accepted nodes in order, root excluded (entries
+  past a row's n_accepted are ignored); n_accepted [B] in -1 .. P. Node k of
+  the path moves to slot lengths + 1 + k, for k < n_accepted, in every
+  layer (a gather of P slots per row: fixed shapes); the lengths become
+  lengths + 1 + n_accepted (-1 keeps nothing, not even the root). Slots
+  past the new length keep whatever they held (never read).
+
+  Any KVCache: the target's, or a draft model's (layer list or not) that
+  verified the same block at the same lengths.
+  """
+  path = jnp.asarray(path, jnp.int32)  # [B, P]
+  n_accepted = jnp.broadcast_to(jnp.asarray(n_accepted, jnp.int32), cache.lengths.shape)
+  p = path.shape[1]
+  if p == 0:
+    return rollback(cache, cache.lengths + 1 + n_accepted)
+  s_cap = cache.capacity
+  src = jnp.clip(cache.lengths[:, None] + path, 0, s_cap - 1)  # [B, P]
+  dst = jnp.clip(cache.lengths[:, None] + 1 + jnp.arange(p)[None, :], 0, s_cap - 1)
+  take = (jnp.arange(p)[None, :] < n_accepted[:, None])[:, None, :, None]  # [B, 1, P, 1]
+
+  def move(arr):  # [B, K, S, D]: the path's K/V at slots lengths + 1 ..
+    at = lambda slots: jnp.take_along_axis(arr, slots[:, None, :, None], axis=2)
+    moved = jnp.where(take, at(src), at(dst))  # [B, K, P, D]
+    return write(arr, jnp.swapaxes(moved, 1, 2), cache.lengths + 1)
+
+  return KVCache(k=tuple(move(a) for a in cache.k), v=tuple(move(a) for a in cache.v),
+                 lengths=cache.lengths + 1 + n_accepted)

@@ -12,6 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from specjax.model import kv_cache
 from specjax.model.config import ModelConfig
@@ -162,37 +163,96 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attend_masked(q, k_cache, v_cache, positions, dtype):
+def attend_masked(q, k_cache, v_cache, positions, dtype, tree=None):
   """Attention of q over every cache slot, masked to slots <= each position.
 
   q [B, T, K, G, D]; k_cache, v_cache [B, K, S, D]; positions [B, T].
   Returns [B, T, K, G, D]. Cost grows with the capacity S; differentiable.
+  With `tree` (a Tree block, see tree_block), q sees the cached slots
+  < lengths and, of the new block, its tree mask (one extra masked block).
   """
   scores = jnp.einsum("btkgd,bksd->bkgts", q, k_cache,
                       preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
   slots = jnp.arange(k_cache.shape[2])
+  if tree is not None:
+    return _attend_masked_tree(q, scores, v_cache, tree, dtype)
   mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
   scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
   probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
   return jnp.einsum("bkgts,bksd->btkgd", probs, v_cache)
 
 
-def attend_blocked(q, k_cache, v_cache, positions, block: int, dtype):
+@struct.dataclass
+class TreeBlock:
+  """The new tokens of a tree verify, as attention sees them: their own K/V
+  (k, v [B, K, T, D], in the cache's dtype; the same values the write puts
+  at slots lengths .. lengths + T - 1), the tree mask [B or 1, T, T] (mask[a, b]:
+  block index b is a or an ancestor of a), and the cached lengths [B]."""
+  k: jax.Array
+  v: jax.Array
+  mask: jax.Array
+  lengths: jax.Array
+
+
+def tree_block(kk, vv, tree_mask, lengths, cache_dtype) -> TreeBlock:
+  """A TreeBlock from the new K/V kk, vv [B, T, K, D] and a tree mask [T, T]
+  (one tree for every row) or [B, T, T] (a tree per row)."""
+  mask = jnp.asarray(tree_mask, jnp.bool_)
+  mask = mask[None] if mask.ndim == 2 else mask  # [B or 1, T, T]
+  to_block = lambda x: jnp.swapaxes(x, 1, 2).astype(cache_dtype)  # [B, K, T, D]
+  return TreeBlock(k=to_block(kk), v=to_block(vv), mask=mask, lengths=lengths)
+
+
+def _attend_masked_tree(q, scores, v_cache, tree: TreeBlock, dtype):
+  """attend_masked's tree case: one softmax over [cached slots ; new block]."""
+  s_cap = scores.shape[-1]
+  cached = jnp.arange(s_cap)[None, :] < tree.lengths[:, None]  # [B, S]
+  scores = jnp.where(cached[:, None, None, None], scores, -jnp.inf)  # [B, K, G, T, S]
+  new = jnp.einsum("btkgd,bkjd->bkgtj", q, tree.k,
+                   preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+  new = jnp.where(tree.mask[:, None, None], new, -jnp.inf)  # [B, K, G, T, T]
+  probs = jax.nn.softmax(jnp.concatenate([scores, new], -1), axis=-1).astype(dtype)
+  return (jnp.einsum("bkgts,bksd->btkgd", probs[..., :s_cap], v_cache)
+          + jnp.einsum("bkgtj,bkjd->btkgd", probs[..., s_cap:], tree.v.astype(v_cache.dtype)))
+
+
+def attend_blocked(q, k_cache, v_cache, positions, block: int, dtype, tree=None):
   """The same attention over KV blocks of `block` slots with an online
   softmax, visiting only the blocks that hold used slots: a loop whose trip
   count is ceil((max position + 1) / block), so the cost follows the longest
   used length in the batch, not the capacity (fixed shapes, no recompile as
   the length grows). Accumulates in f32. Forward only (a while loop).
 
+  With `tree` (a TreeBlock), the loop visits the cached slots < lengths only
+  (ceil(max length / block) blocks) and the new tokens' block follows as one
+  extra block under the tree mask.
+
   q [B, T, K, G, D]; k_cache, v_cache [B, K, S, D]; positions [B, T].
   """
   b, t, k, g, d = q.shape
   s_cap = k_cache.shape[2]
   q = q.astype(jnp.float32) / math.sqrt(d)
-  n_blocks = (jnp.max(positions) + block) // block
+  if tree is None:
+    n_blocks = (jnp.max(positions) + block) // block
+    visible = lambda slots: slots[None, None, :] <= positions[:, :, None]  # [B, T, blk]
+  else:
+    n_blocks = (jnp.max(tree.lengths) + block - 1) // block
+    visible = lambda slots: (slots[None, :] < tree.lengths[:, None])[:, None, :]  # [B, 1, blk]
+
+  def fold(carry, scores, vb):
+    # One block's scores [B,K,G,T,n] (masked: -inf) and values [B,K,n,D]
+    # into the running max, sum and output.
+    m, l, acc = carry  # [B,K,G,T], [B,K,G,T], [B,K,G,T,D]
+    m_new = jnp.maximum(m, jnp.max(scores, -1))
+    if tree is not None:  # a row with no cached slot yet: all -inf so far
+      m_new = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(scores - m_new[..., None])
+    scale = jnp.exp(m - m_new)
+    acc = acc * scale[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p, vb,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l * scale + jnp.sum(p, -1), acc
 
   def body(i, carry):
-    m, l, acc = carry  # [B,K,G,T], [B,K,G,T], [B,K,G,T,D]
     # The last block may be cut by the capacity: read the slots before it
     # again, masked out (they belong to the previous block).
     start = jnp.minimum(i * block, s_cap - block)
@@ -200,18 +260,18 @@ def attend_blocked(q, k_cache, v_cache, positions, block: int, dtype):
     vb = jax.lax.dynamic_slice_in_dim(v_cache, start, block, 2)
     scores = jnp.einsum("btkgd,bksd->bkgts", q, kb, preferred_element_type=jnp.float32)
     slots = start + jnp.arange(block)
-    mask = (slots[None, None, :] <= positions[:, :, None]) & (slots >= i * block)[None, None]
+    mask = visible(slots) & (slots >= i * block)[None, None]
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(scores, -1))
-    p = jnp.exp(scores - m_new[..., None])
-    scale = jnp.exp(m - m_new)
-    acc = acc * scale[..., None] + jnp.einsum("bkgts,bksd->bkgtd", p, vb,
-                                             preferred_element_type=jnp.float32)
-    return m_new, l * scale + jnp.sum(p, -1), acc
+    return fold(carry, scores, vb)
 
   init = (jnp.full((b, k, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, k, g, t), jnp.float32),
           jnp.zeros((b, k, g, t, d), jnp.float32))
-  _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+  carry = jax.lax.fori_loop(0, n_blocks, body, init)
+  if tree is not None:  # the new tokens' block, under the tree mask
+    scores = jnp.einsum("btkgd,bkjd->bkgtj", q, tree.k, preferred_element_type=jnp.float32)
+    scores = jnp.where(tree.mask[:, None, None], scores, -jnp.inf)  # [B, K, G, T, T]
+    carry = fold(carry, scores, tree.v)
+  _, l, acc = carry
   return jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4)).astype(dtype)
 
 
@@ -224,11 +284,17 @@ class Attention(nn.Module):
   read it in place. With cfg.attn_block (and a capacity larger than one
   block) the cost follows the used length (attend_blocked); with 0, one
   masked pass over the capacity (attend_masked: what training differentiates).
+
+  tree_mask (optional, bool [T, T] or [B, T, T]): the T new tokens are a token
+  tree's verify block (tree_mask[a, b]: b is a or an ancestor of a); each
+  attends to the cached slots < lengths and to its ancestors-or-self in the
+  block. They are still written at slots lengths .. lengths + T - 1 (scratch
+  slots until kv_cache.commit_path). None: the causal chain (unchanged).
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, k_cache, v_cache, lengths):
+  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None):
     # x [B, T, E]; positions [B, T]; k_cache, v_cache [B, K, S, D]; lengths [B]
     cfg = self.cfg
     b, t, _ = x.shape
@@ -245,11 +311,13 @@ class Attention(nn.Module):
     v_cache = kv_cache.write(v_cache, vv, lengths)
 
     q = q.reshape(b, t, k, h // k, d)  # [B, T, K, G, D]
+    tree = (None if tree_mask is None else
+            tree_block(kk, vv, tree_mask, lengths, k_cache.dtype))
     block = cfg.attn_block
     if block and k_cache.shape[2] > block:
-      out = attend_blocked(q, k_cache, v_cache, positions, block, cfg.jnp_dtype)
+      out = attend_blocked(q, k_cache, v_cache, positions, block, cfg.jnp_dtype, tree)
     else:
-      out = attend_masked(q, k_cache, v_cache, positions, cfg.jnp_dtype)
+      out = attend_masked(q, k_cache, v_cache, positions, cfg.jnp_dtype, tree)
     out = dense(cfg, cfg.dim, "wo")(out.reshape(b, t, h * d))
     return out, k_cache, v_cache
 
@@ -271,9 +339,10 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, k_cache, v_cache, lengths):
+  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None):
     h, k_cache, v_cache = Attention(self.cfg, name="attn")(
-        RMSNorm(self.cfg, name="attn_norm")(x), positions, k_cache, v_cache, lengths)
+        RMSNorm(self.cfg, name="attn_norm")(x), positions, k_cache, v_cache, lengths,
+        tree_mask)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
     return x, k_cache, v_cache

@@ -30,12 +30,13 @@ class Llama(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, positions, cache: kvc.KVCache, logit_index=None,
-               return_hidden=False):
+               return_hidden=False, tree_mask=None):
     # tokens, positions [B, T] -> logits [B, T, V] (f32), or [B, 1, V] at
     # logit_index [B] (prefill needs only the last real token's logits).
     # return_hidden: also the final-normed hidden state [B, T, E] of every
     # position (what the LM head reads; HF LlamaModel's output).
     # V is cfg.padded_vocab; the padded ids' logits are masked.
+    # tree_mask: [T, T] or [B, T, T] bool, a token tree's verify (forward).
     cfg = self.cfg
     embed = nn.Embed(cfg.padded_vocab, cfg.dim, dtype=cfg.jnp_dtype,
                      param_dtype=cfg.jnp_param_dtype, embedding_init=weight_init,
@@ -44,7 +45,7 @@ class Llama(nn.Module):
     ks, vs = [], []
     for i in range(cfg.n_layers):
       x, k, v = Block(cfg, name=f"layers_{i}")(
-          x, positions, cache.k[i], cache.v[i], cache.lengths)
+          x, positions, cache.k[i], cache.v[i], cache.lengths, tree_mask)
       ks.append(k)
       vs.append(v)
     if return_hidden:  # normed at every position, then taken (the norm is per position)
@@ -160,7 +161,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
 
 
 def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,
-            logit_index=None, return_hidden=False):
+            logit_index=None, return_hidden=False, tree_mask=None):
   """Runs T new tokens per row against the cache.
 
   Args:
@@ -173,14 +174,32 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
     return_hidden: also return the final-normed hidden state of every input
       position (the LM head's input, HF LlamaModel's output), from the same
       pass: `head_logits(params, hidden, cfg)` gives the logits back.
+    tree_mask: optional bool [T, T] (one tree for all rows) or [B, T, T] (a
+      tree per row): the T tokens are a token tree's verify block [root,
+      node_0 ..] (tree_mask[a, b]: b is a or an ancestor of a). Each token
+      attends to the cached slots < lengths and to its ancestors-or-self;
+      positions then default to lengths + depth, the depth being the mask
+      row's count of ancestors. The block is written at slots lengths ..
+      lengths + T - 1 all the same (see steps.tree_verify and
+      kv_cache.commit_path). None: the causal chain, unchanged.
   Returns:
     (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T), and
     hidden [B, T, E] (cfg.dtype) last when return_hidden.
   """
+  if positions is None and tree_mask is not None:
+    positions = cache.lengths[:, None] + tree_depths(tree_mask)
   if positions is None:
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
   return Llama(cfg).apply({"params": params}, tokens, positions, cache,
-                          logit_index, return_hidden)
+                          logit_index, return_hidden, tree_mask)
+
+
+def tree_depths(tree_mask):
+  """The depth of each block index (root 0) from a tree mask [T, T] -> [1, T]
+  or [B, T, T] -> [B, T]: its ancestors-or-self count less one."""
+  mask = jnp.asarray(tree_mask, jnp.bool_)
+  mask = mask[None] if mask.ndim == 2 else mask
+  return jnp.sum(mask, -1, dtype=jnp.int32) - 1
 
 
 def embed_tokens(params, tokens, cfg: ModelConfig):

@@ -1,4 +1,5 @@
-"""Jitted model steps with fixed shapes: prefill (bucketed), decode, forward_n.
+"""Jitted model steps with fixed shapes: prefill (bucketed), decode, forward_n,
+and a token tree's verify (tree_verify).
 
 Each step is compiled once per (config, shapes); the cache argument is donated
 so XLA updates it in place. `Runner` (a config bound to its params) checks
@@ -53,6 +54,33 @@ def forward_step(params, tokens, cache: kvc.KVCache, cfg: ModelConfig):
   return model.forward(params, tokens, cache, cfg)
 
 
+def tree_verify(params, tokens, tree_mask, cache: kvc.KVCache, cfg: ModelConfig,
+                return_hidden: bool = False):
+  """The target's verify of a token tree: one forward over the block
+  tokens [B, T] = [root (the step's tail), node_0 .. node_{N-1}] at fixed
+  shape, block index j at position lengths + depth[j], each attending to the
+  cached slots and its own ancestors-or-self (tree_mask [T, T] bool, one
+  tree for every row, or [B, T, T], a tree per row; mask[a, b]: b is a or an
+  ancestor of a; model.forward). A chain's mask (lower-triangular) is
+  today's verify.
+
+  Pure (call it inside a jitted loop; tree_verify_step is it jitted alone).
+  Returns (logits [B, T, V] float32, cache[, hidden [B, T, E]]): logits[:, j]
+  are the target's at block index j (the distribution of j's children); the
+  cache keeps its lengths, with the block in scratch slots lengths ..
+  lengths + T - 1, for kv_cache.commit_path to commit the accepted path.
+  The caller checks capacity for T new slots (Runner.tree_verify does).
+  """
+  start = cache.lengths
+  out = model.forward(params, tokens, cache, cfg, tree_mask=tree_mask,
+                      return_hidden=return_hidden)
+  return (out[0], kvc.rollback(out[1], start)) + tuple(out[2:])
+
+
+tree_verify_step = jax.jit(tree_verify, static_argnames=("cfg", "return_hidden"),
+                           donate_argnames=("cache",))
+
+
 @dataclasses.dataclass(frozen=True)
 class Runner:
   """A config bound to its params: the host-side, capacity-checked step API
@@ -99,3 +127,14 @@ class Runner:
     kvc.check_capacity(cache.lengths if lengths is None else lengths,
                        tokens.shape[1], cache.capacity)
     return forward_step(self.params, tokens, cache, cfg=self.cfg)
+
+  def tree_verify(self, tokens, tree_mask, cache: kvc.KVCache, lengths=None,
+                  return_hidden: bool = False):
+    """A token tree's verify, capacity-checked: tokens [B, T] = [root,
+    nodes..], tree_mask [T, T] or [B, T, T] -> (logits [B, T, V], cache with
+    the block in scratch slots, lengths unchanged); see tree_verify."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    kvc.check_capacity(cache.lengths if lengths is None else lengths,
+                       tokens.shape[1], cache.capacity)
+    return tree_verify_step(self.params, tokens, jnp.asarray(tree_mask, jnp.bool_), cache,
+                            cfg=self.cfg, return_hidden=return_hidden)
