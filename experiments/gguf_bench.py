@@ -1,6 +1,7 @@
-"""GGUF load speed and int8 decode speed, at a preset's shapes.
+"""GGUF load speed and memory, and int8 decode speed, at a preset's shapes.
 
-  python experiments/gguf_bench.py --model=llama-160m
+  python experiments/gguf_bench.py --model=llama-160m --out_dir=/tmp/gguf_bench
+  python experiments/gguf_bench.py --parts=memory --src=/tmp/old_src  # another tree
 
 1. Writes the preset's random weights as GGUF files (formats.gguf_write.
    write_gguf: F16 by numpy, Q8_0 by gguf.quants.quantize), then loads each
@@ -13,9 +14,24 @@
    cache holding --depth tokens (probes.CostProbe: k forwards in one jitted
    loop, compile excluded, median of --reps), T(8)/T(1), and the params'
    bytes on device.
+3. Load memory (--parts=memory): the preset written as F32, BF16 and Q8_0
+   GGUF files and a bf16 HF directory, each loaded by checkpoint.load_model
+   at each of --memory_dtypes ('default': the file's own choice) in a FRESH
+   subprocess (python -c, PYTHONPATH=--src, so an older tree can be measured
+   by the same script): the peak resident memory during the load (VmHWM
+   after resetting it through /proc/self/clear_refs, else ru_maxrss) less
+   the resident memory just before it, the params' bytes (sum of the
+   leaves' nbytes), their ratio and the load's wall seconds. The files
+   were just written, so they are read from the page cache.
+
+With --out_dir, the tables go to summary.md there and the memory rows to
+load_memory.json.
 """
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -24,13 +40,12 @@ from absl import flags
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.decode import probes
-from specjax.formats import gguf as gguf_file
 from specjax.formats import gguf_weights
 from specjax.model import steps
 from specjax.metrics import timing
 from specjax.model import llama as model_lib
 from specjax import workdir as wd
-from specjax.formats import gguf_write
+from specjax.formats import gguf_write, hf
 from specjax.bench.tables import format_size, markdown_table
 from specjax.model.config import get_preset
 
@@ -42,6 +57,42 @@ _LOADS = flags.DEFINE_integer("loads", 2, "Timed loads per file (medians).", low
 _REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions of each T(n) (medians).", lower_bound=1)
 _DEPTH = flags.DEFINE_integer("depth", 128, "Tokens in the cache before each timed forward.")
 _CAPACITY = flags.DEFINE_integer("capacity", 256, "KV-cache slots.")
+_PARTS = flags.DEFINE_list("parts", ["load", "decode", "memory"], "What to measure.")
+_MEM_TYPES = flags.DEFINE_list("memory_types", ["F32", "BF16", "Q8_0", "hf-bf16"],
+                               "Files whose load memory is measured (GGUF types, hf-bf16).")
+_MEM_DTYPES = flags.DEFINE_list("memory_dtypes", ["default", "float32", "bfloat16", "int8"],
+                                "Load precisions of the memory part ('default': the file's).")
+_SRC = flags.DEFINE_string("src", None, "PYTHONPATH of the memory part's subprocesses "
+                           "(default: this checkout).")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Where summary.md and load_memory.json go.")
+
+# One load in a fresh interpreter: argv = path, dtype; prints one JSON line.
+_MEASURE = r"""
+import json, resource, sys, time
+import gguf, jax, jax.numpy as jnp, tokenizers
+from specjax.formats import checkpoint
+jnp.zeros(1).block_until_ready()
+def status(key):
+  for line in open("/proc/self/status"):
+    if line.startswith(key + ":"):
+      return int(line.split()[1]) * 1024
+try:
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to VmRSS
+  how = "VmHWM"
+except OSError:
+  how = "ru_maxrss"
+before = status("VmRSS")
+t0 = time.perf_counter()
+cfg, params, _ = checkpoint.load_model(sys.argv[1], None if sys.argv[2] == "default" else sys.argv[2])
+jax.block_until_ready(params)
+seconds = time.perf_counter() - t0
+peak = (status("VmHWM") if how == "VmHWM"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+print(json.dumps({"precision": cfg.precision, "param_bytes": nbytes, "peak": peak - before,
+                  "seconds": seconds, "how": how}))
+"""
 
 
 def load_speed(cfg, params) -> list[list[str]]:
@@ -78,21 +129,83 @@ def decode_speed(name: str) -> list[list[str]]:
   return rows
 
 
+def write_file(cfg, params, kind: str) -> str:
+  """The preset's weights as a GGUF file of tensor type `kind` (F32, F16,
+  BF16 or a quantized type) or, for 'hf-bf16', a bf16 HF directory."""
+  if kind == "hf-bf16":
+    path = os.path.join(_DIR.value, f"{cfg.name}-hf-bf16")
+    bf16 = cfg.with_dtype("bfloat16")
+    hf.save_hf(path, bf16, jax.tree_util.tree_map(lambda x: x.astype(bf16.jnp_param_dtype),
+                                                  params))
+    return path
+  path = os.path.join(_DIR.value, f"{cfg.name}-{kind}.gguf")
+  plain = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+  if kind.upper() in plain:
+    gguf_write.write_gguf(path, cfg.with_dtype(plain[kind.upper()]), params)
+  else:
+    gguf_write.write_gguf(path, cfg, params, tensor_type=kind)
+  return path
+
+
+def measure_load(path: str, dtype: str) -> dict:
+  """One load of `path` at `dtype` in a fresh interpreter (_MEASURE)."""
+  src = _SRC.value or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=src, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", ""))
+  proc = subprocess.run([sys.executable, "-c", _MEASURE, path, dtype], env=env,
+                        capture_output=True, text=True, timeout=1800, check=False)
+  if proc.returncode:
+    return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def load_memory(cfg, params) -> tuple[list[list[str]], list[dict]]:
+  rows, records = [], []
+  for kind in _MEM_TYPES.value:
+    path = write_file(cfg, params, kind)
+    for dtype in _MEM_DTYPES.value:
+      r = {"file": kind, "dtype": dtype, **measure_load(path, dtype)}
+      records.append(r)
+      if "error" in r:
+        rows.append([kind, dtype, "error: " + r["error"][:80], "", "", "", ""])
+        continue
+      rows.append([kind, dtype, r["precision"], format_size(r["param_bytes"]),
+                   format_size(r["peak"]), f"{r['peak'] / r['param_bytes']:.2f}",
+                   f"{r['seconds']:.2f}"])
+  return rows, records
+
+
 def main(argv):
   del argv
   cfg = get_preset(_MODEL.value, "float32")
   os.makedirs(_DIR.value, exist_ok=True)
   params = model_lib.init_params(cfg, 0)
-  load = load_speed(cfg, params)
+  out = []
+  if "load" in _PARTS.value:
+    out += [f"## Loading {cfg.name} GGUF files ({cfg.num_params() / 1e6:.0f} M params) "
+            f"to float32 on {jax.default_backend()}, median of {_LOADS.value}\n",
+            markdown_table(["type", "file", "load s", "MB/s"], load_speed(cfg, params),
+                           [False] + [True] * 3)]
+  records = []
+  if "memory" in _PARTS.value:
+    rows, records = load_memory(cfg, params)
+    out += [f"## Load memory, {cfg.name}: peak resident memory during the load less "
+            f"before it, one fresh process per row (src: {_SRC.value or 'this checkout'})\n",
+            markdown_table(["file", "--dtype", "loads as", "params", "peak", "peak/params",
+                            "load s"], rows, [False] * 3 + [True] * 4)]
   del params
-  print(f"## Loading {cfg.name} GGUF files ({cfg.num_params() / 1e6:.0f} M params) to "
-        f"float32 on {jax.default_backend()}, median of {_LOADS.value}\n")
-  print(markdown_table(["type", "file", "load s", "MB/s"], load, [False] + [True] * 3))
-  print(f"\n## Decode, {cfg.name}, batch 1, depth {_DEPTH.value}, capacity "
-        f"{_CAPACITY.value}, median of {_REPS.value} (4 forwards per jitted loop)\n")
-  print(markdown_table(["precision", "params on device", "T(1) ms", "T(8) ms", "T(8)/T(1)"],
-                       decode_speed(_MODEL.value), [False] + [True] * 4))
-  print(f"\nmachine: {wd.machine_line(wd.environment())}")
+  if "decode" in _PARTS.value:
+    out += [f"## Decode, {cfg.name}, batch 1, depth {_DEPTH.value}, capacity "
+            f"{_CAPACITY.value}, median of {_REPS.value} (4 forwards per jitted loop)\n",
+            markdown_table(["precision", "params on device", "T(1) ms", "T(8) ms",
+                            "T(8)/T(1)"], decode_speed(_MODEL.value), [False] + [True] * 4)]
+  out.append(f"machine: {wd.machine_line(wd.environment())}")
+  text = "\n\n".join(out) + "\n"
+  print(text)
+  if _OUT_DIR.value:
+    os.makedirs(_OUT_DIR.value, exist_ok=True)
+    with open(os.path.join(_OUT_DIR.value, "summary.md"), "w") as fh:
+      fh.write(text)
+    wd.write_json(os.path.join(_OUT_DIR.value, "load_memory.json"), records)
 
 
 if __name__ == "__main__":

@@ -195,9 +195,11 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
       a specjax orbax directory (has specjax_config.json), or a llama.cpp
       GGUF file (*.gguf: any type gguf can dequantize; its tokenizer from the
       metadata; gguf_weights.load_gguf).
-    dtype: compute and param dtype; default: the preset's / checkpoint's.
-      'int8' (weight-only, quant.py): a preset quantizes its random init,
-      a checkpoint is loaded in float32 and quantized.
+    dtype: compute and param dtype; default: the preset's / checkpoint's
+      (a GGUF's: gguf_weights.default_dtype). 'int8' (weight-only,
+      quant.py): a preset quantizes its random init, a float orbax
+      directory is loaded in float32 and quantized, HF and GGUF files
+      quantize each tensor as it is read (formats/convert.py).
     role: 'target' or 'draft'. On the active mesh (sharding.activate) a
       target is split over the model axis, a draft is split or replicated
       (--draft_sharding); every device reads or creates only its own shards.
@@ -213,11 +215,11 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
     return cfg, model_lib.init_params(
         cfg, seed, sharding.role_shardings(cfg, shapes, role)), None
   path = SHIPPED.get(spec, Path(spec))
-  stored_int8 = is_orbax_dir(path) and _read_config(path).quant == INT8
-  if dtype and canonical_precision(dtype) == INT8 and not stored_int8:
+  float_orbax = is_orbax_dir(path) and _read_config(path).quant != INT8
+  if dtype and canonical_precision(dtype) == INT8 and float_orbax:
     cfg, params, tok = _load_model(spec, "float32", role)
     return (*quant.quantize_model(cfg, params, role), tok)
-  return _load_model(spec, dtype, role)
+  return _load_model(spec, dtype, role)  # HF, GGUF: int8 quantized as read
 
 
 def _load_model(spec: str, dtype: str | None, role: str):

@@ -8,6 +8,13 @@ are read when that tensor is converted. The tensors go through
 `GGUFState` maps HF names to GGUF tensors and undoes llama.cpp's Q/K row
 permutation (the inverse of `gguf.gguf_permute`).
 
+Within memory: without --dtype, BF16 and quantized files load as bfloat16
+(`default_dtype`, logged), F32 and F16 ones as float32. Each tensor is
+dequantized a block of rows at a time straight into the load dtype, int8
+quantized as it is read, put on device, and its pages of the memory map
+released (formats/convert.py, GGUFState.release): the peak is the params
+plus about one block, never a float32 copy of the model.
+
 On a mesh (sharding.role_shardings) each device's block is built on its
 own: the rows a device needs (torch layout: output rows) are read and
 dequantized alone, quantized rows being whole blocks; a block split on the
@@ -19,6 +26,7 @@ The tokenizer comes from gguf_tokenizer.py.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from collections.abc import Mapping
@@ -26,23 +34,24 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from absl import logging
 
 from specjax.errors import CheckpointError, ConfigError, TokenizerError
 from specjax.formats import gguf as gguf_file
 from specjax.formats import hf
 from specjax.formats.gguf_tokenizer import gguf_tokenizer
 from specjax.model import llama as model_lib
-from specjax.model import quant
 from specjax.model import sharding
-from specjax.model.config import INT8, ModelConfig, canonical_precision
+from specjax.model.config import ModelConfig
 
 
 class GGUFState(Mapping):
   """{HF name: float32 array in torch layout} over a GGUF file's tensors,
-  each dequantized when read, q/k rows put back in HF's rotate-half order."""
+  each dequantized when read (`read_block`: a block of rows alone), q/k rows
+  put back in HF's rotate-half order."""
 
   def __init__(self, reader, cfg: ModelConfig, source: str):
-    self.cfg, self.source = cfg, source
+    self.cfg, self.source, self._reader = cfg, source, reader
     by_name = {t.name: t for t in reader.tensors if t.name != gguf_file.ROPE_FREQS}
     wanted = {gguf_file.gguf_name(t.hf_name): t.hf_name for t in hf.tensor_map(cfg)}
     missing = [g for g in wanted if g not in by_name]
@@ -79,6 +88,24 @@ class GGUFState(Mapping):
   def __getitem__(self, name: str) -> np.ndarray:
     return self.read_block(name, (slice(None),) * len(self.shape(name)))
 
+  def release(self, name: str) -> None:
+    """Drops tensor `name`'s pages of the memory map from the resident set
+    once it is loaded (they stay in the page cache; a later read maps them
+    again): the file's pages would otherwise count once more on top of the
+    params. Best effort: a reader without an mmap keeps its pages."""
+    t = self._t[name]
+    mm = getattr(self._reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+      return
+    start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    try:
+      mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+    except (OSError, ValueError):
+      pass
+
+  def __contains__(self, name) -> bool:  # Mapping's would dequantize the tensor
+    return name in self._t
+
   def __iter__(self):
     return iter(self._t)
 
@@ -86,21 +113,46 @@ class GGUFState(Mapping):
     return len(self._t)
 
 
+# The weight types whose default load is float32: exact, and no larger than
+# the file's own precision warrants. F16 would round to bf16 (3 of its 10
+# mantissa bits lost), so it stays float32 unless --dtype says otherwise.
+FLOAT32_DEFAULT = ("F32", "F16")
+
+
+def default_dtype(reader, source: str) -> str:
+  """The load precision of a file loaded without --dtype, from its 2-D
+  weights' types, logged in one line: float32 for F32 and F16 weights,
+  bfloat16 for BF16 and quantized ones (a Q4_K_M 7B: 14 GB, not 28)."""
+  sizes: dict[str, int] = {}
+  for t in reader.tensors:
+    if len(gguf_file.shape_of(t)) > 1:
+      sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_elements)
+  kinds = sorted(sizes, key=lambda k: -sizes[k])
+  what = "+".join(kinds) or "no 2-D"
+  if all(k in FLOAT32_DEFAULT for k in kinds):
+    dtype = "float32"
+    why = ("exact; --dtype=bf16 halves the memory, rounding F16's 10 mantissa bits to 7"
+           if "F16" in kinds else "exact")
+  else:
+    dtype, why = "bfloat16", "--dtype=float32 for float32"
+  logging.info("%s: %s weights -> %s (%s)", source, what, dtype, why)
+  return dtype
+
+
 def load_gguf(path: str | os.PathLike, dtype: str | None = None, role: str = "target"):
   """Loads a llama GGUF file: (cfg, params, tokenizer or None).
 
   Args:
-    dtype: compute and param dtype; default float32 (what every GGUF type
-      dequantizes to exactly, F16 and BF16 included); 'int8' quantizes the
-      float32 weights per channel (quant.py).
+    dtype: compute and param dtype; default (`default_dtype`, logged):
+      float32 for F32 / F16 weights, bfloat16 for BF16 and quantized ones;
+      'int8' quantizes each projection per channel as it is read (quant.py).
+      Every tensor is dequantized a block of rows at a time straight into
+      the dtype (formats/convert.py): the float32 model is never held.
     role: 'target' or 'draft': the placement on the active mesh.
   Raises:
     CheckpointError: one line: not GGUF, truncated, not llama, a missing or
       unexpected tensor, a tensor type gguf cannot dequantize.
   """
-  if dtype and canonical_precision(dtype) == INT8:  # float32, then quantized
-    cfg, params, tok = load_gguf(path, "float32", role)
-    return (*quant.quantize_model(cfg, params, role), tok)
   path = Path(path)
   reader = gguf_file.open_reader(path)
   source = str(path)
@@ -108,8 +160,7 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None, role: str = "ta
     cfg = gguf_file.read_config(reader, source, name=path.stem)
   except ConfigError as e:
     raise CheckpointError(str(e)) from None
-  if dtype:
-    cfg = cfg.with_dtype(dtype)
+  cfg = cfg.with_dtype(dtype or default_dtype(reader, source))
   cfg = sharding.pad_vocab(cfg)  # on a mesh the model axis does not divide V
   state = GGUFState(reader, cfg, source)
   shardings = None

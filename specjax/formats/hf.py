@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from specjax.model import llama as model_lib
 from specjax.model import sharding
-from specjax.model.config import INT8, ModelConfig, RopeScaling, canonical_dtype, canonical_precision
+from specjax.model.config import INT8, ModelConfig, RopeScaling, canonical_dtype
 from specjax.errors import CheckpointError, ConfigError
+from specjax.formats import convert
 from specjax.formats.safetensors_io import SafetensorsState, write_safetensors
 
 CONFIG_FILE = "config.json"
@@ -191,12 +192,13 @@ def names_list(names: list[str], limit: int = 3) -> str:
 def _check_names(cfg: ModelConfig, expected: list[str], state: Mapping,
                  source: str):
   """Raises CheckpointError for missing or unexpected tensors."""
-  missing = [n for n in expected if n not in state]
+  names = set(state)  # not `n in state`: a Mapping's __contains__ reads the tensor
+  missing = [n for n in expected if n not in names]
   if missing:
     raise CheckpointError(f"{source}: missing tensor {names_list(missing)}")
   harmless = lambda n: (_HARMLESS.search(n) is not None
                         or (cfg.tie_embeddings and n == "lm_head.weight"))
-  extra = sorted(n for n in set(state) - set(expected) if not harmless(n))
+  extra = sorted(n for n in names - set(expected) if not harmless(n))
   if extra:
     raise CheckpointError(f"{source}: unexpected tensor {names_list(extra)}; "
                           f"not a LLaMA checkpoint matching its config")
@@ -227,15 +229,20 @@ def params_to_hf_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
 
 def hf_state_to_params(cfg: ModelConfig, state: Mapping[str, Any],
                        source: str = "HF state", shardings=None):
-  """{HF name: array} -> the `params` tree of `Llama(cfg)`, in cfg.param_dtype.
+  """{HF name: array} -> the `params` tree of `Llama(cfg)`, in cfg.param_dtype;
+  with cfg.quant int8, every projection kernel quantized per channel.
 
+  Built leaf by leaf (formats/convert.py): each tensor read a block of rows
+  at a time into the target dtype (int8: quantized as read), put on device
+  and its host copy dropped before the next; the float32 model is never held.
   The state holds cfg.vocab_size rows of the vocabulary tensors; with a
   padded vocabulary (ModelConfig.padded_vocab) the params get zero rows
   past them.
 
   Args:
     cfg: the model config the tensors must match.
-    state: numpy (or numpy-convertible) arrays in torch layout.
+    state: numpy (or numpy-convertible) arrays in torch layout, or a lazy
+      Mapping with `shape`, `read_block` (and `release`) like SafetensorsState.
     source: named in error messages (a file or directory).
     shardings: a params tree of NamedShardings (sharding.role_shardings).
       Then each device's block is read on its own (`state.read_block` when
@@ -246,6 +253,7 @@ def hf_state_to_params(cfg: ModelConfig, state: Mapping[str, Any],
   """
   tensors = tensor_map(cfg)
   _check_names(cfg, [t.hf_name for t in tensors], state, source)
+  dtype = np.dtype(cfg.jnp_param_dtype)
   params: dict[str, Any] = {}
   for t in tensors:
     shape = (state.shape(t.hf_name) if hasattr(state, "shape")
@@ -253,54 +261,15 @@ def hf_state_to_params(cfg: ModelConfig, state: Mapping[str, Any],
     if tuple(shape) != t.hf_shape:
       raise CheckpointError(f"{source}: tensor {t.hf_name} has shape "
                             f"{tuple(shape)}, expected {t.hf_shape}")
-    node = params
+    node, sh = params, shardings
     for key in t.path[:-1]:
       node = node.setdefault(key, {})
+      sh = None if sh is None else sh[key]
     pad = cfg.padded_vocab - cfg.vocab_size if t.hf_name in VOCAB_TENSORS else 0
-    if shardings is None:
-      arr = np.asarray(state[t.hf_name])
-      arr = np.pad(arr, [(0, pad), (0, 0)]) if pad else arr
-      node[t.path[-1]] = jnp.asarray(arr.T if t.transpose else arr,
-                                     dtype=cfg.jnp_param_dtype)
-      continue
-    sh = shardings
-    for key in t.path:
-      sh = sh[key]
-    node[t.path[-1]] = _sharded_tensor(state, t, sh, cfg.jnp_param_dtype, pad)
+    # Every transposed tensor is a projection kernel: the ones int8 quantizes.
+    quantize = cfg.quant == INT8 and t.transpose
+    node.update(convert.tensor_leaves(state, t, pad, dtype, quantize, sh))
   return params
-
-
-def _read_block(state, t, hf_index: tuple, pad: int) -> np.ndarray:
-  """state[t.hf_name][hf_index] (torch layout) of the tensor with `pad`
-  zero rows after its own: only the rows the file holds are read."""
-  def read(index):
-    if hasattr(state, "read_block"):
-      return np.asarray(state.read_block(t.hf_name, index))
-    return np.asarray(state[t.hf_name])[index]
-  if not pad:
-    return read(hf_index)
-  n = t.hf_shape[0]
-  start, stop, _ = hf_index[0].indices(n + pad)  # a device's rows: a slice, step 1
-  rest = hf_index[1:]
-  block = read((slice(min(start, n), min(stop, n)),) + rest) if start < n else None
-  if block is not None and block.shape[0] == stop - start:
-    return block
-  cols = tuple(len(range(*s.indices(d))) for s, d in zip(rest, t.hf_shape[1:]))
-  zeros = np.zeros((stop - max(start, n),) + cols, np.float32)
-  return zeros if block is None else np.concatenate([block, zeros.astype(block.dtype)])
-
-
-def _sharded_tensor(state, t, sharding, dtype, pad: int = 0):
-  """One param as a global array, each device's block read on its own
-  (`pad` zero rows of the torch layout after the file's: ModelConfig.padded_vocab)."""
-  def read(index):  # index in specjax's layout; the file is in torch's
-    hf_index = tuple(reversed(index)) if t.transpose else tuple(index)
-    block = _read_block(state, t, hf_index, pad)
-    return block.T if t.transpose else block
-  shape = (t.hf_shape[0] + pad,) + t.hf_shape[1:]
-  shape = tuple(reversed(shape)) if t.transpose else shape
-  return jax.make_array_from_callback(
-      shape, sharding, lambda idx: np.asarray(read(idx)).astype(dtype))
 
 # ---------------------------------------------------------------- directories
 
@@ -347,7 +316,8 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, role: str = "targ
 
   Args:
     path: directory with config.json and model.safetensors (or shards).
-    dtype: compute and param dtype; default: the checkpoint's torch_dtype.
+    dtype: compute and param dtype; default (logged): the checkpoint's
+      torch_dtype; 'int8' quantizes each projection as it is read (quant.py).
     role: 'target' or 'draft': the placement on the active mesh
       (sharding.role_shardings); each process reads only its devices' slices.
   Returns:
@@ -356,11 +326,11 @@ def load_hf(path: str | os.PathLike, dtype: str | None = None, role: str = "targ
   Raises:
     CheckpointError: one line naming what is missing, mis-shaped or corrupt.
   """
-  if dtype and canonical_precision(dtype) == INT8:
-    raise ConfigError("load_hf loads float weights; int8 goes through "
-                      "checkpoint.load_model(..., dtype='int8')")
   path = Path(path)
   cfg = sharding.pad_vocab(read_hf_config(path, dtype))
+  if not dtype:
+    logging.info("%s: %s weights (torch_dtype) -> %s (pass --dtype to choose)",
+                 path, cfg.param_dtype, cfg.precision)
   state = SafetensorsState(_weight_files(path))
   shardings = None
   if sharding.current() is not None:

@@ -10,8 +10,10 @@ stays int8 in device memory. The embedding (a gather, not a product) and the
 norms stay float32; with tied embeddings the output product uses the float
 embedding.
 
-Any float checkpoint quantizes the same way (presets: random init, then
-quantize; HF, orbax and GGUF files: load in float32, then quantize). A Q8_0
+Any float checkpoint quantizes the same way: presets and orbax directories
+quantize their float params (quantize_model); HF and GGUF files quantize
+each kernel as its rows are read (`quantize_rows`, formats/convert.py), so
+the float model is never held whole, with bit-identical results. A Q8_0
 GGUF is dequantized and requantized per channel: its 32-value blocks carry
 finer scales than one per channel, so the result is not bit-identical to the
 file's values (within one int8 step of the channel's scale).
@@ -21,10 +23,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.model import sharding
 from specjax.model.config import INT8, ModelConfig
 from specjax.errors import ConfigError
+
+
+# Both divisions written as the products XLA makes of them anyway (amax / 127
+# as amax * (1 / 127), w / scale as w * (1 / scale)), so that quantize_rows
+# (NumPy) gives quantize_kernel's bits on every backend.
+INV_127 = np.float32(1.0 / 127.0)
 
 
 def quantize_kernel(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -32,8 +41,20 @@ def quantize_kernel(w: jax.Array) -> tuple[jax.Array, jax.Array]:
   output channel."""
   w = w.astype(jnp.float32)
   amax = jnp.max(jnp.abs(w), axis=0)
-  scale = jnp.where(amax > 0, amax / 127.0, 1.0)
-  q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+  scale = jnp.where(amax > 0, amax * INV_127, 1.0)
+  q = jnp.clip(jnp.round(w * (1.0 / scale)), -127, 127).astype(jnp.int8)
+  return q, scale
+
+
+def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """quantize_kernel in NumPy on the torch layout, for a loader reading a
+  kernel's rows (its output channels) a block at a time: w [out, in] ->
+  (int8 [out, in], float32 scale [out]), bit-identical to quantize_kernel(w.T)
+  (the same float32 operations; round half to even in both)."""
+  w = np.asarray(w, np.float32)
+  amax = np.max(np.abs(w), axis=1)
+  scale = np.where(amax > 0, amax * INV_127, np.float32(1.0)).astype(np.float32)
+  q = np.clip(np.round(w * (np.float32(1.0) / scale)[:, None]), -127, 127).astype(np.int8)
   return q, scale
 
 

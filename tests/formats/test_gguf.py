@@ -145,7 +145,7 @@ TOKS = np.random.RandomState(1).randint(0, 256, (2, 24))
 def test_round_trip_per_type(tmp_path, params, name):
   qtype = Q[name]
   expect = write_model(tmp_path / f"m-{name}.gguf", CFG, params, qtype)
-  cfg, got, _ = gguf_weights.load_gguf(tmp_path / f"m-{name}.gguf")
+  cfg, got, _ = gguf_weights.load_gguf(tmp_path / f"m-{name}.gguf", "float32")
   assert cfg == CFG.replace(name=f"m-{name}", attn_block=cfg.attn_block)
   state = hf.params_to_hf_state(cfg, got)
   for hf_name, arr in state.items():
@@ -175,7 +175,7 @@ def test_quantized_logits_are_close_to_f32(tmp_path, params):
   """Q8_0 logits are close to f32's (the quantized path computes the same
   model)."""
   write_model(tmp_path / "q8.gguf", CFG, params, Q.Q8_0)
-  cfg, got, _ = gguf_weights.load_gguf(tmp_path / "q8.gguf")
+  cfg, got, _ = gguf_weights.load_gguf(tmp_path / "q8.gguf", "float32")
   close_to(logits(cfg, got, TOKS), logits(CFG, params, TOKS))
 
 # ------------------------------------------------------------ parity with safetensors
@@ -221,7 +221,7 @@ from specjax.model import sharding
 path, out = sys.argv[1], {}
 toks = np.arange(24).reshape(2, 12) * 7 % 256
 for spec in (None, "data:2,model:2"):
-  for dtype in (None, "int8"):
+  for dtype in ("float32", "int8"):
     with sharding.use(None if spec is None else sharding.make_mesh(spec)):
       cfg, params, _ = checkpoint.load_model(path, dtype=dtype)
       cache = kv_cache.init_cache(cfg, 2, 12)
@@ -245,7 +245,7 @@ def test_sharded_load_equals_single_device(tmp_path, params):
                         env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  for dtype in ("None", "int8"):
+  for dtype in ("float32", "int8"):
     ref = np.array(out[f"None/{dtype}"]["logits"])
     for spec in ("data:2,model:2",):
       got = out[f"{spec}/{dtype}"]
