@@ -8,8 +8,12 @@ A real checkpoint (HF directory with config.json + safetensors, or an orbax
 directory written by specjax) works the same way:
   python experiments/generate.py --model=/path/to/llama --prompt="Hello"
 
-Several prompts run as the rows of one batch (--prompt_file, one per line;
---n_parallel repeats each); --json_out keeps every row's prompt ids and tokens.
+An Instruct model's prompt goes through its chat template with --chat (and
+--system=TEXT; docs/models.md, Chat models).
+
+Several prompts run as the rows of one batch (--prompt_file, one per line, or
+a .jsonl file of prompts and, with --chat, conversations; --n_parallel repeats
+each); --json_out keeps every row's prompt ids and tokens.
 """
 
 from absl import flags

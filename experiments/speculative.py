@@ -15,8 +15,12 @@ The seed thread's experiments as settings:
   --accept=always            accept every draft
   --accept=mean_length:3     a per-token probability giving 3 accepted per step
 
+Instruct models (docs/models.md, Chat models):
+  --chat --system=TEXT       the prompt as a user turn through the model's chat template
+
 Batches and gamma chosen at run time:
-  --prompt_file=prompts.txt  one prompt per line (text with a tokenizer, else comma-separated ids)
+  --prompt_file=prompts.txt  one prompt per line (text with a tokenizer, else comma-separated ids);
+                             a .jsonl file: {"prompt": TEXT} or, with --chat, conversations
   --n_parallel=4             each prompt repeated 4 times (rows of one batch)
   --gamma=auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps from costs
                              measured at start (or --auto_costs=<sweep workdir>/costs.json);
