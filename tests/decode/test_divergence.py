@@ -110,12 +110,12 @@ N_PREDICT, GAMMA = 14, 3
 
 
 @pytest.fixture(scope="module")
-def near_tie_run():
+def near_tie_run(init_params):
   """Row 0 with the near-tie at output K (input position len(prompt) + K - 1),
   row 1 without; the target its own draft (every draft accepted but the tied
   one), float32."""
   cfg = config.get_preset("tiny", dtype="float32")
-  target = steps.Runner(cfg, model.init_params(cfg, 1))
+  target = steps.Runner(cfg, init_params(cfg, 1))
   base = generation.generate(target, PROMPTS, N_PREDICT).tokens
   mp = pytest.MonkeyPatch()
   jax.clear_caches()
