@@ -6,7 +6,9 @@ transpose of the cache), plus `lengths[B]`, the number of valid positions in
 each row. Slot j of a row holds the token at absolute position j. Invariants:
   * a write of T new tokens lands at slots lengths[b] .. lengths[b] + T - 1;
   * a query at position p attends to slots <= p only, so nothing at or past a
-    row's length is ever read before it is overwritten;
+    row's length is ever read before it is overwritten (a token tree's
+    verify: the slots < length and its own ancestors in the new block, whose
+    accepted path commit_path then moves into place);
   * rolling back is setting `lengths` (O(1), no copy);
   * capacity is checked on the host *before* a write: XLA's
     dynamic_update_slice clamps out-of-range starts, which would silently

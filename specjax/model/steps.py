@@ -20,7 +20,7 @@ from specjax.model import kv_cache as kvc
 from specjax.model import llama as model
 from specjax.model import sharding
 from specjax.model.config import ModelConfig
-from specjax.errors import CacheOverflowError
+from specjax.errors import CacheOverflowError, ConfigError
 
 MIN_BUCKET = 16
 
@@ -71,6 +71,10 @@ def tree_verify(params, tokens, tree_mask, cache: kvc.KVCache, cfg: ModelConfig,
   lengths + T - 1, for kv_cache.commit_path to commit the accepted path.
   The caller checks capacity for T new slots (Runner.tree_verify does).
   """
+  t = tokens.shape[1]
+  if jnp.ndim(tree_mask) not in (2, 3) or jnp.shape(tree_mask)[-2:] != (t, t):
+    raise ConfigError(f"a tree verify of {t} tokens needs a tree mask [{t}, {t}] or "
+                      f"[B, {t}, {t}], got shape {jnp.shape(tree_mask)}")
   start = cache.lengths
   out = model.forward(params, tokens, cache, cfg, tree_mask=tree_mask,
                       return_hidden=return_hidden)

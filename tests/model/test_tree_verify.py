@@ -20,6 +20,7 @@ from specjax.model import kv_cache as kvc
 from specjax.model import layers
 from specjax.model import llama as model
 from specjax.model import steps
+from specjax.errors import ConfigError
 
 CAPACITY = 48
 PROMPT_LENS = (3, 5, 11, 17)
@@ -175,6 +176,12 @@ def test_chain_mask_is_todays_verify(setup):
   np.testing.assert_array_equal(plain_cache.lengths, tree_cache.lengths + block.shape[1])
   for g, w in zip(tree_cache.k + tree_cache.v, plain_cache.k + plain_cache.v):
     np.testing.assert_allclose(g, w, atol=ATOL, rtol=0)
+
+
+def test_tree_mask_of_the_wrong_shape_says_so(setup):
+  runner, cache, _, block, _ = setup
+  with pytest.raises(ConfigError, match=r"tree mask \[10, 10\] or \[B, 10, 10\], got shape \(9, 9\)"):
+    runner.tree_verify(block, tree_mask(STATIC[:-1]), copy(cache))
 
 
 def test_commit_path_moves_slots():
