@@ -115,7 +115,7 @@ def path_mismatches(setup, dynamic: bool) -> list[str]:
     memo["paths", dynamic] = path_logits(runner, cache, block, trees)
   want = memo["paths", dynamic]
   err = np.abs(np.asarray(got) - want).max(-1)  # [B, T]
-  return [f"row {b} block {j}: {err[b, j]:.2g}" for b, j in zip(*np.nonzero(err > ATOL))]
+  return [f"row {b} block {j}: {err[b, j]:.2g}" for b, j in zip(*np.nonzero(~(err <= ATOL)))]
 
 
 # The accepted path per row (block indices, padded with junk) and its length:
@@ -147,7 +147,7 @@ def commit_mismatches(setup) -> list[str]:
     for layer, (g, w) in enumerate(zip(got_l, ref_l)):
       for b, s in enumerate(seqs):
         err = np.abs(np.asarray(g[b, :, :len(s)]) - np.asarray(w[b, :, :len(s)])).max(initial=0)
-        if err > ATOL:
+        if not err <= ATOL:  # NaN included
           bad.append(f"{name} layer {layer} row {b}: {err:.2g}")
   return bad
 
