@@ -194,13 +194,27 @@ class TreeBlock:
   lengths: jax.Array
 
 
-def tree_block(kk, vv, tree_mask, lengths, cache_dtype) -> TreeBlock:
-  """A TreeBlock from the new K/V kk, vv [B, T, K, D] and a tree mask [T, T]
-  (one tree for every row) or [B, T, T] (a tree per row)."""
+def tree_block(kk, vv, tree_mask, lengths, k_cache, v_cache) -> TreeBlock:
+  """A TreeBlock from the new K/V kk, vv [B, T, K, D] and a tree mask [T, W]
+  (one tree for every row) or [B, T, W] (a tree per row).
+
+  W = T: the block is the new tokens (a verify). W > T: the new tokens are
+  the last T of a W-wide block whose first W - T entries an earlier forward
+  wrote at slots lengths - (W - T) .. lengths - 1 (a tree drafted level by
+  level); those are read back from the cache, and only the slots before the
+  block count as cached."""
   mask = jnp.asarray(tree_mask, jnp.bool_)
-  mask = mask[None] if mask.ndim == 2 else mask  # [B or 1, T, T]
-  to_block = lambda x: jnp.swapaxes(x, 1, 2).astype(cache_dtype)  # [B, K, T, D]
-  return TreeBlock(k=to_block(kk), v=to_block(vv), mask=mask, lengths=lengths)
+  mask = mask[None] if mask.ndim == 2 else mask  # [B or 1, T, W]
+  to_block = lambda x: jnp.swapaxes(x, 1, 2).astype(k_cache.dtype)  # [B, K, T, D]
+  k_new, v_new = to_block(kk), to_block(vv)
+  prior = mask.shape[-1] - kk.shape[1]
+  if prior == 0:
+    return TreeBlock(k=k_new, v=v_new, mask=mask, lengths=lengths)
+  start = lengths - prior  # [B]
+  slots = jnp.clip(start[:, None] + jnp.arange(prior)[None, :], 0, k_cache.shape[2] - 1)
+  read = lambda c: jnp.take_along_axis(c, slots[:, None, :, None], axis=2)  # [B, K, prior, D]
+  return TreeBlock(k=jnp.concatenate([read(k_cache), k_new], 2),
+                   v=jnp.concatenate([read(v_cache), v_new], 2), mask=mask, lengths=start)
 
 
 def _attend_masked_tree(q, scores, v_cache, tree: TreeBlock, dtype):
@@ -289,7 +303,9 @@ class Attention(nn.Module):
   tree's verify block (tree_mask[a, b]: b is a or an ancestor of a); each
   attends to the cached slots < lengths and to its ancestors-or-self in the
   block. They are still written at slots lengths .. lengths + T - 1 (scratch
-  slots until kv_cache.commit_path). None: the causal chain (unchanged).
+  slots until kv_cache.commit_path). [.., T, W] with W > T: the new tokens
+  are the last T of a W-wide block begun at slot lengths - (W - T) (a draft
+  tree's next level; see tree_block). None: the causal chain (unchanged).
   """
   cfg: ModelConfig
 
@@ -312,7 +328,7 @@ class Attention(nn.Module):
 
     q = q.reshape(b, t, k, h // k, d)  # [B, T, K, G, D]
     tree = (None if tree_mask is None else
-            tree_block(kk, vv, tree_mask, lengths, k_cache.dtype))
+            tree_block(kk, vv, tree_mask, lengths, k_cache, v_cache))
     block = cfg.attn_block
     if block and k_cache.shape[2] > block:
       out = attend_blocked(q, k_cache, v_cache, positions, block, cfg.jnp_dtype, tree)

@@ -181,13 +181,18 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
       positions then default to lengths + depth, the depth being the mask
       row's count of ancestors. The block is written at slots lengths ..
       lengths + T - 1 all the same (see steps.tree_verify and
-      kv_cache.commit_path). None: the causal chain, unchanged.
+      kv_cache.commit_path). A mask [.., T, W] with W > T: the tokens are
+      the last T of a W-wide block whose first W - T entries an earlier
+      forward wrote just before lengths (a draft tree's next level; mask
+      rows are theirs, columns the whole block). None: the causal chain,
+      unchanged.
   Returns:
     (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T), and
     hidden [B, T, E] (cfg.dtype) last when return_hidden.
   """
-  if positions is None and tree_mask is not None:
-    positions = cache.lengths[:, None] + tree_depths(tree_mask)
+  if positions is None and tree_mask is not None:  # the block starts W - T slots back
+    prior = jnp.shape(tree_mask)[-1] - tokens.shape[1]
+    positions = cache.lengths[:, None] - prior + tree_depths(tree_mask)
   if positions is None:
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
   return Llama(cfg).apply({"params": params}, tokens, positions, cache,
@@ -195,8 +200,8 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
 
 
 def tree_depths(tree_mask):
-  """The depth of each block index (root 0) from a tree mask [T, T] -> [1, T]
-  or [B, T, T] -> [B, T]: its ancestors-or-self count less one."""
+  """The depth of each block index (root 0) from a tree mask [T, W] -> [1, T]
+  or [B, T, W] -> [B, T]: its ancestors-or-self count less one."""
   mask = jnp.asarray(tree_mask, jnp.bool_)
   mask = mask[None] if mask.ndim == 2 else mask
   return jnp.sum(mask, -1, dtype=jnp.int32) - 1

@@ -178,6 +178,38 @@ def test_chain_mask_is_todays_verify(setup):
     np.testing.assert_allclose(g, w, atol=ATOL, rtol=0)
 
 
+def level_mismatches(setup) -> list[str]:
+  """A tree drafted level by level (a forward per level, mask [T_level, W]:
+  the level's rows of the tree mask, the block so far as columns, the
+  earlier levels read back from their scratch slots) against one verify of
+  the whole block: the logits of every block index and the block's K/V."""
+  runner, cache, _, block, _ = setup
+  mask = tree_mask(STATIC)
+  depths = mask.sum(1) - 1
+  want, want_cache = runner.tree_verify(block, mask, copy(cache))
+  c, got = copy(cache), np.zeros(np.shape(want), np.float32)
+  base = c.lengths
+  for d in range(depths.max() + 1):
+    lo, hi = int(np.argmax(depths == d)), int(np.nonzero(depths == d)[0][-1]) + 1
+    c = kvc.rollback(c, base + lo)  # this level is written at base + lo ..
+    logits, c = chain_forward(runner.params, jnp.asarray(block[:, lo:hi]), c, cfg=runner.cfg,
+                              tree_mask=mask[lo:hi, :hi])
+    got[:, lo:hi] = np.asarray(logits)
+  bad = [f"block {j}: {e:.2g}" for j, e in
+         enumerate(np.abs(got - np.asarray(want)).max((0, 2))) if not e <= ATOL]
+  t = block.shape[1]
+  for layer, (g, w) in enumerate(zip(c.k + c.v, want_cache.k + want_cache.v)):
+    for b, n in enumerate(LENGTHS):
+      err = np.abs(np.asarray(g[b, :, :n + t]) - np.asarray(w[b, :, :n + t])).max()
+      if not err <= ATOL:
+        bad.append(f"cache {layer} row {b}: {err:.2g}")
+  return bad
+
+
+def test_levels_drafted_one_forward_each_equal_one_verify(setup):
+  assert level_mismatches(setup) == []
+
+
 def test_tree_mask_of_the_wrong_shape_says_so(setup):
   runner, cache, _, block, _ = setup
   with pytest.raises(ConfigError, match=r"tree mask \[10, 10\] or \[B, 10, 10\], got shape \(9, 9\)"):
@@ -211,16 +243,23 @@ def _rope_at_slot(orig):
 
 
 def _siblings_see_each_other(orig):
-  def tree_block(kk, vv, mask, lengths, dtype):  # a causal (chain) mask
+  def tree_block(kk, vv, mask, lengths, k_cache, v_cache):  # a causal (chain) mask
     t = kk.shape[1]
-    return orig(kk, vv, np.tril(np.ones((t, t), bool)), lengths, dtype)
+    return orig(kk, vv, np.tril(np.ones((t, t), bool)), lengths, k_cache, v_cache)
   return tree_block
 
 
 def _row_zeros_tree_for_all(orig):
-  def tree_block(kk, vv, mask, lengths, dtype):  # a per-row mask read as one tree
+  def tree_block(kk, vv, mask, lengths, k_cache, v_cache):  # a per-row mask read as one tree
     mask = jnp.asarray(mask)
-    return orig(kk, vv, mask[0] if mask.ndim == 3 else mask, lengths, dtype)
+    return orig(kk, vv, mask[0] if mask.ndim == 3 else mask, lengths, k_cache, v_cache)
+  return tree_block
+
+
+def _earlier_levels_unseen(orig):
+  def tree_block(kk, vv, mask, lengths, k_cache, v_cache):  # only the level's own columns
+    t = kk.shape[1]
+    return orig(kk, vv, jnp.asarray(mask)[..., -t:], lengths, k_cache, v_cache)
   return tree_block
 
 
@@ -239,6 +278,8 @@ MUTATIONS = {
                                    lambda s: path_mismatches(s, True)),
     "commit copies the wrong path (block index - 1)": (kvc, "commit_path", _commit_off_by_one,
                                                        commit_mismatches),
+    "a level does not see the earlier levels' scratch slots": (
+        layers, "tree_block", _earlier_levels_unseen, level_mismatches),
 }
 
 
