@@ -21,7 +21,8 @@
    by the same script): the peak resident memory during the load (VmHWM
    after resetting it through /proc/self/clear_refs, else ru_maxrss) less
    the resident memory just before it, the params' bytes (sum of the
-   leaves' nbytes), their ratio and the load's wall seconds. The files
+   leaves' nbytes), their ratio, what stays resident beside the params
+   once loaded ('kept': tokenizer, heap) and the load's wall seconds. The files
    were just written, so they are read from the page cache.
 
 With --out_dir, the tables go to summary.md there and the memory rows to
@@ -91,7 +92,7 @@ peak = (status("VmHWM") if how == "VmHWM"
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 print(json.dumps({"precision": cfg.precision, "param_bytes": nbytes, "peak": peak - before,
-                  "seconds": seconds, "how": how}))
+                  "after": status("VmRSS") - before, "seconds": seconds, "how": how}))
 """
 
 
@@ -166,10 +167,11 @@ def load_memory(cfg, params) -> tuple[list[list[str]], list[dict]]:
       r = {"file": kind, "dtype": dtype, **measure_load(path, dtype)}
       records.append(r)
       if "error" in r:
-        rows.append([kind, dtype, "error: " + r["error"][:80], "", "", "", ""])
+        rows.append([kind, dtype, "error: " + r["error"][:80], "", "", "", "", ""])
         continue
       rows.append([kind, dtype, r["precision"], format_size(r["param_bytes"]),
                    format_size(r["peak"]), f"{r['peak'] / r['param_bytes']:.2f}",
+                   format_size(r["after"] - r["param_bytes"]) if "after" in r else "",
                    f"{r['seconds']:.2f}"])
   return rows, records
 
@@ -191,7 +193,7 @@ def main(argv):
     out += [f"## Load memory, {cfg.name}: peak resident memory during the load less "
             f"before it, one fresh process per row (src: {_SRC.value or 'this checkout'})\n",
             markdown_table(["file", "--dtype", "loads as", "params", "peak", "peak/params",
-                            "load s"], rows, [False] * 3 + [True] * 4)]
+                            "kept", "load s"], rows, [False] * 3 + [True] * 5)]
   del params
   if "decode" in _PARTS.value:
     out += [f"## Decode, {cfg.name}, batch 1, depth {_DEPTH.value}, capacity "
