@@ -7,8 +7,11 @@ step's tail token) and j = i + 1 is node i; p[:, j] is the target's
 distribution for block j's children and q[:, j] the draft distribution they
 were drawn from. Every rule returns the accepted path (block indices, depth 1
 first), its length, the one token the target emits after it, and per-rank
-counts of the children tried and accepted (the positional acceptance vector's
-estimate: accepts[k] / tries[k] is P(rank k accepted | ranks < k rejected)).
+counts of the children tried and accepted: accepts[k] / tries[k] estimates
+P(rank k accepted | ranks < k rejected), the conditional vector siblings:
+takes; Sequoia's unconditional p_k (a node's weight in the expected tokens per
+step is the product of p_rank along its path) is that times prod_{j<k} (1 -
+c_j), or accepts[k] / tries[0].
 
   greedy      the deepest path whose every token equals the target's argmax
               at its parent (ties: the first in BFS order); the next token is
@@ -24,6 +27,8 @@ estimate: accepts[k] / tries[k] is P(rank k accepted | ranks < k rejected)).
               When every child is rejected the token is drawn from the final
               r; when a leaf is accepted, from p at the leaf (the bonus).
               Either way the emitted sequence follows the target's own law.
+              (With top-k siblings the rank order changes nothing but which
+              rank is counted: candidate x is kept with probability p(x).)
   simulated   a table accept_p [Dmax, K] from `accept_table`: the rank-k child
               tried at depth d + 1 is accepted when u < accept_p[d, k]; the
               token is then drawn from p at the last accepted node, as the
@@ -32,9 +37,10 @@ estimate: accepts[k] / tries[k] is P(rank k accepted | ranks < k rejected)).
 One uniform per (row, depth, rank), u [B, max_depth, max_children], drives
 every rule: on a chain (max_children 1) this judge is acceptance.judge draw for
 draw, and a tree that contains a chain as its rank-0 path, judged with the
-same key and bounds, accepts at least as much as the chain, row by row. All shapes are fixed by (B, N, V) and
-the static (max_depth, max_children): two lax loops, over depth and over the
-children of the node reached, vectorized over the batch.
+same key and bounds, accepts at least as much as the chain, row by row. All
+shapes are fixed by (B, N, V) and the static (max_depth, max_children): two
+lax loops, over depth and over the children of the node reached, vectorized
+over the batch.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ SIBLINGS = ("stochastic", "topk")
 
 class TreeVerdict(NamedTuple):
   """What one step keeps of each row's tree."""
-  path: jax.Array        # [B, Dmax] int32 block indices of the accepted nodes (depth 1 first), -1 past n
+  path: jax.Array        # [B, Dmax] int32 accepted nodes' block indices, depth 1 first; -1 past n
   n_accepted: jax.Array  # [B] int32
   next_token: jax.Array  # [B] int32 the target's token after the path
   tries: jax.Array       # [B, K] int32 children tried at each sibling rank

@@ -30,14 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lawcheck import ALPHA, chi2_pvalue, mutant
 
 from specjax.decode import acceptance
 from specjax.decode import tree_acceptance as ta
 from specjax.errors import ConfigError
 from specjax.model import sampling
 from specjax.model.sampling import SamplingParams
-
-from lawcheck import ALPHA, chi2_pvalue, mutant
 
 V = 6
 # Width 3 at the root, depth 3, leaves at depths 1, 2 and 3:
@@ -131,7 +130,7 @@ def trials(key, sp, siblings, rows):
 # ---------------------------------------------------------------- the exact laws
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def context_table(sp: SamplingParams):
   """{context tuple: (p, q, draft logits)} for every context of length <= L (float64)."""
   ctxs = [c for m in range(L + 1) for c in itertools.product(range(V), repeat=m)]
@@ -332,10 +331,9 @@ def random_blocks(key, b, greedy=False):
   return p, q, drafts
 
 
-RULES = {"stochastic": dict(), "topk": dict(siblings="topk"), "greedy": dict(greedy=True),
-         "siblings:0.6,0.4": dict(simulated=True,
-                                  accept_p=ta.accept_table(acceptance.parse_rule("siblings:0.6,0.4"),
-                                                           DEPTH, KIDS))}
+SIBLINGS_TABLE = ta.accept_table(acceptance.parse_rule("siblings:0.6,0.4"), DEPTH, KIDS)
+RULES = {"stochastic": {}, "topk": {"siblings": "topk"}, "greedy": {"greedy": True},
+         "siblings:0.6,0.4": {"simulated": True, "accept_p": SIBLINGS_TABLE}}
 
 
 def check_dominance():
@@ -374,10 +372,10 @@ def check_chain_is_judge():
   key = jax.random.PRNGKey(5)
   probs = acceptance.position_probs(acceptance.parse_rule("bernoulli:0.6"), g)
   cases = {"stochastic": (False, SamplingParams(1.0), False, {}),
-           "topk": (False, SamplingParams(1.0), True, dict(siblings="topk")),
+           "topk": (False, SamplingParams(1.0), True, {"siblings": "topk"}),
            "simulated": (True, SamplingParams(1.0), False,
-                         dict(simulated=True, accept_p=probs[:, None])),
-           "greedy": (False, SamplingParams(0.0), False, dict(greedy=True))}
+                         {"simulated": True, "accept_p": probs[:, None]}),
+           "greedy": (False, SamplingParams(0.0), False, {"greedy": True})}
   for name, (sim, sp, det, kw) in cases.items():
     @jax.jit
     def both(key, pp, q, sim=sim, sp=sp, det=det, kw=kw):
