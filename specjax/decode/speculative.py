@@ -44,6 +44,7 @@ import numpy as np
 from flax import struct
 
 from specjax.decode import acceptance
+from specjax.decode import tree_step
 from specjax.drafters import registry
 from specjax.drafters.draft_model import MODEL
 from specjax.decode import generation
@@ -54,6 +55,7 @@ from specjax.model import steps
 from specjax.model import kv_cache as kvc
 from specjax.decode.acceptance import AcceptRule
 from specjax.model.config import ModelConfig
+from specjax.model.tree import Tree
 from specjax.drafters.base import Committed, Drafted, Drafter
 from specjax.errors import ConfigError
 from specjax.model.sampling import SamplingParams
@@ -75,12 +77,21 @@ class SpecConfig:
   simulated: bool = False  # a simulated rule; its per-position probabilities are traced
   p_min: float = 0.0    # draft early stop: stop when the draft's top prob < p_min
   drafter: Drafter = MODEL
+  tree: Tree | None = None  # a static token tree (gamma = its depth); None: the chain
+  siblings: str = "topk"    # a tree's siblings: the draft's top-k, or i.i.d. draws from q
 
   def __post_init__(self):
     if self.gamma < 1:
       raise ConfigError(f"gamma (draft length) must be >= 1, got {self.gamma}")
     if not 0.0 <= self.p_min <= 1.0:
       raise ConfigError(f"p_min must lie in [0, 1], got {self.p_min}")
+    if self.siblings not in ("topk", "stochastic"):
+      raise ConfigError(f"siblings must be 'topk' or 'stochastic', got {self.siblings!r}")
+    if self.tree is not None and self.gamma != self.tree.max_depth:
+      raise ConfigError(f"a tree of depth {self.tree.max_depth} runs at gamma = its depth, "
+                        f"got gamma {self.gamma}")
+    if self.tree is not None and self.p_min > 0:
+      raise ConfigError("p_min (draft early stop) is for chains; a tree drafts every node")
     object.__setattr__(self, "drafter", registry.parse(self.drafter))
     object.__setattr__(self, "draft", self.drafter.draft_config(self.target, self.draft))
     if self.draft is not None:
@@ -90,7 +101,13 @@ class SpecConfig:
   def needs_q(self) -> bool:
     """Only exact sampling reads the draft distributions q (a deterministic
     drafter's q is onehot(x), never materialised)."""
-    return not self.simulated and not self.sp.greedy and not self.drafter.deterministic
+    return (not self.simulated and not self.sp.greedy and not self.drafter.deterministic
+            and (self.tree is None or self.siblings == "stochastic"))
+
+  @property
+  def block(self) -> int:
+    """Tokens one verify writes: gamma + 1, or the tree's 1 + N."""
+    return self.gamma + 1 if self.tree is None else self.tree.block_size
 
 
 def check_vocabularies(target: ModelConfig, draft: ModelConfig) -> None:
@@ -119,6 +136,7 @@ class Judged:
   n: jax.Array        # [B] sequence length after the step
   t_len: jax.Array    # [B] target cache length to roll back to
   d_len: jax.Array    # [B] a gamma-step draft cache's length to roll back to
+  path: Any = None    # a tree's step: [B, D] the accepted nodes' block indices
 
 
 def verify_phase(tparams, tcache, tail, drafts, sc: SpecConfig):
@@ -136,7 +154,9 @@ def verify_phase(tparams, tcache, tail, drafts, sc: SpecConfig):
 
 
 def _verify(tparams, tcache, tail, drafts, sc: SpecConfig):
-  """verify_phase as (p, tcache, features or None)."""
+  """verify_phase (a tree's, with sc.tree) as (p, tcache, features or None)."""
+  if sc.tree is not None:
+    return tree_step.verify_phase(tparams, tcache, tail, drafts, sc)
   out = verify_phase(tparams, tcache, tail, drafts, sc)
   return out if len(out) == 3 else (*out, None)
 
@@ -147,6 +167,8 @@ def accept_phase(key, accept_probs, p, drafted: Drafted, tail, n, live,
 
   Rows that are not `live` (finished) keep their state.
   """
+  if sc.tree is not None:
+    return _accept_tree(key, accept_probs, p, drafted, tail, n, live, sc)
   gamma, drafts = sc.gamma, drafted.tokens
   n_acc, nxt = acceptance.judge(key, sc.simulated, accept_probs, sc.sp, drafts, drafted.q,
                                 p, drafted.n_drafted, sc.drafter.deterministic)
@@ -165,6 +187,23 @@ def accept_phase(key, accept_probs, p, drafted: Drafted, tail, n, live,
       # d_1..d_{gamma-1}); d_gamma never entered it, so only a fully accepted
       # step leaves it behind.
       d_len=keep(jnp.minimum(new_n - 1, n - 1 + gamma), n - 1))
+
+
+def _accept_tree(key, accept_probs, p, drafted, tail, n, live, sc: SpecConfig) -> Judged:
+  """accept_phase for a token tree: the accepted path's tokens then the
+  target's token, as a chain of that length would emit them."""
+  v = tree_step.judge(key, accept_probs, p, drafted, sc)
+  block = jnp.concatenate([tail[:, 1:], drafted.tokens], 1)  # [B, 1+N]
+  emitted = tree_step.emitted(block, v)  # [B, D+1]
+  last = jnp.take_along_axis(emitted, v.n_accepted[:, None], 1)[:, 0]
+  prev = jnp.take_along_axis(jnp.concatenate([tail[:, 1:], emitted], 1),
+                             v.n_accepted[:, None], 1)[:, 0]
+  keep = lambda new, old: jnp.where(live, new, old)
+  new_n = n + v.n_accepted + 1
+  return Judged(n_acc=v.n_accepted, emitted=emitted,
+                tail=jnp.where(live[:, None], jnp.stack([prev, last], 1), tail),
+                n=keep(new_n, n), t_len=keep(new_n - 1, n - 1),
+                d_len=keep(jnp.minimum(new_n - 1, n - 1 + sc.gamma), n - 1), path=v.path)
 
 
 def keep_tokens(out, count, done, j: Judged, eos_id: int, n_predict: int):
@@ -197,13 +236,19 @@ def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter = MODEL
   dropped = jnp.where(live, j.n_acc + 1 - kept, 0)
   n = j.n - dropped
   n_prev = jnp.where(live, j.n - j.n_acc - 1, j.n)
+  if j.path is None:
+    tcache = kvc.rollback(tcache, j.t_len - dropped)
+  else:  # the kept path's K/V into place (root + kept - 1 nodes), its features in order
+    tcache = kvc.commit_path(tcache, j.path, jnp.where(live, kept - 1, -1))
+    features = None if features is None else tree_step.path_features(features, j.path)
   c = Committed(n_prev=n_prev, n=n, n_acc=j.n_acc, emitted=j.emitted,
-                kept=jnp.where(live, kept, 0), live=live, d_len=j.d_len, features=features)
+                kept=jnp.where(live, kept, 0), live=live, d_len=j.d_len, features=features,
+                path=j.path)
   # [last, e_1 .. e_{gamma+1}]: the kept tail is (ext[kept - 1], ext[kept])
   ext = jnp.concatenate([tail[:, 1:], j.emitted], 1)
   at = lambda i: jnp.take_along_axis(ext, jnp.maximum(i, 0)[:, None], 1)[:, 0]
   cut_tail = jnp.stack([at(kept - 1), at(kept)], 1)
-  return SpecState(tcache=kvc.rollback(tcache, j.t_len - dropped),
+  return SpecState(tcache=tcache,
                    dcache=drafter.commit(dcache, c),
                    tail=jnp.where((dropped > 0)[:, None], cut_tail, j.tail), n=n)
 
@@ -231,8 +276,7 @@ class SpecResult:
 def _steps(key, i, tparams, dparams, st: SpecState, done, accept_probs, sc):
   """The phases of step i, in order (shared by both loops through jit)."""
   kd, ka = jax.random.split(jax.random.fold_in(key, i))
-  d, dcache, tcache = sc.drafter.propose(dparams, st.dcache, st.tcache, st.tail, st.n,
-                                         ~done, kd, sc)
+  d, dcache, tcache = _propose(dparams, st.dcache, st.tcache, st.tail, st.n, ~done, kd, sc)
   p, tcache, feats = _verify(tparams, tcache, st.tail, d.tokens, sc)
   j = accept_phase(ka, accept_probs, p, d, st.tail, st.n, ~done, sc)
   return d, dcache, tcache, j, feats
@@ -295,6 +339,8 @@ def spec_chunk(tparams, dparams, state: SpecState, out, count, done, i, rec, key
 
 
 def _propose(dparams, dcache, tcache, tail, n, live, key, sc: SpecConfig):
+  if sc.tree is not None:
+    return sc.drafter.propose_tree(dparams, dcache, tcache, tail, n, live, key, sc)
   return sc.drafter.propose(dparams, dcache, tcache, tail, n, live, key, sc)
 
 
@@ -328,7 +374,7 @@ def _host_loop(tparams, dparams, st: SpecState, out, key, accept_probs, sc, n_pr
       break
     kd, ka = _split_jit(key, i)
     # live rows only: a finished row writes past its kept tokens, in range
-    kvc.check_capacity(np.asarray(st.n)[~done] - 1, sc.gamma + 1, st.tcache.capacity)
+    kvc.check_capacity(np.asarray(st.n)[~done] - 1, sc.block, st.tcache.capacity)
     live = jnp.asarray(~done)
     t0 = time.perf_counter()
     d, dcache, tcache = block(draft_jit(dparams, st.dcache, st.tcache, st.tail, st.n, live, kd,
@@ -370,26 +416,31 @@ def generate(target: steps.Runner, draft: steps.Runner | None, prompts, n_predic
              rule: AcceptRule | str = "real", seed: int = 0,
              eos_id: int | None = None, loop: str = "device", p_min: float = 0.0,
              ctx_size: int | None = None, capacity: int | None = None,
-             keep_state: bool = False, drafter: Drafter | str = "model") -> SpecResult:
+             keep_state: bool = False, drafter: Drafter | str = "model",
+             tree: Tree | None = None, siblings: str = "topk") -> SpecResult:
   """Speculative generation of n_predict tokens after each prompt.
 
   `drafter` (a spec, see specjax.drafters.base.parse, or a Drafter) proposes the
   drafts; `draft` is the draft model of the `model` drafter (None for the
-  others). `keep_state` returns the final caches in `SpecResult.state`
-  (tests read them); otherwise they are freed.
+  others). `tree` (specjax.model.tree) drafts and verifies a static token
+  tree instead of a chain (gamma is then its depth; `siblings`: the draft's
+  top-k or i.i.d. draws from q). `keep_state` returns the final caches in
+  `SpecResult.state` (tests read them); otherwise they are freed.
   """
   if loop not in ("device", "host"):
     raise ConfigError(f"loop must be 'device' or 'host', got {loop!r}")
   drafter = registry.parse(drafter)
+  gamma = gamma if tree is None else tree.max_depth
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
   rule = rule.resolve(gamma)
   sc = SpecConfig(target.cfg, draft.cfg if draft is not None else None, gamma, sp,
-                  rule.simulated, p_min, drafter)
+                  rule.simulated, p_min, drafter, tree, siblings)
   dparams = drafter.draft_params(target.params, draft)
-  accept_probs = jnp.asarray(acceptance.position_probs(rule, gamma))
+  accept_probs = jnp.asarray(acceptance.position_probs(rule, gamma) if tree is None
+                             else tree_step.accept_probs(rule, tree))
   eos = generation.NO_EOS if eos_id is None else int(eos_id)
   p_len = max(len(p) for p in prompts)
-  cap = generation.plan_capacity(target.cfg, p_len, n_predict, extra=gamma,
+  cap = generation.plan_capacity(target.cfg, p_len, n_predict, extra=sc.block - 1,
                                  ctx_size=ctx_size, capacity=capacity)
   key = jax.random.PRNGKey(seed)
   with CompileWatch() as cw:

@@ -67,6 +67,7 @@ from flax import struct
 from specjax.model import kv_cache as kvc
 from specjax.model import steps
 from specjax.model.config import ModelConfig
+from specjax.errors import ConfigError
 
 
 @struct.dataclass
@@ -76,6 +77,20 @@ class Drafted:
   q: jax.Array          # [B, gamma, V] draft distributions ([B, gamma, 0] unless needs_q)
   n_drafted: jax.Array  # [B] tokens really drafted (< gamma after an early stop or no match)
   caught_up: jax.Array  # [B] bool: the row's d_gamma of the last step was fed first
+
+
+@struct.dataclass
+class DraftedTree:
+  """What the draft phase proposes for a token tree (sc.tree, static)."""
+  tokens: jax.Array     # [B, N] the nodes' tokens, BFS order (block index = node + 1)
+  q: jax.Array          # [B, 1+N, V] q[:, j]: what block j's children were drawn from
+                        # ([B, 1+N, 0] unless needs_q)
+  caught_up: jax.Array  # [B] bool: the last step's deepest accepted node was fed first
+
+  @property
+  def n_drafted(self) -> jax.Array:
+    """[B] nodes drafted: every node of the tree."""
+    return jnp.full(self.tokens.shape[:1], self.tokens.shape[1], jnp.int32)
 
 
 @struct.dataclass
@@ -91,6 +106,8 @@ class Committed:
   d_len: jax.Array     # [B] a gamma-step draft cache's length after the step (catch-up rule)
   features: Any = None  # [B, gamma+1, E] target hidden states at [last, d_1..d_gamma]
                         # (needs_features), else None
+  path: Any = None      # a token tree's step: [B, D] block indices of the accepted
+                        # nodes (emitted follows them), else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +144,19 @@ class Drafter:
   def commit(self, dstate, c: Committed):
     raise NotImplementedError
 
+  def propose_tree(self, dparams, dstate, tcache: kvc.KVCache, tail, n, live, key, sc):
+    """propose for a token tree (sc.tree): (DraftedTree, dstate, tcache)."""
+    raise ConfigError(f"drafter {self.spec} cannot draft a token tree (--tree); "
+                      f"use --tree=chain")
+
 
 def rollback_draft_cache(dcache: kvc.KVCache, c: Committed) -> kvc.KVCache:
-  """A gamma-step draft cache after commit: d_len, cut to what was kept."""
-  return kvc.rollback(dcache, jnp.minimum(c.d_len, c.n - 1))
+  """A gamma-step draft cache after commit: d_len, cut to what was kept.
+
+  A token tree's draft cache (lengths n_prev - 1, its block in scratch
+  slots) keeps the accepted path's nodes it fed: commit_path moves them
+  into place, up to the same length."""
+  length = jnp.minimum(c.d_len, c.n - 1)
+  if c.path is None:
+    return kvc.rollback(dcache, length)
+  return kvc.commit_path(dcache, c.path, length - c.n_prev)

@@ -10,9 +10,10 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.model import sampling
-from specjax.drafters.base import Drafted, Drafter, rollback_draft_cache
+from specjax.drafters.base import Drafted, DraftedTree, Drafter, rollback_draft_cache
 from specjax.errors import ConfigError
 from specjax.model import kv_cache as kvc
 from specjax.model import llama
@@ -52,6 +53,49 @@ def draft_phase(dparams, dcache, tail, n, live, key, sc):
                  n_drafted=jnp.sum(active, 0).astype(jnp.int32), caught_up=behind), dcache
 
 
+def draft_tree_phase(dparams, dcache, tail, n, live, key, sc):
+  """Drafts sc.tree (a static token tree) per row from the draft model, one
+  forward per level over all of that level's nodes: the `model` and
+  `layerskip` drafters' tree proposal.
+
+  The draft writes its tree block where the target's verify will: block
+  index j (0 = the tail) at slot n - 1 + j, each level attending to the
+  cached slots < n - 1 and its ancestors in the block (a tree mask
+  [level, block so far]). Each node's children are its top-k by the draft's
+  logits (sc.siblings 'topk': ranks follow the draft's order) or i.i.d.
+  draws from its q ('stochastic'). The deepest level is never fed, as a
+  chain's d_gamma is not. Returns (DraftedTree, dcache with lengths n - 1:
+  the block in scratch slots, for kv_cache.commit_path)."""
+  cfg, sp, tree = sc.draft, sc.sp, sc.tree
+  behind = live & (dcache.lengths < n - 1)  # the last step's deepest node was accepted
+
+  def catch_up(c):  # feed it first, as a chain feeds d_gamma
+    c = kvc.rollback(c, n - 2)
+    return llama.forward(dparams, tail[:, :1], c, cfg)[1]
+
+  dcache = jax.lax.cond(jnp.any(behind), catch_up, lambda c: c, dcache)
+  base = dcache.lengths  # n - 1 for live rows
+  mask, depths, kids = tree.mask(), tree.block_depths(), tree.child_table()  # static numpy
+  b, t = tail.shape[0], tree.block_size
+  block = jnp.zeros((b, t), jnp.int32).at[:, 0].set(tail[:, 1])
+  q_all = jnp.zeros((b, t, cfg.padded_vocab if sc.needs_q else 0), jnp.float32)
+  for d, k in enumerate(jax.random.split(key, tree.max_depth)):
+    lo, hi = int(np.argmax(depths == d)), int(np.nonzero(depths == d)[0][-1]) + 1
+    logits, dcache = llama.forward(dparams, block[:, lo:hi], kvc.rollback(dcache, base + lo),
+                                   cfg, tree_mask=mask[lo:hi, :hi])
+    q = sampling.probs(logits, sp)  # [B, w, V]
+    if sc.needs_q:
+      q_all = q_all.at[:, lo:hi].set(q)
+    parent, rank = np.nonzero(kids[lo:hi] >= 0)  # this level's children, by parent and rank
+    if sc.siblings == "topk" or sp.greedy:
+      cand = jax.lax.top_k(logits, tree.width)[1]  # [B, w, width]
+    else:
+      cand = jax.random.categorical(k, jnp.log(q)[:, :, None], axis=-1,
+                                    shape=(b, hi - lo, tree.width))
+    block = block.at[:, kids[lo:hi][parent, rank]].set(cand[:, parent, rank].astype(jnp.int32))
+  return DraftedTree(tokens=block[:, 1:], q=q_all, caught_up=behind), kvc.rollback(dcache, base)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(Drafter):
   """The draft model: its own KV cache, gamma T=1 steps in a lax.scan."""
@@ -79,6 +123,10 @@ class ModelDrafter(Drafter):
 
   def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
     d, dcache = draft_phase(dparams, dstate, tail, n, live, key, sc)
+    return d, dcache, tcache
+
+  def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
+    d, dcache = draft_tree_phase(dparams, dstate, tail, n, live, key, sc)
     return d, dcache, tcache
 
   def commit(self, dstate, c):
@@ -150,6 +198,16 @@ class LayerSkipDrafter(Drafter):
     d, shared = draft_phase(dparams, shared, tail, n, live, key, sc)
     # The slots the draft wrote (n-1 .. n-2+gamma) are rewritten by the
     # verify, which starts at the target's unchanged lengths.
+    return d, dstate, tcache.replace(k=shared.k + tcache.k[k:], v=shared.v + tcache.v[k:])
+
+  def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
+    if not self.prefix:
+      d, dcache = draft_tree_phase(dparams, dstate, tail, n, live, key, sc)
+      return d, dcache, tcache
+    k = len(self.layers)
+    shared = kvc.KVCache(k=tcache.k[:k], v=tcache.v[:k], lengths=tcache.lengths)
+    d, shared = draft_tree_phase(dparams, shared, tail, n, live, key, sc)
+    # the verify rewrites the whole block the draft wrote, at the same slots
     return d, dstate, tcache.replace(k=shared.k + tcache.k[k:], v=shared.v + tcache.v[k:])
 
   def commit(self, dstate, c):

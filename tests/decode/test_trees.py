@@ -1,0 +1,228 @@
+"""Token trees in the speculative loop (--tree): greedy tree speculation
+equals greedy target-only output for the LLaMA drafters, a chain-shaped tree
+is the chain step for step, a tree holding the chain's path accepts at least
+as much, the caches after a run equal a full forward over the output, and
+sampled tree speculation follows the target's law (chi-square, as in
+test_lossless.py). MUTATIONS are deliberate bugs, each failing a check."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decode import generation
+from specjax.decode import speculative
+from specjax.decode import tree_step
+from specjax.drafters import base as drafters_base
+from specjax.model import config
+from specjax.model import kv_cache as kvc
+from specjax.model import layers
+from specjax.model import llama as model
+from specjax.model import steps
+from specjax.model import tree as trees
+from specjax.model.sampling import SamplingParams
+
+from lawcheck import PROMPTS, V, chi2_pvalue, exact_laws, perturbed, pair  # noqa: F401
+
+N_PREDICT = 20
+RAGGED = [[5, 9, 3, 7, 1], [2, 8], [11, 4, 6, 250, 33, 17, 90, 3, 3], [42]]
+MEDUSA = trees.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
+TREES = {"kary:2,2": trees.kary(2, 2), "medusa-8": MEDUSA}
+DRAFTERS = ("model", "layerskip:1", "layerskip:1-1")
+
+
+@pytest.fixture(scope="module")
+def runners():
+  cfg = config.get_preset("tiny")
+  target = steps.Runner(cfg, model.init_params(cfg, seed=3))
+  draft = perturbed(target, 0.3, 4)  # agrees often: deep paths are accepted
+  base = generation.generate(target, RAGGED, N_PREDICT)
+  return target, draft, base.tokens
+
+
+def run(runners, tree, drafter="model", loop="device", **kw):
+  target, draft, _ = runners
+  return speculative.generate(target, draft if drafter == "model" else None, RAGGED, N_PREDICT,
+                              gamma=3, tree=tree, drafter=drafter, loop=loop, **kw)
+
+
+def greedy_mismatches(runners, tree, drafter="model", loop="device") -> list[int]:
+  """Rows whose greedy tree-speculative tokens differ from target-only's."""
+  got = run(runners, tree, drafter, loop).tokens
+  return [b for b, (g, w) in enumerate(zip(got, runners[2])) if g != w]
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("name", list(TREES))
+def test_greedy_tree_speculation_equals_target_only(runners, name, drafter):
+  assert greedy_mismatches(runners, TREES[name], drafter) == []
+
+
+def test_host_loop_equals_device_loop(runners):
+  dev, host = run(runners, MEDUSA), run(runners, MEDUSA, loop="host")
+  assert dev.tokens == host.tokens == runners[2]
+  np.testing.assert_array_equal(dev.records.n_acc, host.records.n_acc)
+
+
+def test_chain_shaped_tree_is_the_chain(runners):
+  target, draft, want = runners
+  chain = speculative.generate(target, draft, RAGGED, N_PREDICT, gamma=3)
+  tree = run(runners, trees.chain(3))
+  assert chain.tokens == tree.tokens == want
+  np.testing.assert_array_equal(chain.records.n_acc, tree.records.n_acc)
+  assert chain.stats.n_steps == tree.stats.n_steps
+
+
+def first_step_accepts(target, draft, prompts, **kw) -> np.ndarray:
+  res = speculative.generate(target, draft, prompts, 6, gamma=3, **kw)
+  return res.records.at_step(0)
+
+
+def test_tree_holding_the_chain_accepts_at_least_as_much(runners):
+  """The rank-0 path of a top-k tree is the greedy chain's draft: from the
+  same state, the tree accepts at least the chain's tokens, row by row."""
+  target, draft, _ = runners
+  prompts = [list(np.random.RandomState(i).randint(0, 256, 6)) for i in range(12)]
+  chain = first_step_accepts(target, draft, prompts)
+  tree = first_step_accepts(target, draft, prompts, tree=trees.kary(3, 3))
+  assert (tree >= chain).all(), (tree, chain)
+  assert (tree > chain).any(), "no row where the siblings helped: the check is empty"
+
+
+def cache_mismatches(runners, tree, drafter="model") -> list[str]:
+  """The target's (and a draft model's) cache after a run against a full
+  forward over prompt + output minus its last token."""
+  target, draft, _ = runners
+  res = run(runners, tree, drafter, keep_state=True)
+  bad = []
+  caches = [("target", target, res.state.tcache)]
+  if drafter == "model":
+    caches.append(("draft", draft, res.state.dcache))
+  seqs = [p + out[:-1] for p, out in zip(RAGGED, res.tokens)]
+  toks = np.zeros((len(seqs), max(map(len, seqs))), np.int32)  # causal: padding unseen
+  for b, seq in enumerate(seqs):
+    toks[b, :len(seq)] = seq
+  for name, m, cache in caches:
+    full = model.forward(m.params, jnp.asarray(toks), m.new_cache(len(seqs), toks.shape[1]),
+                         m.cfg)[1]
+    for b, seq in enumerate(seqs):
+      n = int(cache.lengths[b])
+      if n != len(seq) and (name == "target" or n != len(seq) - 1):  # a draft may lag by one
+        bad.append(f"{name} row {b}: length {n}, want {len(seq)}")
+        continue
+      for layer in range(m.cfg.n_layers):
+        err = float(jnp.max(jnp.abs(cache.k[layer][b, :, :n] - full.k[layer][b, :, :n])))
+        if not err <= 1e-4:
+          bad.append(f"{name} row {b} layer {layer}: {err:.2g}")
+  return bad
+
+
+def test_caches_after_a_run_equal_a_full_forward(runners):
+  assert cache_mismatches(runners, MEDUSA) == []
+
+
+# ------------------------------------------------------------ exactness
+
+TREE_SAMPLINGS = {"T1": SamplingParams(1.0), "top_p0.8": SamplingParams(1.0, top_p=0.8)}
+ROWS = 1500
+EXACT_TREE = trees.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])  # width 2, depth 2
+
+
+def output_pvalues(pair_, sp, siblings, tree=EXACT_TREE, seed=0) -> dict[str, float]:
+  """Pair laws of the first depth + 3 tokens against the target's own."""
+  target, draft = pair_
+  w = tree.max_depth + 3
+  prompts = [p for p in PROMPTS for _ in range(ROWS)]
+  res = speculative.generate(target, draft, prompts, w, gamma=1, sp=sp, seed=seed, tree=tree,
+                             siblings=siblings)
+  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(PROMPTS)), ROWS)
+  out = {}
+  for i, prompt in enumerate(PROMPTS):
+    laws = exact_laws(target, draft, prompt, sp, w - 3)
+    t = tokens[which == i]
+    for j, law in enumerate(laws.pairs):
+      counts = np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V)
+      out[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(counts, law)
+  return out
+
+
+def adjusted(ps: dict[str, float]) -> float:
+  return min(1.0, min(ps.values()) * len(ps))
+
+
+@pytest.mark.parametrize("siblings", ["topk", "stochastic"])
+@pytest.mark.parametrize("name", list(TREE_SAMPLINGS))
+def test_sampled_tree_speculation_follows_the_target(pair, name, siblings):
+  ps = output_pvalues(pair, TREE_SAMPLINGS[name], siblings)
+  assert adjusted(ps) > 1e-4, {k: v for k, v in ps.items() if v * len(ps) <= 1e-4}
+
+
+# ------------------------------------------------------------ deliberate bugs
+
+
+def _siblings_visible(orig):
+  def verify_phase(tparams, tcache, tail, tokens, sc):  # a causal mask over the block
+    import dataclasses
+    t = sc.tree.block_size
+    chainish = dataclasses.replace(sc, tree=_Masked(sc.tree, np.tril(np.ones((t, t), bool))))
+    return orig(tparams, tcache, tail, tokens, chainish)
+  return verify_phase
+
+
+class _Masked:
+  """A tree whose mask() is replaced (everything else delegated)."""
+  def __init__(self, tree, mask):
+    self._tree, self._mask = tree, mask
+
+  def mask(self):
+    return self._mask
+
+  def __getattr__(self, name):
+    return getattr(self._tree, name)
+
+
+def _commit_wrong_path(orig):
+  def commit_path(cache, path, n_accepted):  # the path's last node moved one sibling over
+    return orig(cache, jnp.where(path > 0, path + 1, path), n_accepted)
+  return commit_path
+
+
+def _draft_commit_skipped(orig):
+  def rollback_draft_cache(dcache, c):  # the draft keeps its scratch where it lies
+    return orig(dcache, c.replace(path=None))
+  return rollback_draft_cache
+
+
+def _no_residual_between_siblings(orig):
+  def residual(r, law):
+    return r
+  return residual
+
+
+MUTATIONS = {
+    "siblings see each other in the verify": (
+        tree_step, "verify_phase", _siblings_visible,
+        lambda r, p: greedy_mismatches(r, MEDUSA)),
+    "the commit moves the wrong path": (
+        kvc, "commit_path", _commit_wrong_path, lambda r, p: cache_mismatches(r, MEDUSA)),
+    "the draft cache's path not moved into place": (
+        drafters_base, "rollback_draft_cache", _draft_commit_skipped,
+        lambda r, p: cache_mismatches(r, MEDUSA)),
+}
+
+
+@pytest.mark.parametrize("bug", list(MUTATIONS))
+def test_each_deliberate_bug_fails(runners, pair, monkeypatch, bug):
+  module, name, make, check = MUTATIONS[bug]
+  jax.clear_caches()
+  monkeypatch.setattr(module, name, make(getattr(module, name)))
+  if name == "rollback_draft_cache":  # imported by name into the drafter's module
+    from specjax.drafters import draft_model
+    monkeypatch.setattr(draft_model, name, getattr(module, name))
+  try:
+    bad = check(runners, pair)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  print(f"MUTATION | {bug} | {bad[:3]}")
+  assert bad, f"{bug}: not caught"
