@@ -57,6 +57,7 @@ from specjax.metrics import divergence
 from specjax.metrics import schema
 from specjax.decode import speculative
 from specjax.model import steps
+from specjax.model import tree as trees
 from specjax.formats import tokenizer
 from specjax import workdir as wd
 from specjax.errors import ConfigError
@@ -90,6 +91,11 @@ _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions; target-only and spec
 _IGNORE_EOS = flags.DEFINE_bool("ignore_eos", True, "Do not stop at end-of-sequence (fixed-length runs).")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "Write statistics, timings and every row's "
                                 "prompt ids, tokens and baseline tokens as one JSON object.")
+_TREE = flags.DEFINE_string(
+    "tree", "chain", "Draft shape: chain (depth --gamma), a JSON list of rank paths "
+    "'[[0],[1],[0,0]]' or a .json file of one, kary:K,D, sequoia:N,D[:p1,..] (model.tree.parse)")
+_SIBLINGS = flags.DEFINE_enum("siblings", "topk", ["topk", "stochastic"],
+                              "A tree's siblings: the draft's top-k, or i.i.d. draws from q.")
 _AUTO_SET = flags.DEFINE_string("auto_set", "1,2,4,8", "The gammas --gamma=auto chooses from.")
 _AUTO_CALIBRATE = flags.DEFINE_bool(
     "auto_calibrate", True, "--gamma=auto: time each gamma's loop step after the warm-up "
@@ -135,6 +141,14 @@ def main(argv):
     rule.resolve(g)
   rule = rule if auto else rule.resolve(gamma)
   drafter = _drafter()
+  tree = None if auto else trees.parse(_TREE.value, gamma)
+  if tree is not None and not isinstance(tree, trees.Tree):
+    raise ConfigError(f"--tree={_TREE.value} is not supported by the loop yet: use chain, a "
+                      "static tree (a JSON list, kary:K,D or sequoia:N,D)")
+  tree = None if tree is not None and tree.is_chain and tree.max_depth == gamma else tree
+  gamma = tree.max_depth if tree is not None else gamma
+  if tree is not None:
+    rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
   draft = None
   if drafter.needs_draft_model:
@@ -152,7 +166,8 @@ def main(argv):
   target = steps.Runner(tcfg, tparams)
   # One capacity for both sides: attention cost grows with it.
   depth = max(len(p) for p in prompts)
-  capacity = generation.plan_capacity(tcfg, depth, _N_PREDICT.value, extra=gamma,
+  extra = gamma if tree is None else tree.n
+  capacity = generation.plan_capacity(tcfg, depth, _N_PREDICT.value, extra=extra,
                                       ctx_size=_CTX.value)
   kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)
   if auto:
@@ -167,7 +182,8 @@ def main(argv):
   else:
     spec = lambda: speculative.generate(target, draft, prompts, _N_PREDICT.value, gamma,
                                         sp=sp, rule=rule, p_min=_P_MIN.value, loop=_LOOP.value,
-                                        drafter=drafter, **kw)
+                                        drafter=drafter, tree=tree, siblings=_SIBLINGS.value,
+                                        **kw)
     compile_s = spec().compile_s
   base = lambda: generation.generate(target, prompts, _N_PREDICT.value, sp, loop=_LOOP.value,
                                      **kw)
