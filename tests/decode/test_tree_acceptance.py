@@ -35,6 +35,7 @@ from lawcheck import ALPHA, chi2_pvalue, mutant
 from specjax.decode import acceptance
 from specjax.decode import tree_acceptance as ta
 from specjax.errors import ConfigError
+from specjax.metrics import tree_theory
 from specjax.model import sampling
 from specjax.model.sampling import SamplingParams
 
@@ -43,6 +44,7 @@ V = 6
 #   root -> n0 (-> n3 (-> n6), n4), n1 (-> n5), n2
 TREE = np.array([-1, -1, -1, 0, 0, 1, 3], np.int32)
 DEPTH, KIDS = 3, 3
+PATHS = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))  # TREE as rank paths
 CHAIN = np.array([-1, 0, 1], np.int32)          # TREE's rank-0 path: n0, n3, n6
 CHAIN_BLOCKS = np.array([0, 1, 4, 7])           # their block indices (root first)
 W = 3            # the tested window t0 t1 t2
@@ -296,6 +298,7 @@ def test_nodes_not_drafted_are_never_accepted():
 
 def test_tree_shape_and_bad_trees():
   assert ta.tree_shape(TREE) == (DEPTH, KIDS)
+  assert tree_theory.paths_from_parents(TREE, [0, 1, 2, 0, 1, 0, 0]) == PATHS
   assert ta.tree_shape(np.stack([TREE, np.arange(-1, 6)])) == (7, 3)
   table = ta.children_table(jnp.asarray(TREE)[None], KIDS)
   assert table[0].tolist() == [[1, 2, 3], [4, 5, -1], [6, -1, -1], [-1, -1, -1],
@@ -439,7 +442,8 @@ def tree_rule_law(table: np.ndarray) -> np.ndarray:
 
 def check_simulated_tree_laws():
   """The law of the last accepted node on TREE under simulated rules, against
-  the enumeration of the documented tables (siblings:P repeats its last value)."""
+  the enumeration of the documented tables (siblings:P repeats its last value),
+  and the law of the accepted count against metrics/tree_theory's."""
   tables = {spec: ta.accept_table(acceptance.parse_rule(spec), DEPTH, KIDS)
             for spec in ("siblings:0.5", "siblings:0.6,0.3", "siblings:0.4,0", "fraction:0.6")}
   np.testing.assert_allclose(tables["siblings:0.5"], np.full((DEPTH, KIDS), 0.5))
@@ -453,6 +457,9 @@ def check_simulated_tree_laws():
                       simulated=True, accept_p=table)
     last = np.where(v.n_accepted > 0, v.path[np.arange(b), np.maximum(v.n_accepted - 1, 0)], 0)
     ps[spec] = chi2_pvalue(np.bincount(last, minlength=len(TREE) + 1), tree_rule_law(table))
+    if spec.startswith("siblings"):  # the theory's law of the count, given the full-width vector
+      pmf = tree_theory.accept_pmf(PATHS, table[0])
+      ps[f"{spec} count"] = chi2_pvalue(np.bincount(v.n_accepted, minlength=DEPTH + 1), pmf)
   assert min(ps.values()) * len(ps) > ALPHA, ps
 
 
