@@ -137,6 +137,7 @@ class Judged:
   t_len: jax.Array    # [B] target cache length to roll back to
   d_len: jax.Array    # [B] a gamma-step draft cache's length to roll back to
   path: Any = None    # a tree's step: [B, D] the accepted nodes' block indices
+  draft_path: Any = None  # ... and their slots in the draft's scratch layout
 
 
 def verify_phase(tparams, tcache, tail, drafts, sc: SpecConfig):
@@ -200,10 +201,14 @@ def _accept_tree(key, accept_probs, p, drafted, tail, n, live, sc: SpecConfig) -
                              v.n_accepted[:, None], 1)[:, 0]
   keep = lambda new, old: jnp.where(live, new, old)
   new_n = n + v.n_accepted + 1
+  # The draft fed the root and every accepted node but perhaps the last (a
+  # static tree's deepest level, a dynamic tree's node outside its frontier).
+  dpath = tree_step.draft_path(drafted, v.path, sc)
+  n_fed = jnp.sum(dpath >= 0, -1)
   return Judged(n_acc=v.n_accepted, emitted=emitted,
                 tail=jnp.where(live[:, None], jnp.stack([prev, last], 1), tail),
                 n=keep(new_n, n), t_len=keep(new_n - 1, n - 1),
-                d_len=keep(jnp.minimum(new_n - 1, n - 1 + sc.gamma), n - 1), path=v.path)
+                d_len=keep(n + n_fed, n - 1), path=v.path, draft_path=dpath)
 
 
 def keep_tokens(out, count, done, j: Judged, eos_id: int, n_predict: int):
@@ -243,7 +248,7 @@ def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter = MODEL
     features = None if features is None else tree_step.path_features(features, j.path)
   c = Committed(n_prev=n_prev, n=n, n_acc=j.n_acc, emitted=j.emitted,
                 kept=jnp.where(live, kept, 0), live=live, d_len=j.d_len, features=features,
-                path=j.path)
+                path=j.path, draft_path=j.draft_path)
   # [last, e_1 .. e_{gamma+1}]: the kept tail is (ext[kept - 1], ext[kept])
   ext = jnp.concatenate([tail[:, 1:], j.emitted], 1)
   at = lambda i: jnp.take_along_axis(ext, jnp.maximum(i, 0)[:, None], 1)[:, 0]
@@ -253,13 +258,19 @@ def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter = MODEL
                    tail=jnp.where((dropped > 0)[:, None], cut_tail, j.tail), n=n)
 
 
-REC_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up", "live")  # stats.Records + live
+# stats.Records + live + leaf (the block index of the last accepted node, 0: none; a
+# chain's n_acc): a static tree's accepted path, hence its per-rank tries and
+# accepts (tree_theory.rank_counts), for --tree=auto's estimate of p
+REC_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up", "live", "leaf")
 
 
 def _record_row(j: Judged, d: Drafted, kept, live) -> dict[str, jax.Array]:
   """One step's per-row record (see stats.Records)."""
+  leaf = j.n_acc if j.path is None else jnp.take_along_axis(
+      jnp.concatenate([jnp.zeros_like(j.path[:, :1]), j.path], 1), j.n_acc[:, None], 1)[:, 0]
   return {"n_acc": j.n_acc, "n_drafted": d.n_drafted, "kept": kept,
-          "caught_up": d.caught_up.astype(jnp.int32), "live": live.astype(jnp.int32)}
+          "caught_up": d.caught_up.astype(jnp.int32), "live": live.astype(jnp.int32),
+          "leaf": leaf.astype(jnp.int32)}
 
 
 @dataclasses.dataclass
@@ -277,7 +288,7 @@ def _steps(key, i, tparams, dparams, st: SpecState, done, accept_probs, sc):
   """The phases of step i, in order (shared by both loops through jit)."""
   kd, ka = jax.random.split(jax.random.fold_in(key, i))
   d, dcache, tcache = _propose(dparams, st.dcache, st.tcache, st.tail, st.n, ~done, kd, sc)
-  p, tcache, feats = _verify(tparams, tcache, st.tail, d.tokens, sc)
+  p, tcache, feats = _verify(tparams, tcache, st.tail, d.tokens if sc.tree is None else d, sc)
   j = accept_phase(ka, accept_probs, p, d, st.tail, st.n, ~done, sc)
   return d, dcache, tcache, j, feats
 
@@ -380,7 +391,8 @@ def _host_loop(tparams, dparams, st: SpecState, out, key, accept_probs, sc, n_pr
     d, dcache, tcache = block(draft_jit(dparams, st.dcache, st.tcache, st.tail, st.n, live, kd,
                                         sc=sc))
     t1 = time.perf_counter()
-    p, tcache, feats = block(verify_jit(tparams, tcache, st.tail, d.tokens, sc=sc))
+    p, tcache, feats = block(verify_jit(tparams, tcache, st.tail,
+                                        d.tokens if sc.tree is None else d, sc=sc))
     t2 = time.perf_counter()
     j = block(accept_jit(ka, accept_probs, p, d, st.tail, st.n, live, sc=sc))
     phase["draft_s"] += t1 - t0
