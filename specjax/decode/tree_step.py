@@ -37,12 +37,13 @@ def accept_probs(rule: AcceptRule, tree: Tree) -> np.ndarray:
   return tree_acceptance.accept_table(rule, tree.max_depth, tree.width)
 
 
-def verify_phase(tparams, tcache, tail, tokens, sc):
+def verify_phase(tparams, tcache, tail, d: DraftedTree, sc):
   """Target distributions p [B, 1+N, V] over the tree block, tcache with the
   block in scratch slots (lengths unchanged), and the target's hidden states
   [B, 1+N, E] for a drafter that `needs_features` (else None)."""
-  block = jnp.concatenate([tail[:, 1:], tokens], 1)  # [B, 1+N]
-  out = steps.tree_verify(tparams, block, sc.tree.mask(), tcache, sc.target,
+  block = jnp.concatenate([tail[:, 1:], d.tokens], 1)  # [B, 1+N]
+  mask = sc.tree.mask() if d.mask is None else d.mask
+  out = steps.tree_verify(tparams, block, mask, tcache, sc.target,
                           return_hidden=sc.drafter.needs_features)
   feats = out[2] if sc.drafter.needs_features else None
   return sampling.probs(out[0], sc.sp), out[1], feats
@@ -51,12 +52,27 @@ def verify_phase(tparams, tcache, tail, tokens, sc):
 def judge(key, accept_table, p, d: DraftedTree, sc) -> tree_acceptance.TreeVerdict:
   """The accepted path of each row's tree and the target's token after it."""
   tree = sc.tree
+  parents = np.asarray(tree.parents, np.int32) if d.parents is None else d.parents
+  top_k = sc.sp.greedy or sc.drafter.deterministic or d.parents is not None
   return tree_acceptance.judge_tree(
-      key, np.asarray(tree.parents, np.int32), d.tokens, p,
-      d.q if d.q.shape[-1] else None, greedy=sc.sp.greedy,
-      siblings="topk" if sc.sp.greedy else sc.siblings, simulated=sc.simulated,
+      key, parents, d.tokens, p, d.q if d.q.shape[-1] else None, greedy=sc.sp.greedy,
+      siblings="topk" if top_k else sc.siblings, simulated=sc.simulated,
       accept_p=accept_table if sc.simulated else None, max_depth=tree.max_depth,
-      max_children=tree.width)
+      max_children=tree.width, drafted=d.drafted)
+
+
+def draft_path(d: DraftedTree, path, sc):
+  """The accepted nodes' slots in the draft's scratch layout [B, D] (-1:
+  never fed): DraftedTree.fed, or a static tree's own block indices above
+  its deepest level (draft_model.draft_tree_phase's layout)."""
+  if d.fed is None:
+    depths = sc.tree.block_depths()
+    fed = jnp.asarray(np.where(depths < sc.tree.max_depth, np.arange(len(depths)), -1),
+                      jnp.int32)[None]
+    fed = jnp.broadcast_to(fed, (path.shape[0], fed.shape[1]))
+  else:
+    fed = d.fed
+  return jnp.where(path >= 0, jnp.take_along_axis(fed, jnp.maximum(path, 0), 1), -1)
 
 
 def emitted(block_tokens, verdict: tree_acceptance.TreeVerdict):

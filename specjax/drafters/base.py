@@ -81,11 +81,19 @@ class Drafted:
 
 @struct.dataclass
 class DraftedTree:
-  """What the draft phase proposes for a token tree (sc.tree, static)."""
+  """What the draft phase proposes for a token tree (sc.tree). A static
+  tree's topology is sc.tree's; a dynamic tree (model.tree.DynamicTree)
+  carries its own per row."""
   tokens: jax.Array     # [B, N] the nodes' tokens, BFS order (block index = node + 1)
   q: jax.Array          # [B, 1+N, V] q[:, j]: what block j's children were drawn from
                         # ([B, 1+N, 0] unless needs_q)
   caught_up: jax.Array  # [B] bool: the last step's deepest accepted node was fed first
+  parents: Any = None   # [B, N] per-row parents (-1: the root), None: sc.tree's
+  mask: Any = None      # [B, 1+N, 1+N] per-row tree mask, None: sc.tree.mask()
+  fed: Any = None       # [B, 1+N] each block's slot in the draft's own scratch layout
+                        # (-1: never fed), None: the block's own index where its depth
+                        # is below the tree's (the layout of draft_model.draft_tree_phase)
+  drafted: Any = None   # [B, N] bool: nodes really drafted (others never tried), None: all
 
   @property
   def n_drafted(self) -> jax.Array:
@@ -108,6 +116,8 @@ class Committed:
                         # (needs_features), else None
   path: Any = None      # a token tree's step: [B, D] block indices of the accepted
                         # nodes (emitted follows them), else None
+  draft_path: Any = None  # the same nodes' slots in the draft's scratch layout
+                          # (DraftedTree.fed; -1: never fed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,4 +169,4 @@ def rollback_draft_cache(dcache: kvc.KVCache, c: Committed) -> kvc.KVCache:
   length = jnp.minimum(c.d_len, c.n - 1)
   if c.path is None:
     return kvc.rollback(dcache, length)
-  return kvc.commit_path(dcache, c.path, length - c.n_prev)
+  return kvc.commit_path(dcache, c.draft_path, length - c.n_prev)

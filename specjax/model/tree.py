@@ -227,6 +227,16 @@ class DynamicTree:
     return 1 + self.n_nodes
 
   @property
+  def width(self) -> int:
+    """Most children of one node (the acceptance's sibling bound)."""
+    return self.k
+
+  @property
+  def n_fed(self) -> int:
+    """Tokens the draft feeds: the root, then the top k of each level but the last."""
+    return 1 + (self.depth - 1) * self.k
+
+  @property
   def n_candidates(self) -> int:
     return self.k + (self.depth - 1) * self.k * self.k
 
