@@ -91,8 +91,10 @@ seconds = time.perf_counter() - t0
 peak = (status("VmHWM") if how == "VmHWM"
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-print(json.dumps({"precision": cfg.precision, "param_bytes": nbytes, "peak": peak - before,
-                  "after": status("VmRSS") - before, "seconds": seconds, "how": how}))
+import specjax
+print(json.dumps({"src": specjax.__file__, "precision": cfg.precision, "param_bytes": nbytes,
+                  "peak": peak - before, "after": status("VmRSS") - before,
+                  "seconds": seconds, "how": how}))
 """
 
 
@@ -152,8 +154,10 @@ def measure_load(path: str, dtype: str) -> dict:
   """One load of `path` at `dtype` in a fresh interpreter (_MEASURE)."""
   src = _SRC.value or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=src, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", ""))
-  proc = subprocess.run([sys.executable, "-c", _MEASURE, path, dtype], env=env,
-                        capture_output=True, text=True, timeout=1800, check=False)
+  # cwd=src: `python -c` puts the working directory first on sys.path.
+  proc = subprocess.run([sys.executable, "-c", _MEASURE, os.path.abspath(path), dtype],
+                        env=env, cwd=src, capture_output=True, text=True, timeout=1800,
+                        check=False)
   if proc.returncode:
     return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
   return json.loads(proc.stdout.strip().splitlines()[-1])
