@@ -197,12 +197,19 @@ def default_mismatches(files, monkeypatch) -> list[str]:
       bad.append(f"{kind}: {cfg.precision} {sorted(dtypes)}")
     if len(said) != 1 or not said[0].startswith(f"{files[kind]}: {kind} weights -> {want} ("):
       bad.append(f"{kind}: logged {said}")
+  lines = []  # an HF directory: its torch_dtype, logged by hf.load_hf
+  monkeypatch.setattr(hf.logging, "info", lambda fmt, *a: lines.append(fmt % a))
+  cfg, _, _ = checkpoint.load_model(str(files["hf-bf16"]))
+  if cfg.precision != "bfloat16" or lines != [
+      f"{files['hf-bf16']}: bfloat16 weights (torch_dtype) -> bfloat16 (pass --dtype to choose)"]:
+    bad.append(f"hf-bf16: {cfg.precision}, logged {lines}")
   return bad
 
 
 def test_default_precision_follows_the_file(files, monkeypatch):
   """F32 and F16 load as float32 (exact; F16 to bf16 would drop 3 mantissa
-  bits), BF16 and quantized files as bfloat16, and the log says which."""
+  bits), BF16 and quantized files as bfloat16, an HF directory in its
+  torch_dtype, and the log says which."""
   assert default_mismatches(files, monkeypatch) == []
 
 
