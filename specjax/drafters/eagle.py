@@ -114,13 +114,13 @@ class EagleHead(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, feats, embeds, positions, k_cache, v_cache, lengths):
+  def __call__(self, feats, embeds, positions, k_cache, v_cache, lengths, tree_mask=None):
     # feats, embeds [B, T, E]; positions [B, T]; k_cache, v_cache [B, K, S, D]
     cfg = self.cfg
     x = jnp.concatenate([embeds.astype(cfg.jnp_dtype), feats.astype(cfg.jnp_dtype)], -1)
     x = nn.Dense(cfg.dim, use_bias=True, dtype=cfg.jnp_dtype,
                  param_dtype=cfg.jnp_param_dtype, kernel_init=weight_init, name="fc")(x)
-    return Block(cfg, name="block")(x, positions, k_cache, v_cache, lengths)
+    return Block(cfg, name="block")(x, positions, k_cache, v_cache, lengths, tree_mask)
 
 
 def _init_head(hcfg: ModelConfig, key):
@@ -144,13 +144,22 @@ def new_cache(hcfg: ModelConfig, batch: int, capacity: int) -> kvc.KVCache:
 
 
 def head_forward(hparams, tparams, feats, tokens, hcache: kvc.KVCache, hcfg: ModelConfig,
-                 tcfg: ModelConfig):
+                 tcfg: ModelConfig, tree_mask=None):
   """T pairs (feats [B, T, E], tokens [B, T]) at hcache.lengths ->
-  (predicted next features [B, T, E], hcache with lengths + T)."""
-  positions = hcache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+  (predicted next features [B, T, E], hcache with lengths + T).
+
+  tree_mask [T, W] (optional): the pairs are the last T of a W-wide token
+  tree block begun W - T slots back, as in llama.forward (each attends to
+  the slots before the block and to its ancestors-or-self in it, at
+  position block start + its depth there)."""
+  if tree_mask is None:
+    positions = hcache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+  else:
+    prior = jnp.shape(tree_mask)[-1] - tokens.shape[1]
+    positions = hcache.lengths[:, None] - prior + model_lib.tree_depths(tree_mask)
   embeds = model_lib.embed_tokens(tparams, tokens, tcfg)
   out, k, v = EagleHead(hcfg).apply({"params": hparams}, feats, embeds, positions,
-                                    hcache.k[0], hcache.v[0], hcache.lengths)
+                                    hcache.k[0], hcache.v[0], hcache.lengths, tree_mask)
   return out, kvc.KVCache(k=(k,), v=(v,), lengths=hcache.lengths + tokens.shape[1])
 
 
@@ -264,6 +273,56 @@ def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
                           caught_up=jnp.zeros((b,), bool)), hcache
 
 
+def draft_tree_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
+  """sc.tree (a static token tree) drafted by the head, one head forward per
+  level over all of that level's nodes (the module docstring's chain, on a
+  tree). Returns (DraftedTree, hcache of length n-1).
+
+  After the refresh (draft_phase's first part), the root's feature is
+  g_{n-2}. A node at depth d with token t is the pair (its parent's
+  feature, t) at head slot n - 2 + its block index and RoPE position
+  n - 2 + d (a chain's d_d), attending to pairs 0..n-2 and to its ancestors
+  (the tree mask without the root, whose pair the head cache holds); the
+  head's output there is the node's own feature, as a chain's predicted
+  features stand in for the target's. Each node's children are its top-k
+  by the head's logits (sc.siblings 'topk', or greedy) or i.i.d. draws from
+  its q ('stochastic'); the deepest level is never fed."""
+  hcfg, tcfg, sp, tree = sc.draft, sc.target, sc.sp, sc.tree
+  hcache = kvc.rollback(hcache, pending.start)
+  pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
+                              hcfg, tcfg)  # T = gamma+1
+  hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
+  idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
+  root = jnp.take_along_axis(pred, idx[:, None, None], 1)  # [B, 1, E]: g_{n-2}
+  mask, depths, kids = tree.mask(), tree.block_depths(), tree.child_table()  # static numpy
+  parents = tree.block_parents()
+  b, t = n.shape[0], tree.block_size
+  block = jnp.zeros((b, t), jnp.int32)
+  feats = jnp.zeros((b, t, root.shape[-1]), pred.dtype).at[:, :1].set(root)
+  q_all = jnp.zeros((b, t, tcfg.padded_vocab if sc.needs_q else 0), jnp.float32)
+  for d, k in enumerate(jax.random.split(key, tree.max_depth)):
+    lo, hi = int(np.argmax(depths == d)), int(np.nonzero(depths == d)[0][-1]) + 1
+    if d > 0:  # feed this level: block indices 1.. are head slots n-1..
+      par = parents[lo:hi]
+      g, hcache = head_forward(hparams, tparams, feats[:, par], block[:, lo:hi],
+                               kvc.rollback(hcache, n - 2 + lo), hcfg, tcfg,
+                               tree_mask=mask[lo:hi, 1:hi])
+      feats = feats.at[:, lo:hi].set(g)
+    logits = model_lib.head_logits(tparams, feats[:, lo:hi], tcfg)  # [B, w, V]
+    q = sampling.probs(logits, sp)
+    if sc.needs_q:
+      q_all = q_all.at[:, lo:hi].set(q)
+    parent, rank = np.nonzero(kids[lo:hi] >= 0)  # this level's children, by parent and rank
+    if sc.siblings == "topk" or sp.greedy:
+      cand = jax.lax.top_k(logits, tree.width)[1]  # [B, w, width]
+    else:
+      cand = jax.random.categorical(k, jnp.log(q)[:, :, None], axis=-1,
+                                    shape=(b, hi - lo, tree.width))
+    block = block.at[:, kids[lo:hi][parent, rank]].set(cand[:, parent, rank].astype(jnp.int32))
+  return drafters.DraftedTree(tokens=block[:, 1:], q=q_all,
+                              caught_up=jnp.zeros((b,), bool)), kvc.rollback(hcache, n - 1)
+
+
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "gamma"))
 def _prefill_head(hparams, tparams, hidden, tokens, lens, first, hcache, *, hcfg, tcfg,
                   gamma):
@@ -327,7 +386,15 @@ class EagleDrafter(drafters.Drafter):
                             dstate.pending, n, key, sc)
     return d, dstate.replace(hcache=hcache), tcache
 
+  def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
+    d, hcache = draft_tree_phase(dparams["target"], dparams["head"], dstate.hcache,
+                                 dstate.pending, n, key, sc)
+    return d, dstate.replace(hcache=hcache), tcache
+
   def commit(self, dstate, c):
+    # A token tree's step (c.path) is the chain of its accepted path: the
+    # verify's features along [root, path] (speculative.commit reorders
+    # them) with the path's tokens, from the same slot.
     # The next draft phase feeds the verified features with the kept tokens
     # from the old length's slot. A row that was not live keeps its pending
     # pairs: its state stays that of its output.

@@ -1,5 +1,7 @@
 """Prompt lookup (n-gram) drafting: no model, the continuation of the latest
-earlier match of the row's last n tokens, on device at fixed shapes."""
+earlier match of the row's last n tokens, on device at fixed shapes; for a
+token tree (sc.tree), the trie of the continuations of every match
+(`ngram_tree`)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Drafted, Drafter
+from specjax.drafters.base import Drafted, DraftedTree, Drafter
 
-
+CANDIDATES_PER_NODE = 2  # a tree of N nodes reads the best 2N continuations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,15 @@ class NgramDrafter(Drafter):
                    n_drafted=jnp.where(live, n_drafted, 0),
                    caught_up=jnp.zeros((b,), bool)), dstate, tcache
 
+  def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
+    tree = sc.tree
+    k = min(dstate.shape[1], CANDIDATES_PER_NODE * tree.n)
+    tokens, drafted = ngram_tree(dstate, n, tree, k, self.n_min, self.n_max)
+    b = n.shape[0]
+    return DraftedTree(tokens=tokens, q=jnp.zeros((b, tree.block_size, 0), jnp.float32),
+                       caught_up=jnp.zeros((b,), bool),
+                       drafted=drafted & live[:, None]), dstate, tcache
+
   def commit(self, dstate, c):
     # emitted lands at n_prev..; only the first `kept` lie inside the new
     # length n. A finished row is left alone (its write could run past the
@@ -88,3 +99,72 @@ def ngram_propose(hist, n, gamma: int, n_min: int, n_max: int):
   pos = jnp.arange(gamma)[None, :]
   tokens = jnp.take_along_axis(hist, jnp.clip(start[:, None] + pos, 0, s - 1), 1)
   return jnp.where(pos < n_drafted[:, None], tokens, 0).astype(jnp.int32), n_drafted
+
+
+def ngram_candidates(hist, n, k: int, n_min: int, n_max: int):
+  """The k best continuation starts [B, k] of a row's history hist[b, :n[b]],
+  best first, -1 where there are fewer.
+
+  A start s (s < n) continues a match of length L(s) = the number of
+  tokens before it that equal the row's last ones (hist[s-i] == hist[n-i],
+  i = 1..L, capped at n_max); it is a candidate when L(s) >= n_min, ranked
+  by L (longer first), then by s (later first): ngram_propose's order, whose
+  choice is the first candidate (a match of size m at j is the start j + m,
+  and every start matching at m matches at each smaller size too, so
+  ordering the starts by L lists each continuation once)."""
+  b, s = hist.shape
+  idx = jnp.arange(s)[None, :]                          # [1, S] continuation starts
+  run = jnp.zeros((b, s), jnp.int32)
+  still = jnp.ones((b, s), bool)
+  for i in range(1, n_max + 1):
+    key = jnp.take_along_axis(hist, jnp.clip(n - i, 0, s - 1)[:, None], 1)  # [B, 1]
+    before = jnp.pad(hist[:, :s - i], ((0, 0), (i, 0)), constant_values=-1)  # hist[s - i]
+    still = still & (before == key) & (idx >= i)
+    run = run + still
+  ok = (run >= n_min) & (idx < n[:, None])
+  score = jnp.where(ok, run * s + idx, -1)              # [B, S]
+  best = jax.lax.top_k(score, k)[0]                     # [B, k] descending
+  return jnp.where(best >= 0, best % s, -1).astype(jnp.int32)
+
+
+def ngram_tree(hist, n, tree, k: int, n_min: int, n_max: int):
+  """A static token tree from prompt lookup: (tokens [B, N] (0 where not
+  drafted), drafted [B, N] bool).
+
+  The k best continuations (ngram_candidates), each cut at the end of the
+  history and at the tree's depth, form a trie: a node stands for the
+  candidates whose first tokens are its path, and its rank-r child is the
+  r-th distinct next token among them, in candidate order. So rank 0
+  follows the best match, ngram_propose's chain, as far as it goes (past
+  the end of the history, the best candidate that agrees with it so far
+  continues it), and siblings are other matches' continuations, each token
+  once. A node with no such token is not drafted (nor its subtree)."""
+  b, s = hist.shape
+  depth = tree.max_depth
+  start = ngram_candidates(hist, n, k, n_min, n_max)    # [B, K]
+  pos = start[:, :, None] + jnp.arange(depth)[None, None, :]
+  cand = jnp.take_along_axis(hist, jnp.clip(pos, 0, s - 1).reshape(b, -1), 1).reshape(pos.shape)
+  valid = (start[:, :, None] >= 0) & (pos < n[:, None, None])  # [B, K, D]
+  depths, kids = tree.block_depths(), tree.child_table()      # static numpy
+  t = tree.block_size
+  block = jnp.zeros((b, t), jnp.int32)
+  drafted = jnp.zeros((b, t), bool)
+  member = jnp.zeros((b, t, k), bool).at[:, 0].set(True)      # a node's candidates
+  earlier = jnp.tril(jnp.ones((k, k), bool), -1)              # [k, k']: k' < k
+  for d in range(depth):
+    lo, hi = int(np.argmax(depths == d)), int(np.nonzero(depths == d)[0][-1]) + 1
+    tok, has = cand[:, None, :, d], member[:, lo:hi] & valid[:, None, :, d]  # [B, 1|w, K]
+    same = tok[..., :, None] == tok[..., None, :]                            # [B, 1, K, K]
+    dup = jnp.any(same & earlier & has[..., None, :], -1)  # an earlier candidate has it
+    first = has & ~dup                                     # [B, w, K] each token once
+    rank = jnp.cumsum(first, -1) - 1
+    parent, r = np.nonzero(kids[lo:hi] >= 0)               # this level's children
+    child = kids[lo:hi][parent, r]                         # their block indices
+    pick = first[:, parent] & (rank[:, parent] == r[None, :, None])  # [B, c, K]
+    found = jnp.any(pick, -1)
+    token = jnp.sum(jnp.where(pick, tok[:, 0][:, None, :], 0), -1)  # the one picked
+    block = block.at[:, child].set(jnp.where(found, token, 0).astype(jnp.int32))
+    drafted = drafted.at[:, child].set(found)
+    member = member.at[:, child].set(has[:, parent] & (tok[:, 0][:, None, :] == token[..., None])
+                                     & found[..., None])
+  return block[:, 1:], drafted[:, 1:]
