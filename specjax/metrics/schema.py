@@ -94,6 +94,13 @@ FIELDS: dict[str, str] = {
     "auto_step_s": "seconds per loop step at each gamma, timed after warm-up (what it chose from)",
     "gammas_used": "steps run at each gamma of the set",
     "auto_alpha": "the alpha estimate at the last choice, per run",
+    # token trees (issue 25; bench/tree_sweep.py, decode/autotree.py)
+    "tree": "the point's tree spec (chain:G, kary:K,D, sequoia:N,D, auto:..)",
+    "tree_nodes": "draft nodes N of the point's tree (a verify of 1 + N tokens)",
+    "auto_trees": "the candidate trees an auto tree run chose from",
+    "trees_used": "steps run with each candidate tree",
+    "p_by_rank": "positional acceptance by sibling rank, measured (accepts / tries per rank)",
+    "tokens_per_step_predicted": "tree_theory.tokens_per_step at the measured (or the rule's) p",
 }
 
 # The CSV's columns, in order (everything scalar a reader compares).
