@@ -25,6 +25,9 @@ Batches and gamma chosen at run time:
   --gamma=auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps from costs
                              measured at start (or --auto_costs=<sweep workdir>/costs.json);
                              each gamma's loop step timed after warm-up (--auto_calibrate)
+  --tree=auto | auto:8,16,32  the token tree re-chosen every --auto_every steps among chains
+                             1,2,4,8 and Sequoia's best trees of those sizes (decode/autotree.py),
+                             from costs measured at start and p by sibling rank so far
 
 Each run also times target-only generation on the same prompt and the same
 cache capacity (--baseline), the two alternating over --reps repetitions, and
@@ -48,6 +51,7 @@ from absl import flags
 
 from specjax.decode import acceptance
 from specjax.decode import autogamma
+from specjax.decode import autotree
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.drafters import registry
@@ -93,7 +97,7 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write statistics, timings and
                                 "prompt ids, tokens and baseline tokens as one JSON object.")
 _TREE = flags.DEFINE_string(
     "tree", "chain", "Draft shape: chain (depth --gamma), a JSON list of rank paths "
-    "'[[0],[1],[0,0]]' or a .json file of one, kary:K,D, sequoia:N,D[:p1,..] (model.tree.parse)")
+    "'[[0],[1],[0,0]]' or a .json file of one, kary:K,D, sequoia:N,D[:p1,..], auto[:N1,..] (model.tree.parse)")
 _SIBLINGS = flags.DEFINE_enum("siblings", "topk", ["topk", "stochastic"],
                               "A tree's siblings: the draft's top-k, or i.i.d. draws from q.")
 _AUTO_SET = flags.DEFINE_string("auto_set", "1,2,4,8", "The gammas --gamma=auto chooses from.")
@@ -142,13 +146,21 @@ def main(argv):
   rule = rule if auto else rule.resolve(gamma)
   drafter = _drafter()
   tree = None if auto else trees.parse(_TREE.value, gamma)
+  auto_tree = tree if isinstance(tree, trees.AutoTree) else None
+  cands = autotree.candidate_trees(auto_tree) if auto_tree else None
+  if auto_tree:
+    rule, tree = acceptance.parse_rule(_ACCEPT.value), None
+    gamma = max(t.max_depth for t in cands.values())
   if tree is not None and not isinstance(tree, trees.Tree):
     raise ConfigError(f"--tree={_TREE.value} is not supported by the loop yet: use chain, a "
-                      "static tree (a JSON list, kary:K,D or sequoia:N,D)")
+                      "static tree (a JSON list, kary:K,D or sequoia:N,D) or auto")
   tree = None if tree is not None and tree.is_chain and tree.max_depth == gamma else tree
   gamma = tree.max_depth if tree is not None else gamma
   if tree is not None:
     rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
+  if auto_tree and (_LOOP.value != "device" or _P_MIN.value or _AUTO_COSTS.value):
+    raise ConfigError("--tree=auto runs the device loop in chunks and measures its costs at "
+                      "start: no --loop=host, --p_min or --auto_costs")
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
   draft = None
   if drafter.needs_draft_model:
@@ -166,11 +178,20 @@ def main(argv):
   target = steps.Runner(tcfg, tparams)
   # One capacity for both sides: attention cost grows with it.
   depth = max(len(p) for p in prompts)
-  extra = gamma if tree is None else tree.n
+  extra = (gamma if tree is None else tree.n) if not cands else max(t.n for t in cands.values())
   capacity = generation.plan_capacity(tcfg, depth, _N_PREDICT.value, extra=extra,
                                       ctx_size=_CTX.value)
   kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)
-  if auto:
+  if auto_tree:
+    cost = autotree.measure_costs(target, draft, len(prompts), capacity, depth, cands, sp, rule,
+                                  drafter=drafter)
+    akw = dict(sp=sp, rule=rule, every=_AUTO_EVERY.value, drafter=drafter,
+               siblings=_SIBLINGS.value, **kw)
+    spec = lambda: autotree.generate(target, draft, prompts, _N_PREDICT.value, cost, cands, **akw)
+    compile_s = autotree.warm_up(target, draft, prompts, _N_PREDICT.value, cost, cands, **akw)
+    if _AUTO_CALIBRATE.value:  # each candidate's loop step, timed in the loop itself
+      cost = autotree.calibrate(target, draft, prompts, _N_PREDICT.value, cost, cands, **akw)
+  elif auto:
     if _LOOP.value != "device" or _P_MIN.value:
       raise ConfigError("--gamma=auto runs the device loop in chunks: no --loop=host, no --p_min")
     cost = auto_costs(target, draft, len(prompts), capacity, depth, auto, sp, rule, drafter)
@@ -219,6 +240,11 @@ def row_lines(res) -> list[str]:
     lines.append("auto gamma: steps per gamma " + ", ".join(
         f"{g}: {n}" for g, n in enumerate(used) if n) + "; alpha estimates " + ", ".join(
             f"{a:.2f}" for a in res.alphas))
+  if getattr(res, "trees_used", None):
+    names = sorted(set(res.trees_used), key=res.trees_used.index)
+    lines.append("auto tree: steps per tree " + ", ".join(
+        f"{k}: {res.trees_used.count(k)}" for k in names) + "; p by rank at the last choice "
+        + (", ".join(f"{x:.2f}" for x in res.ps[-1]) if res.ps else "-"))
   return lines
 
 
@@ -236,7 +262,7 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
   print()
   print("\n".join(st.summary_lines()))
   print()
-  if len(prompts) > 1 or getattr(res, "gammas_used", None):
+  if len(prompts) > 1 or getattr(res, "gammas_used", None) or getattr(res, "trees_used", None):
     print("\n".join(row_lines(res)))
     print()
   draft = (f"draft: {dcfg.name} ({dcfg.num_params() / 1e6:.1f} M params)" if dcfg is not None
@@ -255,7 +281,9 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
       batch=len(prompts),
       **({"prompt_tokens": prompts[0], "tokens": res.tokens[0]} if len(prompts) == 1 else {}),
       **({"auto_set": sorted(set(res.gammas_used)), "auto_every": _AUTO_EVERY.value}
-         if getattr(res, "gammas_used", None) else {}))
+         if getattr(res, "gammas_used", None) else {}),
+      **({"auto_trees": sorted(set(res.trees_used)), "auto_every": _AUTO_EVERY.value}
+         if getattr(res, "trees_used", None) else {}))
   print(f"{'speculative':>18} = {spec_tps:9.3f} tokens per second (median of {_REPS.value})")
   if base is not None:
     print(f"{'target-only':>18} = {base_tps:9.3f} tokens per second (median of {_REPS.value}, "

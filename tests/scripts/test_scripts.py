@@ -159,6 +159,8 @@ def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
     ("speculative.py", ["--model=tiny", "--drafter=eagle"], r"error: EAGLE head .* does not fit"),
     ("speculative.py", ["--model=tiny", "--model_draft=tiny-draft", "--gamma=auto",
                         "--auto_set=0,2"], r"error: .*auto"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny-draft", "--tree=auto",
+                        "--loop=host"], r"error: --tree=auto runs the device loop"),
 ])
 def test_bad_input_is_one_line(script, args, pattern):
   assert_one_line_error(run(script, *args), pattern)
