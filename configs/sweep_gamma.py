@@ -19,6 +19,10 @@ template; a target without one is refused):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:drafters --config.chat=True \
       --config.target=/path/to/instruct --config.drafters="('ngram','layerskip:4')" \
       --workdir=/tmp/specjax_chat
+Chains next to token trees (tokens/step and speedup measured vs predicted, the crossover batch,
+auto vs the best fixed tree; bench/tree_sweep.py, docs/trees.md):
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees --workdir=/tmp/specjax_trees
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees_quick --workdir=/tmp/specjax_tq
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
       --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
@@ -53,6 +57,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.auto_gamma = False           # also points whose gamma is chosen at run time from gammas
   c.auto_calibrate = True        # ... from each gamma's loop step timed after warm-up
   c.auto_every = 8               # ... re-chosen after chunks of 1, 2, 4, .. this many steps
+  c.trees = ()                   # token trees (model.tree specs, auto): bench/tree_sweep.py
   if arg == "quick":
     c.gammas = (1, 2, 4, 8)
     c.accepts = ("bernoulli:0.8", "always")
@@ -111,7 +116,35 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.heldout_prompts = 8
     c.ctx_size = 256
     c.measure_split = False
+  elif arg in ("trees", "trees_quick"):  # chains next to token trees (bench/tree_sweep.py)
+    # Chains of 1, 2, 4, 8 drafts next to Sequoia's best trees of 4..64 nodes (depth <= 8) at
+    # model.tree's default p (0.6, 0.2, 0.1): one fixed topology per size for every point, so
+    # measured and predicted differ only by the acceptance, not by the tree; auto chooses
+    # among them at run time. The shipped pair, the model drafter and the EAGLE head.
+    c.target, c.draft, c.dtype = "stdlib-target", "stdlib-draft", "float32"
+    c.drafters = ("model", "eagle")
+    c.trees = ("chain:1", "chain:2", "chain:4", "chain:8", "sequoia:4,8", "sequoia:8,8",
+               "sequoia:16,8", "sequoia:32,8", "sequoia:64,8", "auto")
+    c.accepts = ("real",)
+    c.temps = (0.0, 1.0)
+    c.batches = (1, 4, 16, 32)
+    c.heldout_prompts = 4
+    c.n_predict = 48
+    c.ctx_size = 256
+    c.reps = 2
+    c.measure_split = False
+    c.siblings = "topk"
+    if arg == "trees_quick":  # a few minutes on 2 cores: tiny models, simulated ranks
+      c.target, c.draft, c.dtype = "tiny", "tiny-draft", "float32"
+      c.drafters = ("model",)
+      c.trees = ("chain:1", "chain:4", "sequoia:8,4", "sequoia:16,4", "auto")
+      c.accepts = ("siblings:0.8,0.4",)
+      c.temps = (0.0,)
+      c.batches = (1, 4)
+      c.heldout_prompts = 0
+      c.n_predict, c.ctx_size, c.reps = 24, 96, 2
+      c.auto_calibrate = False
   elif arg != "default":
     raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, gpu_batch, batch, "
-                     f"batch_quick or drafters")
+                     f"batch_quick, drafters, trees or trees_quick")
   return c

@@ -324,6 +324,9 @@ def time_split(bench: Bench, p: Point) -> dict[str, float]:
 
 def run_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True) -> list[Record]:
   """Runs every point of the config; returns all records (finished + new)."""
+  if tuple(cfg.get("trees", ())):  # the trees dimension: bench/tree_sweep.py
+    from specjax.bench import tree_sweep  # pylint: disable=import-outside-toplevel
+    return tree_sweep.run_tree_sweep(cfg, workdir, resume, progress=True)
   validate(cfg)
   os.makedirs(workdir, exist_ok=True)
   jsonl = os.path.join(workdir, wd.RESULTS)

@@ -1,0 +1,320 @@
+"""The sweep's `trees` dimension (issue 25): chains next to token trees, at
+several batch sizes, measured next to the tree theory's prediction.
+
+A config with `trees` (configs/sweep_gamma.py:trees, :trees_quick) runs
+here instead of the gamma sweep (sweep.run_sweep delegates). Points are
+(drafter, batch, tree, acceptance rule, temperature); a tree is a
+model.tree spec (chain:G, kary:K,D, sequoia:N,D, a JSON list) or `auto`
+(decode/autotree.py choosing among the config's fixed trees). For each
+point, in one run on one machine:
+  measured   target-only and speculative tokens/s (medians over
+             repetitions, the two alternating; nothing may compile in a
+             timed repetition), tokens per step, and the positional
+             acceptance by sibling rank (accepts / tries per rank, from the
+             records' leaf: autotree.rank_tables). Every speculative point
+             runs autotree.generate's chunked device loop (a fixed tree: one
+             candidate, chunks of 1, 2, 4, .. steps), so chains, trees and
+             auto pay the same loop;
+  costs      per (drafter, batch, temperature), once: T_target(B, n) at n = 1
+             and every 1 + N, the draft level T_draft(B, w) at every level
+             width, the accept cost per tree (autotree.measure_costs);
+  predicted  tokens per step, tree_theory.tokens_per_step at the rule's p
+             (siblings:P / bernoulli:P / always) or, for the real rule, at
+             the measured p by rank; speedup, autotree.predicted_speedups
+             at that p from the costs (steady state).
+An interrupted sweep loses no finished point: each record is appended to
+results.jsonl as it finishes and `resume` skips it. A drafter that cannot
+draft trees yet gets one line (printed and in summary.md), not a traceback.
+tree_report.py writes summary.md and trees.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+from typing import Any
+
+import numpy as np
+
+from specjax import workdir as wd
+from specjax.bench.sweep_points import (batch_prompts, check_same_sweep, drafter_specs,
+                                         sweep_prompts)
+from specjax.decode import acceptance
+from specjax.decode import autotree
+from specjax.decode import generation
+from specjax.decode import speculative
+from specjax.drafters import registry
+from specjax.errors import ConfigError, SpecjaxError
+from specjax.formats import checkpoint
+from specjax.metrics import schema
+from specjax.metrics import stats as stats_lib
+from specjax.metrics import tree_theory
+from specjax.metrics.timing import CompileWatch
+from specjax.model import steps
+from specjax.model import tree as trees
+from specjax.model.sampling import SamplingParams
+from specjax.workdir import Record
+
+AUTO = "auto"
+SKIPPED = "skipped.jsonl"  # points a drafter could not run (one line each)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreePoint:
+  tree: str          # a model.tree spec, or AUTO
+  accept_rule: str
+  sp: SamplingParams
+  batch: int = 1
+  drafter: str = "model"
+
+  @property
+  def key(self) -> tuple:
+    return (self.drafter, self.batch, self.tree, self.accept_rule, self.sp.temperature)
+
+
+def record_key(rec: Record) -> tuple:
+  return (str(rec.get("drafter") or "model"), int(rec.get("batch", 1)), str(rec["tree"]),
+          str(rec["accept_rule"]), float(rec["temperature"]))
+
+
+def fixed_trees(cfg) -> dict[str, trees.Tree]:
+  """The config's fixed trees by spec (AUTO left out), each parsed once."""
+  out = {}
+  for spec in cfg.trees:
+    if str(spec) != AUTO:
+      t = trees.parse(str(spec), 1)
+      if not isinstance(t, trees.Tree):
+        raise ConfigError(f"config.trees: {spec} is not a static tree (use chain:G, kary:K,D, "
+                          "sequoia:N,D, a JSON list, or auto)")
+      out[str(spec)] = t
+  return out
+
+
+def validate(cfg) -> None:
+  """Bad tree-sweep settings -> one ConfigError naming the field."""
+  if not list(cfg.trees):
+    raise ConfigError("config.trees is empty")
+  fixed = fixed_trees(cfg)
+  if AUTO in cfg.trees and not fixed:
+    raise ConfigError("config.trees: auto chooses among the fixed trees; give some")
+  batches = list(cfg.get("batches", (1,)))
+  if not batches or any(int(b) < 1 for b in batches):
+    raise ConfigError(f"config.batches must be integers >= 1, got {batches}")
+  for spec in drafter_specs(cfg):
+    registry.parse(spec)
+  for a in cfg.accepts:
+    rule = acceptance.parse_rule(a)
+    for t in fixed.values():
+      rule.resolve(t.max_depth)
+  if not list(cfg.temps):
+    raise ConfigError("config.temps is empty")
+  for t in cfg.temps:
+    SamplingParams(float(t), int(cfg.top_k), float(cfg.top_p))
+  for name in ("n_predict", "reps"):
+    if int(getattr(cfg, name)) < 1:
+      raise ConfigError(f"config.{name} must be >= 1, got {getattr(cfg, name)}")
+
+
+def rule_p(rule: str) -> list[float] | None:
+  """The positional acceptance vector a simulated rule implies (siblings:P,
+  bernoulli:P on rank 0 only, always), None for the real rule and the
+  others (fraction, mean_length: no rank law)."""
+  head, _, body = str(rule).partition(":")
+  if head == "siblings":
+    return [float(x) for x in body.split(",")]
+  if head == "bernoulli":
+    return [float(body)]
+  if head == "always":
+    return [1.0]
+  return None
+
+
+@dataclasses.dataclass
+class TreeBench:
+  """What the points of one drafter share: models, prompts, capacity, costs."""
+  target: steps.Runner
+  draft: steps.Runner | None
+  drafter: Any
+  prompts: list[list[int]]
+  capacity: int
+  cands: dict[str, trees.Tree]
+  cfg: Any
+  costs: dict = dataclasses.field(default_factory=dict)  # (batch, sp) -> TreeCosts
+  warm: set = dataclasses.field(default_factory=set)
+
+  def cost(self, p: TreePoint) -> autotree.TreeCosts:
+    """The point's costs at its batch (measured on first use, greedy and
+    sampled apart: the probes consume the logits as the run does)."""
+    k = (p.batch, p.sp)
+    if k not in self.costs:
+      depth = max(len(x) for x in self.prompts)
+      self.costs[k] = autotree.measure_costs(
+          self.target, self.draft, p.batch, self.capacity, depth, self.cands, p.sp,
+          p.accept_rule, int(self.cfg.reps), drafter=self.drafter)
+    return self.costs[k]
+
+  def spec(self, p: TreePoint, cost: autotree.TreeCosts) -> list[autotree.AutoTreeResult]:
+    c = self.cfg
+    auto = p.tree == AUTO
+    cands = self.cands if auto else {p.tree: self.cands[p.tree]}
+    kw = dict(sp=p.sp, rule=p.accept_rule, seed=int(c.seed), capacity=self.capacity,
+              drafter=self.drafter, siblings=str(c.get("siblings", "topk")))
+    return [autotree.generate(self.target, self.draft, rows, int(c.n_predict), cost, cands,
+                              every=int(c.get("auto_every", autotree.EVERY)) if auto
+                              else int(c.n_predict), fixed=None if auto else [p.tree], **kw)
+            for rows in batch_prompts(self.prompts, p.batch)]
+
+  def base(self, p: TreePoint) -> list[generation.GenerationResult]:
+    return [generation.generate(self.target, rows, int(self.cfg.n_predict), p.sp,
+                                seed=int(self.cfg.seed), capacity=self.capacity)
+            for rows in batch_prompts(self.prompts, p.batch)]
+
+
+def run_point(bench: TreeBench, p: TreePoint) -> Record:
+  """One point: warm-up (untimed; an auto point compiles every candidate and,
+  with config.auto_calibrate, times each in the loop), then reps
+  repetitions of target-only and speculative runs alternating."""
+  cost = bench.cost(p)
+  with CompileWatch() as cw:
+    if p.tree == AUTO:
+      for rows in batch_prompts(bench.prompts, p.batch):
+        kw = dict(sp=p.sp, rule=p.accept_rule, seed=int(bench.cfg.seed),
+                  capacity=bench.capacity, drafter=bench.drafter)
+        autotree.warm_up(bench.target, bench.draft, rows, int(bench.cfg.n_predict), cost,
+                         bench.cands, **kw)
+      if bool(bench.cfg.get("auto_calibrate", True)):
+        cost = autotree.calibrate(bench.target, bench.draft,
+                                  batch_prompts(bench.prompts, p.batch)[0],
+                                  int(bench.cfg.n_predict), cost, bench.cands, sp=p.sp,
+                                  rule=p.accept_rule, seed=int(bench.cfg.seed),
+                                  capacity=bench.capacity, drafter=bench.drafter)
+    bench.spec(p, cost)
+    if (p.batch, p.sp) not in bench.warm:
+      bench.base(p)
+      bench.warm.add((p.batch, p.sp))
+  compile_s = cw.seconds
+  reps = []
+  for rep in range(int(bench.cfg.reps)):
+    with CompileWatch() as cw:
+      b = bench.base(p) if rep % 2 == 0 else None
+      res = bench.spec(p, cost)
+      b = b if b is not None else bench.base(p)
+    if cw.count:
+      raise SpecjaxError(f"{cw.count} compilation(s) inside timed repetition {rep} of {p.key} "
+                         f"({dict(cw.names)}): shapes changed between runs")
+    base_s = sum(r.eval_s for r in b) / sum(r.n_eval * len(r.tokens) for r in b)
+    spec_s = sum(r.eval_s for r in res) / sum(r.stats.n_kept for r in res)
+    reps.append({"speedup": base_s / spec_s, "base_s": base_s, "spec_s": spec_s})
+  return point_record(bench, p, cost, res, reps, compile_s)
+
+
+def point_record(bench: TreeBench, p: TreePoint, cost: autotree.TreeCosts,
+                 res: list[autotree.AutoTreeResult], reps: list[dict],
+                 compile_s: float) -> Record:
+  """The point's record: measured, the p by rank, the predictions."""
+  pooled = stats_lib.Records.concat([r.records for r in res])
+  cands = bench.cands if p.tree == AUTO else {p.tree: bench.cands[p.tree]}
+  depth = max(t.max_depth for t in cands.values())
+  st = stats_lib.SpecStats.compute(pooled, gamma=depth,
+                                   n_predict=sum(r.stats.n_predict for r in res))
+  acc = np.sum([r.rank_accepted for r in res], 0)
+  tried = np.sum([r.rank_tried for r in res], 0)
+  p_meas = [float(a / t) if t else None for a, t in zip(acc, tried)]
+  med = lambda k: statistics.median(r[k] for r in reps)
+  rec = dict(
+      tree=p.tree, batch=p.batch, accept_rule=p.accept_rule, temperature=p.sp.temperature,
+      top_k=p.sp.top_k, top_p=p.sp.top_p, seed=int(bench.cfg.seed), loop="device",
+      capacity=bench.capacity, n_prompts=len(bench.prompts), reps=int(bench.cfg.reps),
+      baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=med("speedup"),
+      compile_s=compile_s, gamma=depth, p_by_rank=p_meas,
+      t_target_s=cost.t_target[1])
+  if p.tree == AUTO:
+    used = [k for r in res for k in r.trees_used]
+    rec.update(auto_trees=list(bench.cands),
+               trees_used={k: used.count(k) for k in bench.cands if k in used})
+    return schema.run_record(st, **rec)
+  tree = bench.cands[p.tree]
+  prior = rule_p(p.accept_rule)
+  pv = prior if prior is not None else tree_theory.estimate_p(acc, tried, autotree.PRIOR_P, 0.0)
+  pv = np.nan_to_num(np.asarray(pv, float), nan=0.0)
+  step_s = cost.step_s(p.tree, tree, 0.0)
+  pred = autotree.predicted_speedups(cost, pv, {p.tree: tree}, drafter=bench.drafter)[p.tree]
+  rec.update(tree_nodes=tree.n, tokens_per_step_predicted=tree_theory.tokens_per_step(
+      tree.paths(), pv), predicted_measured_cost=pred, efficiency=rec["speedup"] / pred,
+      predicted_step_s=step_s, t_verify_s=cost.t_target[tree.block_size],
+      t_draft_s=cost.draft_s(tree.draft_widths()), t_accept_s=cost.t_accept.get(p.tree))
+  return schema.run_record(st, **rec)
+
+
+def points(cfg) -> list[TreePoint]:
+  specs = [registry.parse(x).spec for x in drafter_specs(cfg)]
+  return [TreePoint(str(t), a, SamplingParams(float(temp), int(cfg.top_k), float(cfg.top_p)),
+                    int(b), d)
+          for d in specs for b in sorted(int(b) for b in cfg.batches) for temp in cfg.temps
+          for t in cfg.trees for a in cfg.accepts]
+
+
+def run_tree_sweep(cfg, workdir: str, resume: bool = False, progress: bool = True,
+                   only: int | None = None) -> list[Record]:
+  """Runs every point of a trees config (`only`: at most that many new points,
+  for tests of the resume); returns all records (finished + new)."""
+  validate(cfg)
+  os.makedirs(workdir, exist_ok=True)
+  jsonl = os.path.join(workdir, wd.RESULTS)
+  done = wd.read_jsonl(jsonl) if resume else []
+  if done:
+    check_same_sweep(workdir, cfg)
+  wd.restart_jsonl(jsonl, done)  # whole records only: a torn line is dropped
+  env = wd.environment()
+  wd.write_config(workdir, cfg.to_dict(), env, schema=schema.SCHEMA_VERSION)
+  cands = fixed_trees(cfg)
+  specs = [registry.parse(x) for x in drafter_specs(cfg)]
+  tcfg, tparams, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, seed=int(cfg.seed))
+  target, draft = steps.Runner(tcfg, tparams), None
+  if any(d.needs_draft_model for d in specs):
+    dcfg, dparams, _ = checkpoint.load_model(cfg.draft, dtype=cfg.dtype, seed=int(cfg.seed) + 1,
+                                             role="draft")
+    speculative.check_vocabularies(tcfg, dcfg)
+    draft = steps.Runner(dcfg, dparams)
+  prompts = sweep_prompts(cfg, tok, tcfg.vocab_size)
+  capacity = generation.plan_capacity(tcfg, max(len(x) for x in prompts), int(cfg.n_predict),
+                                      extra=max(t.n for t in cands.values()),
+                                      ctx_size=int(cfg.ctx_size))
+  benches = {d.spec: TreeBench(target, draft if d.needs_draft_model else None, d, prompts,
+                               capacity, cands, cfg) for d in specs}
+  finished = {record_key(r) for r in done}
+  skipped = {}
+  records, n_new = list(done), 0
+  for p in points(cfg):
+    if p.key in finished or (only is not None and n_new >= only):
+      continue
+    if p.drafter in skipped:
+      continue
+    try:
+      rec = run_point(benches[p.drafter], p)
+    except ConfigError as e:  # a drafter that cannot draft trees (yet): one line, go on
+      skipped[p.drafter] = f"drafter {p.drafter}: skipped ({e})"
+      print(skipped[p.drafter], flush=True)
+      continue
+    d_cfg = benches[p.drafter].drafter.draft_config(tcfg, draft and draft.cfg)
+    rec.update(target=tcfg.name, draft=d_cfg.name if d_cfg is not None else None,
+               drafter=p.drafter, precision=tcfg.precision, env=env,
+               prompt_set=str(cfg.get("prompt_set", "continuation")))
+    wd.append_jsonl(jsonl, [rec])
+    records.append(rec)
+    n_new += 1
+    if progress:
+      pred = rec.get("predicted_measured_cost")
+      print(f"point {len(records)}: {p.drafter} B={p.batch} {p.tree} {p.accept_rule} "
+            f"T={p.sp.temperature:g}: {rec['tokens_per_step']:.2f} tokens/step"
+              + (f" (predicted {rec['tokens_per_step_predicted']:.2f})"
+                 if "tokens_per_step_predicted" in rec else "")
+              + f", speedup {rec['speedup']:.3f}x"
+              + (f" (predicted {pred:.3f}x)" if pred else ""), flush=True)
+  wd.write_json(os.path.join(workdir, "costs.json"), {
+      d: {f"{b},{sp.temperature:g}": c.to_dict() for (b, sp), c in bench.costs.items()}
+      for d, bench in benches.items()})
+  from specjax.bench import tree_report  # matplotlib only when writing the report
+  tree_report.write_report(workdir, records, env, list(skipped.values()))
+  return records

@@ -1,0 +1,139 @@
+"""The trees sweep (bench/tree_sweep.py, tree_report.py): the crossover batch
+and the best tree/chain/auto per batch on synthetic records; the rule's p;
+the sweep on tiny models, interrupted and resumed without losing or redoing
+a finished point. MUTATIONS are deliberate bugs, each failing a check."""
+
+import json
+
+import pytest
+
+from configs import sweep_gamma
+from specjax.bench import tree_report
+from specjax.bench import tree_sweep
+from specjax.bench import sweep
+from specjax.errors import ConfigError
+from specjax.metrics import schema
+
+
+def _rec(batch, tree, speedup, nodes=None):
+  return {"batch": batch, "tree": tree, "speedup": speedup, "drafter": "model",
+          "accept_rule": "real", "temperature": 0.0, "tree_nodes": nodes, "gamma": 1,
+          "tokens_per_step": 2.0, "tokens_per_step_predicted": 2.1}
+
+
+# B:            1            4            16           32
+SYNTH = ([_rec(b, "chain:4", s) for b, s in ((1, 2.0), (4, 1.8), (16, 1.2), (32, 0.9))]
+         + [_rec(b, "chain:1", s) for b, s in ((1, 1.5), (4, 1.4), (16, 1.3), (32, 1.1))]
+         + [_rec(b, "sequoia:16,8", s, 16) for b, s in ((1, 2.6), (4, 2.0), (16, 1.25),
+                                                        (32, 0.7))]
+         + [_rec(b, "sequoia:64,8", s, 64) for b, s in ((1, 2.4), (4, 1.5), (16, 0.5),
+                                                        (32, 0.3))]
+         + [_rec(b, "auto", s) for b, s in ((1, 2.5), (4, 1.9), (16, 1.3), (32, 1.0))])
+
+
+def check_crossover():
+  best = tree_report.best_per_batch(SYNTH)
+  assert {b: (v["tree"]["tree"], v["chain"]["tree"]) for b, v in best.items()} == {
+      1: ("sequoia:16,8", "chain:4"), 4: ("sequoia:16,8", "chain:4"),
+      16: ("sequoia:16,8", "chain:1"), 32: ("sequoia:16,8", "chain:1")}
+  sp = {b: {k: v[k]["speedup"] for k in ("tree", "chain")} for b, v in best.items()}
+  # the tree wins at 1, 4 (2.6 > 2.0, 2.0 > 1.8); the chain from 16 on (1.3 > 1.25)
+  assert tree_report.crossover(sp) == 16
+  # a tree that wins again at the largest batch: no crossover in range
+  assert tree_report.crossover({**sp, 32: {"tree": 2.0, "chain": 1.0}}) is None
+  # a chain that wins everywhere: the smallest batch; a tie counts for the chain
+  assert tree_report.crossover({1: {"tree": 1.0, "chain": 1.0}, 4: {"tree": 1, "chain": 2}}) == 1
+  # a chain win at B=4 that the tree takes back at 16 is no crossover at 4
+  assert tree_report.crossover({1: {"tree": 2, "chain": 1}, 4: {"tree": 1, "chain": 2},
+                                16: {"tree": 2, "chain": 1}, 32: {"tree": 1, "chain": 2}}) == 32
+  lines = "\n".join(tree_report.summary_lines(SYNTH, ["drafter eagle: skipped (cannot)"]))
+  assert "Crossover batch" in lines and "here on): 16" in lines
+  assert "| 1 | sequoia:16,8 | 2.600 | chain:4 | 2.000 | 1.300 | 2.500 | 0.962 |" in lines
+  assert "- drafter eagle: skipped (cannot)" in lines
+
+
+def test_crossover_and_best_per_batch_on_synthetic_records():
+  check_crossover()
+
+
+def test_rule_p_and_config():
+  assert tree_sweep.rule_p("siblings:0.8,0.4") == [0.8, 0.4]
+  assert tree_sweep.rule_p("bernoulli:0.7") == [0.7] and tree_sweep.rule_p("always") == [1.0]
+  assert tree_sweep.rule_p("real") is None
+  c = sweep_gamma.get_config("trees")
+  tree_sweep.validate(c)
+  assert {t.n for t in tree_sweep.fixed_trees(c).values()} == {1, 2, 4, 8, 16, 32, 64}
+  assert c.batches == (1, 4, 16, 32) and set(c.drafters) == {"model", "eagle"}
+  assert set(c.temps) == {0.0, 1.0}
+  assert sweep_gamma.get_config("trees_quick").trees[-1] == "auto"
+  c.trees = ("auto",)
+  with pytest.raises(ConfigError, match="fixed trees"):
+    tree_sweep.validate(c)
+  c.trees = ("dynamic:2,2,4",)
+  with pytest.raises(ConfigError, match="not a static tree"):
+    tree_sweep.validate(c)
+
+
+def _micro():
+  c = sweep_gamma.get_config("trees_quick")
+  c.trees = ("chain:2", "kary:2,2", "auto")
+  c.batches = (2,)
+  c.n_predict, c.ctx_size, c.reps = 10, 48, 1
+  return c
+
+
+def check_resume(tmp_path):
+  c = _micro()
+  first = tree_sweep.run_tree_sweep(c, str(tmp_path), only=2)
+  assert [r["tree"] for r in first] == ["chain:2", "kary:2,2"]
+  path = tmp_path / "results.jsonl"
+  lines = path.read_text().splitlines()
+  path.write_text(lines[0] + "\n" + lines[1][:30])  # killed while writing the second
+  records = sweep.run_sweep(c, str(tmp_path), resume=True)  # delegates to the trees sweep
+  assert [r["tree"] for r in records] == ["chain:2", "kary:2,2", "auto"]
+  kept = [json.loads(l) for l in path.read_text().splitlines()]
+  assert len(kept) == 3 and kept[0] == json.loads(lines[0])  # not redone
+  return records
+
+
+def test_tree_sweep_resumes_after_an_interruption(tmp_path):
+  records = check_resume(tmp_path)
+  for r in records:
+    assert set(r) <= set(schema.FIELDS)
+  kary = records[1]
+  assert kary["tree_nodes"] == 6 and kary["tokens_per_step_predicted"] == pytest.approx(
+      1 + 0.8 + 0.2 * 0.4 + 0.8 * (0.8 + 0.08) + 0.08 * (0.8 + 0.08))
+  assert kary["p_by_rank"][0] == pytest.approx(0.8, abs=0.25)
+  assert records[2]["auto_trees"] == ["chain:2", "kary:2,2"]
+  summary = (tmp_path / "summary.md").read_text()
+  assert "Crossover batch" in summary and "Machine: " in summary
+  assert (tmp_path / "trees.png").stat().st_size > 0
+
+
+def _crossover_first_win(orig):
+  del orig
+  def crossover(best):  # the first batch where the chain wins, whatever follows
+    bs = sorted(b for b, v in best.items() if "tree" in v and "chain" in v)
+    return next((b for b in bs if best[b]["chain"] >= best[b]["tree"]), None)
+  return crossover
+
+
+def _resume_forgets(orig):
+  del orig
+  return lambda rec: ("never",)
+
+
+MUTATIONS = {
+    "crossover at the first chain win": (tree_report, "crossover", _crossover_first_win,
+                                         lambda tmp: check_crossover()),
+    "finished points forgotten on resume": (tree_sweep, "record_key", _resume_forgets,
+                                            check_resume),
+}
+
+
+@pytest.mark.parametrize("bug", list(MUTATIONS))
+def test_each_deliberate_bug_fails(tmp_path, monkeypatch, bug):
+  module, name, make, check = MUTATIONS[bug]
+  monkeypatch.setattr(module, name, make(getattr(module, name)))
+  with pytest.raises(AssertionError):
+    check(tmp_path)
