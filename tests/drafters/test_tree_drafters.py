@@ -1,0 +1,370 @@
+"""Token trees drafted by the n-gram and EAGLE drafters (issue 25):
+greedy tree speculation equals greedy target-only output on a ragged batch,
+a chain-shaped tree is the chain drafter, n-gram branches are the distinct
+continuations of different matches and n (rank 0 the chain's proposal),
+every node the head drafts is the head run as a chain along its path, the
+head's cache after a tree run holds the teacher-forced pairs of the output,
+and sampled tree speculation follows the target's law (chi-square, as in
+tests/decode/test_trees.py). MUTATIONS are deliberate bugs, each failing a
+check."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decode import generation
+from specjax.decode import speculative
+from specjax.decode import tree_step
+from specjax.drafters import eagle
+from specjax.drafters import ngram
+from specjax.model import config
+from specjax.model import llama as model
+from specjax.model import steps
+from specjax.model import tree as trees
+from specjax.model.sampling import SamplingParams
+from specjax.train import eagle as eagle_train
+
+import lawcheck
+
+MEDUSA = trees.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
+EXACT_TREE = trees.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])  # width 2, depth 2
+
+# ---------------------------------------------------------------- fixtures
+
+CFG3 = config.get_preset("tiny").replace(name="tiny3", n_layers=3)
+NGRAM_PROMPTS = [[5, 17, 42, 9, 100, 5, 17], [7, 7, 7], [200, 1, 64, 3, 9, 81, 27, 2, 64, 3]]
+N = 30
+
+
+@pytest.fixture(scope="module")
+def peaked(init_params):
+  """tests/drafters/test_drafters.py's target: peaked logits, so greedy
+  output repeats and the n-gram drafter finds matches; its greedy output."""
+  params = dict(init_params(CFG3, 1))
+  params["lm_head"] = {"kernel": params["lm_head"]["kernel"] * 40.0}
+  target = steps.Runner(CFG3, params)
+  return target, generation.generate(target, NGRAM_PROMPTS, N).tokens
+
+
+@pytest.fixture(scope="module")
+def v6_head(tmp_path_factory):
+  """(target, drafter): lawcheck's V = 6 target made feature-sensitive and a
+  head that drafts it, built as tests/drafters/test_eagle.py's v6_head (the
+  target's own layer over fc = embedding + feature, attention sharpened), so
+  that q moves with every feature and token the bookkeeping hands it."""
+  cfg = config.ModelConfig(name="v6", vocab_size=lawcheck.V, dim=32, n_layers=1, n_heads=2,
+                           n_kv_heads=1, ffn_dim=64, max_seq_len=32)
+  params = dict(model.init_params(cfg, 11))
+  params["embed"] = {"embedding": params["embed"]["embedding"] * 30}
+  params["layers_0"] = jax.tree_util.tree_map(lambda x: 3 * x if x.ndim == 2 else x,
+                                              params["layers_0"])
+  target = lawcheck.sharpen(steps.Runner(cfg, params), 4.0)
+  block = jax.tree_util.tree_map(lambda x: x, target.params["layers_0"])
+  scale = {"wq": 2, "wk": 2, "wo": 4}
+  block["attn"] = {k: {"kernel": v["kernel"] * scale.get(k, 1)} for k, v in block["attn"].items()}
+  eye = jnp.eye(cfg.dim)
+  hp = {"fc": {"kernel": jnp.concatenate([eye, eye], 0), "bias": jnp.zeros(cfg.dim)},
+        "block": block}
+  path = eagle.save_head(tmp_path_factory.mktemp("v6") / "v6-eagle", eagle.head_config(cfg),
+                         hp, cfg, "v6")
+  return target, eagle.EagleDrafter(str(path))
+
+
+def run_ngram(peaked_, tree, gamma=3, **kw):
+  return speculative.generate(peaked_[0], None, NGRAM_PROMPTS, N, gamma, tree=tree,
+                              drafter="ngram", **kw)
+
+
+def run_eagle(v6, tree, gamma=3, prompts=lawcheck.PROMPTS, n=16, **kw):
+  return speculative.generate(v6[0], None, prompts, n, gamma, tree=tree, drafter=v6[1], **kw)
+
+
+# ---------------------------------------------------------------- greedy
+
+
+def test_greedy_ngram_tree_equals_target_only(peaked):
+  res = run_ngram(peaked, MEDUSA)
+  assert res.tokens == peaked[1]
+  assert res.stats.n_accept > 0
+
+
+def test_greedy_eagle_tree_equals_target_only(v6_head):
+  want = generation.generate(v6_head[0], lawcheck.PROMPTS, 16).tokens
+  res = run_eagle(v6_head, MEDUSA)
+  assert res.tokens == want
+  assert res.stats.n_accept > 0
+
+
+def test_eagle_chain_shaped_tree_is_the_chain(v6_head):
+  chain, tree = run_eagle(v6_head, None), run_eagle(v6_head, trees.chain(3))
+  assert chain.tokens == tree.tokens
+  np.testing.assert_array_equal(chain.records.n_acc, tree.records.n_acc)
+  assert chain.stats.n_accept > 0
+
+
+def test_ngram_chain_shaped_tree_is_the_chain(peaked):
+  """Depth one: the chain step for step. Deeper, the tree's rank-0 path is
+  the chain's proposal wherever that is gamma long, and extends it where the
+  history cut it short (ngram_rank0_mismatches, in the branches test)."""
+  chain, tree = run_ngram(peaked, None, gamma=1), run_ngram(peaked, trees.chain(1))
+  assert chain.tokens == tree.tokens == peaked[1]
+  np.testing.assert_array_equal(chain.records.n_acc, tree.records.n_acc)
+  assert chain.stats.n_accept > 0
+
+
+# ---------------------------------------------------------------- n-gram branches
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _ngram_tree(hist, n, tree, k, n_min, n_max):
+  return ngram.ngram_tree(hist, n, tree, k, n_min, n_max)
+
+
+def ngram_tree(history, tree, n_min=1, n_max=3, width=32):
+  """(tokens, drafted) of one history's tree (k = 2N candidates)."""
+  hist = jnp.asarray([history + [0] * (width - len(history))], jnp.int32)
+  toks, drafted = _ngram_tree(hist, jnp.asarray([len(history)]), tree,
+                              ngram.CANDIDATES_PER_NODE * tree.n, n_min, n_max)
+  return np.asarray(toks[0]).tolist(), np.asarray(drafted[0]).tolist()
+
+
+_ngram_propose = jax.jit(ngram.ngram_propose, static_argnums=(2, 3, 4))
+
+
+def chain_proposal(history, gamma, n_min=1, n_max=3, width=32):
+  hist = jnp.asarray([history + [0] * (width - len(history))], jnp.int32)
+  toks, n = _ngram_propose(hist, jnp.asarray([len(history)]), gamma, n_min, n_max)
+  return np.asarray(toks[0, :int(n[0])]).tolist()
+
+
+# [1, 2] was followed by 3 9 (at 2), 4 8 5 (at 6) and 4 6 0 (at 13, the
+# latest: the chain's proposal); [2] alone by 7 (at 10)
+BRANCHY = [1, 2, 3, 9, 1, 2, 4, 8, 5, 2, 7, 1, 2, 4, 6, 0, 1, 2]
+BRANCHY_TREE = trees.from_paths([[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [0, 0, 0]])
+
+
+def ngram_branch_mismatches() -> list[str]:
+  """Hand-built histories against the trie they must give."""
+  bad = []
+  got = ngram_tree(BRANCHY, BRANCHY_TREE)
+  # root: 4 (the latest 2-gram match), 3 (an earlier one), 7 (the 1-gram
+  # match), no fourth; below 4: 6 (the latest), 8 (the other 4), no third
+  want = ([4, 3, 7, 0, 6, 8, 0, 9, 0], [True, True, True, False, True, True, False, True, True])
+  if got != want:
+    bad.append(f"branchy: {got}, want {want}")
+  rank0 = [got[0][i] for i in (0, 4, 8)]
+  if rank0 != chain_proposal(BRANCHY, 3):
+    bad.append(f"branchy rank 0 {rank0}, chain {chain_proposal(BRANCHY, 3)}")
+  # the latest [1] continues 3 1; the earlier one 2 1 3 1; nothing after 3 1
+  got = ngram_tree([1, 2, 1, 3, 1], trees.kary(2, 2))
+  want = ([3, 2, 1, 0, 1, 0], [True, True, True, False, True, False])
+  if got != want:
+    bad.append(f"[1, 2, 1, 3, 1]: {got}, want {want}")
+  # n_min 2: a 1-gram match is no candidate; no match at all: nothing drafted
+  for hist, n_min in (([1, 2, 1, 3, 1], 2), ([1, 2, 3, 4], 1)):
+    got = ngram_tree(hist, trees.kary(2, 2), n_min=n_min)
+    if got != ([0] * 6, [False] * 6):
+      bad.append(f"{hist} n_min {n_min}: {got}")
+  return bad
+
+
+def ngram_rank0_mismatches(rows=60, gamma=3) -> list[str]:
+  """Random histories over 4 tokens (many matches): the rank-0 path of a
+  chain-shaped tree starts with the chain's proposal and equals it where
+  that is gamma long; siblings of a wide tree differ."""
+  bad, rng = [], np.random.default_rng(0)
+  wide = trees.kary(3, 2)
+  for r in range(rows):
+    hist = rng.integers(0, 4, rng.integers(2, 30)).tolist()
+    want = chain_proposal(hist, gamma)
+    toks, drafted = ngram_tree(hist, trees.chain(gamma))
+    got = [t for t, d in zip(toks, drafted) if d]
+    if got[:len(want)] != want or (len(want) == gamma and got != want):
+      bad.append(f"row {r} {hist}: rank 0 {got}, chain {want}")
+    toks, drafted = ngram_tree(hist, wide)
+    for kids in wide.child_table():
+      sib = [toks[k - 1] for k in kids if k > 0 and drafted[k - 1]]
+      if len(set(sib)) != len(sib):
+        bad.append(f"row {r} {hist}: siblings {sib}")
+  return bad
+
+
+def test_ngram_branches_are_distinct_continuations():
+  assert ngram_branch_mismatches() == []
+  assert ngram_rank0_mismatches() == []
+
+
+# ---------------------------------------------------------------- the head along each path
+
+
+@functools.partial(jax.jit, static_argnames=("hcfg", "tcfg"))
+def _head_chain(hparams, tparams, feats, tokens, *, hcfg, tcfg):
+  """The head over pairs [R, L] from an empty cache (causal: padding past
+  the real pairs changes nothing before it): (outputs, cache)."""
+  return eagle.head_forward(hparams, tparams, feats, tokens,
+                            eagle.new_cache(hcfg, tokens.shape[0], tokens.shape[1]), hcfg, tcfg)
+
+
+_features = jax.jit(eagle_train.target_features, static_argnums=1)
+HEAD_TREE = trees.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]])  # level 2: two parents
+WIDTH = 32
+
+
+def head_mismatches(v6, tree=HEAD_TREE) -> list[str]:
+  """A sampled tree run (T = 1, stochastic siblings: paths off rank 0 are
+  accepted often), then one more draft phase from its final state, against
+  a brute force: every drafted node's q is softmax of the head's logits at
+  the node, the head run as a chain over the teacher-forced pairs of the
+  output (the target's true features f_0..f_{n-2} with x_1..x_{n-1}), then
+  the node's path (each pair its parent's predicted feature and its own
+  token); and the head's cache after that draft phase holds the
+  teacher-forced pairs' K/V at slots 0..n-2 (every step's commit fed the
+  target's features along its accepted path)."""
+  target, drafter = v6
+  prompts = [p for p in lawcheck.PROMPTS for _ in range(4)]
+  sp = SamplingParams(1.0)
+  res = run_eagle(v6, tree, prompts=prompts, n=12, sp=sp, siblings="stochastic",
+                  keep_state=True, seed=3)
+  st = res.state
+  sc = speculative.SpecConfig(target.cfg, None, tree.max_depth, sp, drafter=drafter, tree=tree,
+                              siblings="stochastic")
+  hparams = drafter.draft_params(target.params, None)["head"]
+  d, hcache = jax.jit(eagle.draft_tree_phase, static_argnames="sc")(
+      target.params, hparams, st.dcache.hcache, st.dcache.pending, st.n, jax.random.PRNGKey(5),
+      sc=sc)
+  hcfg, tcfg = sc.draft.replace(attn_block=0), target.cfg
+  seqs = [p + out for p, out in zip(prompts, res.tokens)]  # x_0 .. x_{n-1}
+  bad = [f"row {b}: n {int(st.n[b])}, want {len(x)}" for b, x in enumerate(seqs)
+         if int(st.n[b]) != len(x)]
+  if bad:
+    return bad
+  n = np.array([len(x) for x in seqs])
+  padded = np.array([x + [0] * (WIDTH - len(x)) for x in seqs], np.int32)
+  feats = np.array(_features(target.params, tcfg, jnp.asarray(padded))[1])  # f_0 ..
+  feats[np.arange(WIDTH)[None] >= (n - 1)[:, None]] = 0  # pairs 0..n-2 only
+  toks = np.concatenate([padded[:, 1:], np.zeros_like(padded[:, :1])], 1)  # x_1 ..
+  depths, parents = tree.block_depths(), tree.block_parents()
+  batch = len(seqs) * max(tree.level_widths())  # one shape for every head pass (one compile)
+  head = lambda f, t: _head_chain(hparams, target.params, _rows(f, batch), _rows(t, batch),
+                                  hcfg=hcfg, tcfg=tcfg)
+  g, ref = head(feats, toks)
+  rows = np.arange(len(seqs))
+  for name, got, want in (("k", hcache.k[0], ref.k[0]), ("v", hcache.v[0], ref.v[0])):
+    for b in rows:  # [B, K, S, D]
+      err = float(jnp.max(jnp.abs(got[b, :, :n[b] - 1] - want[b, :, :n[b] - 1])))
+      if not err <= 1e-4:
+        bad.append(f"row {b}: head cache {name} off by {err:.2g}")
+  node_feat = np.zeros((len(seqs), tree.block_size, feats.shape[-1]), np.float32)
+  node_feat[:, 0] = np.asarray(g)[rows, n - 2]
+  tokens = np.asarray(d.tokens)
+  for depth in range(1, tree.max_depth):  # every row's nodes at this depth in one batch
+    nodes = np.nonzero(depths == depth)[0]
+    f = np.repeat(feats, len(nodes), 0)  # [rows x nodes, WIDTH, E]: (b, j) row-major
+    t = np.repeat(toks, len(nodes), 0)
+    for r, (b, j) in enumerate((b, j) for b in rows for j in nodes):
+      path = [int(j)]
+      while parents[path[0]] > 0:
+        path.insert(0, int(parents[path[0]]))
+      for i, a in enumerate(path):  # pair n - 1 + i: (its parent's feature, its token)
+        f[r, n[b] - 1 + i] = node_feat[b, parents[a]]
+        t[r, n[b] - 1 + i] = tokens[b, a - 1]
+    out = np.asarray(head(f, t)[0])
+    for r, (b, j) in enumerate((b, j) for b in rows for j in nodes):
+      node_feat[b, j] = out[r, n[b] - 2 + depth]
+  want = np.asarray(jax.nn.softmax(model.head_logits(target.params, jnp.asarray(node_feat),
+                                                     tcfg)))
+  fed = depths < tree.max_depth
+  err = np.max(np.abs(np.asarray(d.q) - want)[:, fed], -1)  # [B, fed nodes]
+  bad += [f"row {b} node {j}: q off by {err[b, i]:.2g}" for b, i in zip(*np.nonzero(err > 1e-4))
+          for j in [np.nonzero(fed)[0][i]]]
+  return bad
+
+
+def _rows(x, batch):
+  return jnp.asarray(np.concatenate([x, np.zeros((batch - len(x),) + x.shape[1:], x.dtype)]))
+
+
+def test_head_drafts_every_node_as_a_chain_along_its_path(v6_head):
+  assert head_mismatches(v6_head) == []
+
+
+# ---------------------------------------------------------------- exactness
+
+ROWS = 1500
+
+
+def output_pvalues(target, drafter, sp, siblings, tree=EXACT_TREE, seed=0) -> dict[str, float]:
+  """Pair laws of the first depth + 3 tokens against the target's own (as
+  tests/decode/test_trees.py's output_pvalues)."""
+  w = tree.max_depth + 3
+  prompts = [p for p in lawcheck.PROMPTS for _ in range(ROWS)]
+  res = speculative.generate(target, None, prompts, w, 1, sp=sp, seed=seed, tree=tree,
+                             siblings=siblings, drafter=drafter)
+  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(lawcheck.PROMPTS)), ROWS)
+  out = {}
+  for i, prompt in enumerate(lawcheck.PROMPTS):
+    laws = lawcheck.exact_laws(target, target, prompt, sp, w - 3)
+    t = tokens[which == i]
+    for j, law in enumerate(laws.pairs):
+      counts = np.bincount(t[:, j] * lawcheck.V + t[:, j + 1], minlength=lawcheck.V ** 2)
+      out[f"prompt {i} pair t{j},t{j + 1}"] = lawcheck.chi2_pvalue(counts, law)
+  return out
+
+
+def adjusted(ps: dict[str, float]) -> float:
+  return min(1.0, min(ps.values()) * len(ps))
+
+
+@pytest.mark.parametrize("siblings", ["topk", "stochastic"])
+def test_sampled_eagle_tree_follows_the_target(v6_head, siblings):
+  ps = output_pvalues(v6_head[0], v6_head[1], SamplingParams(1.0), siblings)
+  assert adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items()
+                                         if v * len(ps) <= lawcheck.ALPHA}
+
+
+def test_sampled_ngram_tree_follows_the_target(v6_head):
+  """The deterministic drafter's top-k rule with undrafted nodes (a short
+  history matches little)."""
+  ps = output_pvalues(v6_head[0], "ngram:1-2", SamplingParams(1.0), "topk")
+  assert adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items()
+                                         if v * len(ps) <= lawcheck.ALPHA}
+
+
+# ---------------------------------------------------------------- deliberate bugs
+
+
+def _path_ignored(orig):
+  def path_features(feats, path):  # the block's first D + 1 features, whatever was kept
+    return feats[:, :path.shape[1] + 1]
+  return path_features
+
+
+MUTATIONS = {
+    "ngram siblings that duplicate rank 0 (no dedup)": (
+        ngram, "ngram_tree", ("first = has & ~dup", "first = has"),
+        lambda v6: ngram_branch_mismatches()),
+    "eagle feeds a node the wrong parent's feature": (
+        eagle, "draft_tree_phase", ("feats[:, par]", "feats[:, par[::-1]]"),
+        head_mismatches),
+    "eagle's commit ignores the path (block-order features)": (
+        tree_step, "path_features", _path_ignored, head_mismatches),
+}
+
+
+@pytest.mark.parametrize("bug", list(MUTATIONS))
+def test_each_deliberate_bug_fails(v6_head, monkeypatch, bug):
+  module, name, change, check = MUTATIONS[bug]
+  orig = getattr(module, name)
+  bugged = lawcheck.mutant(orig, *change) if isinstance(change, tuple) else change(orig)
+  jax.clear_caches()
+  monkeypatch.setattr(module, name, bugged)
+  try:
+    bad = check(v6_head)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  print(f"MUTATION | {bug} | {bad[:3]}")
+  assert bad, f"{bug}: not caught"
