@@ -142,8 +142,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
       c.temps = (0.0,)
       c.batches = (1, 4)
       c.heldout_prompts = 0
-      c.n_predict, c.ctx_size, c.reps = 24, 96, 2
-      c.auto_calibrate = False
+      c.n_predict, c.ctx_size, c.reps = 64, 160, 2
   elif arg != "default":
     raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, gpu_batch, batch, "
                      f"batch_quick, drafters, trees or trees_quick")

@@ -116,17 +116,20 @@ def validate(cfg) -> None:
       raise ConfigError(f"config.{name} must be >= 1, got {getattr(cfg, name)}")
 
 
-def rule_p(rule: str) -> list[float] | None:
-  """The positional acceptance vector a simulated rule implies (siblings:P,
-  bernoulli:P on rank 0 only, always), None for the real rule and the
-  others (fraction, mean_length: no rank law)."""
+def rule_p(rule: str, width: int = 1) -> list[float] | None:
+  """The positional acceptance vector [width] a simulated rule implies on a
+  tree (tree_acceptance.accept_table: siblings:P repeats its last value,
+  bernoulli:P is P at every rank, always 1), None for the real rule and the
+  others (fraction, mean_length: no law by rank)."""
   head, _, body = str(rule).partition(":")
+  width = max(1, int(width))
   if head == "siblings":
-    return [float(x) for x in body.split(",")]
+    probs = [float(x) for x in body.split(",")]
+    return [probs[min(r, len(probs) - 1)] for r in range(width)]
   if head == "bernoulli":
-    return [float(body)]
+    return [float(body)] * width
   if head == "always":
-    return [1.0]
+    return [1.0] * width
   return None
 
 
@@ -235,7 +238,7 @@ def point_record(bench: TreeBench, p: TreePoint, cost: autotree.TreeCosts,
                trees_used={k: used.count(k) for k in bench.cands if k in used})
     return schema.run_record(st, **rec)
   tree = bench.cands[p.tree]
-  prior = rule_p(p.accept_rule)
+  prior = rule_p(p.accept_rule, tree.width)
   pv = prior if prior is not None else tree_theory.estimate_p(acc, tried, autotree.PRIOR_P, 0.0)
   pv = np.nan_to_num(np.asarray(pv, float), nan=0.0)
   step_s = cost.step_s(p.tree, tree, 0.0)

@@ -57,8 +57,10 @@ def test_crossover_and_best_per_batch_on_synthetic_records():
 
 
 def test_rule_p_and_config():
-  assert tree_sweep.rule_p("siblings:0.8,0.4") == [0.8, 0.4]
-  assert tree_sweep.rule_p("bernoulli:0.7") == [0.7] and tree_sweep.rule_p("always") == [1.0]
+  # as tree_acceptance.accept_table reads them
+  assert tree_sweep.rule_p("siblings:0.8,0.4", 3) == [0.8, 0.4, 0.4]
+  assert tree_sweep.rule_p("bernoulli:0.7", 2) == [0.7, 0.7]
+  assert tree_sweep.rule_p("always", 1) == [1.0]
   assert tree_sweep.rule_p("real") is None
   c = sweep_gamma.get_config("trees")
   tree_sweep.validate(c)
