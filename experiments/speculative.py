@@ -97,7 +97,9 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write statistics, timings and
                                 "prompt ids, tokens and baseline tokens as one JSON object.")
 _TREE = flags.DEFINE_string(
     "tree", "chain", "Draft shape: chain (depth --gamma), a JSON list of rank paths "
-    "'[[0],[1],[0,0]]' or a .json file of one, kary:K,D, sequoia:N,D[:p1,..], auto[:N1,..] (model.tree.parse)")
+    "'[[0],[1],[0,0]]' or a .json file of one, kary:K,D, sequoia:N,D[:p1,..], dynamic:K,D,N "
+    "(EAGLE-2: per row, the N likeliest of the top-K expansions over D levels), auto[:N1,..] "
+    "(model.tree.parse)")
 _SIBLINGS = flags.DEFINE_enum("siblings", "topk", ["topk", "stochastic"],
                               "A tree's siblings: the draft's top-k, or i.i.d. draws from q.")
 _AUTO_SET = flags.DEFINE_string("auto_set", "1,2,4,8", "The gammas --gamma=auto chooses from.")
@@ -151,10 +153,8 @@ def main(argv):
   if auto_tree:
     rule, tree = acceptance.parse_rule(_ACCEPT.value), None
     gamma = max(t.max_depth for t in cands.values())
-  if tree is not None and not isinstance(tree, trees.Tree):
-    raise ConfigError(f"--tree={_TREE.value} is not supported by the loop yet: use chain, a "
-                      "static tree (a JSON list, kary:K,D or sequoia:N,D) or auto")
-  tree = None if tree is not None and tree.is_chain and tree.max_depth == gamma else tree
+  if isinstance(tree, trees.Tree) and tree.is_chain and tree.max_depth == gamma:
+    tree = None  # the chain itself
   gamma = tree.max_depth if tree is not None else gamma
   if tree is not None:
     rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
@@ -178,7 +178,8 @@ def main(argv):
   target = steps.Runner(tcfg, tparams)
   # One capacity for both sides: attention cost grows with it.
   depth = max(len(p) for p in prompts)
-  extra = (gamma if tree is None else tree.n) if not cands else max(t.n for t in cands.values())
+  extra = ((gamma if tree is None else max(tree.n, getattr(tree, "n_fed", 0) - 1)) if not cands
+           else max(t.n for t in cands.values()))
   capacity = generation.plan_capacity(tcfg, depth, _N_PREDICT.value, extra=extra,
                                       ctx_size=_CTX.value)
   kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)

@@ -106,8 +106,11 @@ class SpecConfig:
 
   @property
   def block(self) -> int:
-    """Tokens one verify writes: gamma + 1, or the tree's 1 + N."""
-    return self.gamma + 1 if self.tree is None else self.tree.block_size
+    """Slots one step writes past the cache's length: gamma + 1, a tree's
+    1 + N, or a dynamic tree's larger of that and what its draft feeds."""
+    if self.tree is None:
+      return self.gamma + 1
+    return max(self.tree.block_size, getattr(self.tree, "n_fed", 0))
 
 
 def check_vocabularies(target: ModelConfig, draft: ModelConfig) -> None:

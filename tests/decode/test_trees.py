@@ -22,12 +22,16 @@ from specjax.model import steps
 from specjax.model import tree as trees
 from specjax.model.sampling import SamplingParams
 
-from lawcheck import PROMPTS, V, chi2_pvalue, exact_laws, perturbed, pair  # noqa: F401
+from lawcheck import PROMPTS, V, chi2_pvalue, exact_laws, perturbed, sharpen, pair  # noqa: F401
 
 N_PREDICT = 20
 RAGGED = [[5, 9, 3, 7, 1], [2, 8], [11, 4, 6, 250, 33, 17, 90, 3, 3], [42]]
 MEDUSA = trees.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]])
-TREES = {"kary:2,2": trees.kary(2, 2), "medusa-8": MEDUSA}
+DYNAMIC = trees.DynamicTree(3, 4, 6)  # EAGLE-2 style: per row, 30 candidates, 6 kept
+# 3 of 6 candidates: the draft's feed layout (root, 2 + 2 frontier nodes) and the
+# verify block (mostly the best path) part from depth 2 on
+NARROW = trees.DynamicTree(2, 3, 3)
+TREES = {"kary:2,2": trees.kary(2, 2), "medusa-8": MEDUSA, "dynamic:3,4,6": DYNAMIC}
 DRAFTERS = ("model", "layerskip:1", "layerskip:1-1")
 
 
@@ -38,6 +42,15 @@ def runners():
   draft = perturbed(target, 0.3, 4)  # agrees often: deep paths are accepted
   base = generation.generate(target, RAGGED, N_PREDICT)
   return target, draft, base.tokens
+
+
+@pytest.fixture(scope="module")
+def sharp(runners):
+  """A confident target drafting for itself: a dynamic tree keeps the deep
+  best path rather than the first level's runners-up (the feed layout and
+  the verify block then part from depth 2 on)."""
+  target = sharpen(runners[0], 30.0)
+  return target, target, generation.generate(target, RAGGED, N_PREDICT).tokens
 
 
 def run(runners, tree, drafter="model", loop="device", **kw):
@@ -71,6 +84,15 @@ def test_chain_shaped_tree_is_the_chain(runners):
   assert chain.tokens == tree.tokens == want
   np.testing.assert_array_equal(chain.records.n_acc, tree.records.n_acc)
   assert chain.stats.n_steps == tree.stats.n_steps
+
+
+def test_dynamic_tree_of_one_child_is_the_chain(runners):
+  """dynamic:1,D,D keeps the draft's greedy chain: the chain step for step."""
+  target, draft, want = runners
+  chain = speculative.generate(target, draft, RAGGED, N_PREDICT, gamma=3)
+  tree = run(runners, trees.DynamicTree(1, 3, 3))
+  assert chain.tokens == tree.tokens == want
+  np.testing.assert_array_equal(chain.records.n_acc, tree.records.n_acc)
 
 
 def first_step_accepts(target, draft, prompts, **kw) -> np.ndarray:
@@ -117,8 +139,14 @@ def cache_mismatches(runners, tree, drafter="model") -> list[str]:
   return bad
 
 
-def test_caches_after_a_run_equal_a_full_forward(runners):
-  assert cache_mismatches(runners, MEDUSA) == []
+@pytest.mark.parametrize("tree", [MEDUSA, DYNAMIC], ids=lambda t: t.spec)
+def test_caches_after_a_run_equal_a_full_forward(runners, tree):
+  assert cache_mismatches(runners, tree) == []
+
+
+def test_a_dynamic_drafts_cache_is_committed_from_its_own_layout(sharp):
+  assert run(sharp, NARROW).stats.tokens_per_step > 2.5  # deep paths are accepted
+  assert cache_mismatches(sharp, NARROW) == []
 
 
 # ------------------------------------------------------------ exactness
@@ -150,10 +178,13 @@ def adjusted(ps: dict[str, float]) -> float:
   return min(1.0, min(ps.values()) * len(ps))
 
 
-@pytest.mark.parametrize("siblings", ["topk", "stochastic"])
+@pytest.mark.parametrize("siblings", ["topk", "stochastic", "dynamic"])
 @pytest.mark.parametrize("name", list(TREE_SAMPLINGS))
 def test_sampled_tree_speculation_follows_the_target(pair, name, siblings):
-  ps = output_pvalues(pair, TREE_SAMPLINGS[name], siblings)
+  if siblings == "dynamic":  # top-k siblings chosen per row
+    ps = output_pvalues(pair, TREE_SAMPLINGS[name], "topk", trees.DynamicTree(2, 2, 4))
+  else:
+    ps = output_pvalues(pair, TREE_SAMPLINGS[name], siblings)
   assert adjusted(ps) > 1e-4, {k: v for k, v in ps.items() if v * len(ps) <= 1e-4}
 
 
@@ -193,10 +224,10 @@ def _draft_commit_skipped(orig):
   return rollback_draft_cache
 
 
-def _no_residual_between_siblings(orig):
-  def residual(r, law):
-    return r
-  return residual
+def _draft_commit_by_the_verify_path(orig):
+  def rollback_draft_cache(dcache, c):  # a dynamic draft's slots taken for the block's
+    return orig(dcache, c.replace(draft_path=c.path))
+  return rollback_draft_cache
 
 
 MUTATIONS = {
@@ -208,6 +239,9 @@ MUTATIONS = {
     "the draft cache's path not moved into place": (
         drafters_base, "rollback_draft_cache", _draft_commit_skipped,
         lambda r, p: cache_mismatches(r, MEDUSA)),
+    "a dynamic draft commits the verify block's slots": (
+        drafters_base, "rollback_draft_cache", _draft_commit_by_the_verify_path,
+        lambda r, p: cache_mismatches((sharpen(r[0], 30.0),) * 2 + (None,), NARROW)),
 }
 
 
