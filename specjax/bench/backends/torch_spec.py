@@ -66,20 +66,31 @@ def _dynamo_graphs() -> int:
 
 
 def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: int,
-             n_kv_heads: int, eps: float, logits: bool = False):
+             n_kv_heads: int, eps: float, logits: bool = False, tree=None):
   """T new tokens per row against the cache; the caches are written in place.
 
   w: weights (torch layout, [out, in]); tokens [B, T] int64; lengths [B]
   int64 (row b is written at slots lengths[b]..); ks, vs: L x [B, K, S, D].
+  tree: None (a chain: causal), or (mask [T, T] bool, depths [T] int64) of a
+  token tree's verify block (model.tree.Tree.mask, block_depths): RoPE at
+  lengths + depth, attention to the cache's slots < lengths and to the
+  block's slots the mask allows (an additive mask over [cache; block]).
   Returns the argmax [B, T] of the logits (or the f32 logits [B, T, V]).
   """
   torch = import_torch()
   b, t = tokens.shape
   h, k = n_heads, n_kv_heads
   s_cap = ks[0].shape[2]
-  positions = lengths[:, None] + torch.arange(t, device=tokens.device)[None, :]  # [B, T]
+  slots = lengths[:, None] + torch.arange(t, device=tokens.device)[None, :]  # [B, T]
   rows = torch.arange(b, device=tokens.device)[:, None]  # [B, 1]
-  mask = torch.arange(s_cap, device=tokens.device)[None, None, :] <= positions[:, :, None]
+  cols = torch.arange(s_cap, device=tokens.device)[None, None, :]  # [1, 1, S]
+  if tree is None:
+    positions, mask = slots, cols <= slots[:, :, None]
+  else:
+    positions = lengths[:, None] + tree[1][None, :]
+    j = cols - lengths[:, None, None]  # [B, 1, S] block index of each slot
+    allowed = tree[0][None].expand(b, t, t).gather(2, j.clamp(0, t - 1).expand(b, t, s_cap))
+    mask = (j < 0) | ((j < t) & allowed)
   bias = torch.zeros(mask.shape, dtype=torch.float32, device=tokens.device)
   bias = bias.masked_fill(~mask, float("-inf"))[:, None, None]  # [B, 1, 1, T, S]
   freqs = positions[..., None].float() * w["inv_freq"]  # [B, T, D/2]
@@ -104,8 +115,8 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
     q = rope(lin(y, lw["wq"]).view(b, t, h, d))
     kk = rope(lin(y, lw["wk"]).view(b, t, k, d))
     vv = lin(y, lw["wv"]).view(b, t, k, d)
-    kc[rows, :, positions] = kk.to(kc.dtype)  # write first: the new tokens see themselves
-    vc[rows, :, positions] = vv.to(vc.dtype)
+    kc[rows, :, slots] = kk.to(kc.dtype)  # write first: the new tokens see themselves
+    vc[rows, :, slots] = vv.to(vc.dtype)
     qg = q.view(b, t, k, h // k, d).permute(0, 2, 3, 1, 4)  # [B, K, G, T, D]
     scores = torch.matmul(qg.float(), kc[:, :, None].transpose(-1, -2).float())
     scores = scores / math.sqrt(d) + bias  # [B, K, G, T, S]
@@ -153,9 +164,9 @@ class TorchLlama:
     self.compiled = bool(compile)
     self.compile_note = None
     kw = dict(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, eps=cfg.norm_eps)
-    eager = lambda w, tok, lens, ks, vs: _forward(w, tok, lens, ks, vs, **kw)
-    self._eager_logits = lambda w, tok, lens, ks, vs: _forward(w, tok, lens, ks, vs, **kw,
-                                                               logits=True)
+    eager = lambda w, tok, lens, ks, vs, tree=None: _forward(w, tok, lens, ks, vs, **kw, tree=tree)
+    self._eager_logits = lambda w, tok, lens, ks, vs, tree=None: _forward(
+        w, tok, lens, ks, vs, **kw, logits=True, tree=tree)
     self._eager = eager
     self._fn = eager
     if self.compiled:
@@ -177,29 +188,30 @@ class TorchLlama:
     lens = cache.lengths.numpy()
     kvc.check_capacity(lens if live is None else lens[live], tokens.shape[1], cache.capacity)
 
-  def step(self, tokens, cache: "Cache", live=None):
+  def step(self, tokens, cache: "Cache", live=None, tree=None):
     """argmax [B, T] of a forward over tokens [B, T]; lengths += T. Capacity
     is checked first (for the `live` rows when given: the others ride
     along, their writes inside the capacity by construction)."""
     self._check(tokens, cache, live)
     with self.torch.inference_mode():
       try:
-        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v)
+        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
       except Exception as e:  # pylint: disable=broad-except
         if not self.compiled:
           raise
         # torch.compile broken here: record why, go on eager.
         self.compile_note = f"torch.compile failed, eager fallback: {first_line(e)}"
         self.compiled, self._fn = False, self._eager
-        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v)
+        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
     cache.lengths += tokens.shape[1]
     return out
 
-  def logits(self, tokens, cache: "Cache"):
-    """f32 logits [B, T, V] of the same forward, eager; lengths += T."""
+  def logits(self, tokens, cache: "Cache", tree=None):
+    """f32 logits [B, T, V] of the same forward, eager (`tree`: a tree
+    verify, see _forward); lengths += T."""
     self._check(tokens, cache)
     with self.torch.inference_mode():
-      out = self._eager_logits(self.w, tokens, cache.lengths, cache.k, cache.v)
+      out = self._eager_logits(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
     cache.lengths += tokens.shape[1]
     return out
 
