@@ -97,8 +97,11 @@ class DraftedTree:
 
   @property
   def n_drafted(self) -> jax.Array:
-    """[B] nodes drafted: every node of the tree."""
-    return jnp.full(self.tokens.shape[:1], self.tokens.shape[1], jnp.int32)
+    """[B] nodes drafted: those `drafted` marks (an n-gram tree's matched
+    nodes), else every node of the tree."""
+    if self.drafted is None:
+      return jnp.full(self.tokens.shape[:1], self.tokens.shape[1], jnp.int32)
+    return jnp.sum(self.drafted, -1, dtype=jnp.int32)
 
 
 @struct.dataclass
