@@ -54,8 +54,8 @@ def ablated(variant: str):
   saved = (layers.attend_masked, layers.attend_blocked, layers.apply_rope,
            layers.RMSNorm.__call__)
   if variant == "no attention":
-    layers.attend_masked = lambda q, k, v, pos, dtype: q.astype(dtype)
-    layers.attend_blocked = lambda q, k, v, pos, block, dtype: q.astype(dtype)
+    layers.attend_masked = lambda q, k, v, pos, dtype, tree=None: q.astype(dtype)
+    layers.attend_blocked = lambda q, k, v, pos, block, dtype, tree=None: q.astype(dtype)
   elif variant == "no rope":
     layers.apply_rope = lambda x, positions, inv_freq: x
   elif variant == "no norms":
