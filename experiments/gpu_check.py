@@ -21,7 +21,10 @@ about 5 minutes on one GPU).
    llama-7b / llama-160m, bf16, batches 1, 8, 32, gamma 1 and 4, bernoulli:0.8:
    speedup per batch, the tail model's steps, the crossover batch.
 6. The loop overhead of the speculative device loop (gamma 4).
-7. With several local GPUs: llama-7b T(1) and T(5) on data:1,model:M for
+7. The tree verify T(B, N) (issue 25): llama-7b, bf16, one verify of Sequoia's
+   best trees of 4..64 nodes under the tree mask at B = 1, 4, 16, 32, over
+   chain:1's at the same batch (flat until B (1 + N) nears the ridge point).
+8. With several local GPUs: llama-7b T(1) and T(5) on data:1,model:M for
    M = 1, 2, 4, 8 up to the number of GPUs (tensor parallelism); with one,
    the summary says so.
 
@@ -55,7 +58,7 @@ _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", None, "Peak memory bandwidth (G
                                 "looked up from the device kind.", lower_bound=1.0)
 _REPS = flags.DEFINE_integer("reps", 5, "Benchmark repetitions.", lower_bound=1)
 _SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: peaks, bench, attention, sweep, batch, "
-                         "overhead, mesh.")
+                         "overhead, trees, mesh.")
 
 
 def peaks_part(smoke: bool, reps: int, out, measured: dict) -> list[str]:
@@ -97,9 +100,11 @@ def main(argv):
     scfg.accepts = ("bernoulli:0.8", "always")
     models, n_prompt, n_gen, depth = ["tiny-draft", "tiny"], [1, 2, 4], 4, 8
     attn_model, attn_points, attn_gen = "tiny", [(32, 8), (128, 8), (128, 96)], 4
+    tree_model, tree_batches, tree_sizes = "tiny", (1, 2), (4, 8)
   else:
     models, n_prompt, n_gen, depth = ["llama-160m", "llama-7b"], [1, 2, 4, 8, 16, 32, 64], 64, 128
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
+    tree_model, tree_batches, tree_sizes = "llama-7b", (1, 4, 16, 32), (4, 8, 16, 32, 64)
   bandwidth = _BANDWIDTH.value or roofline.device_bandwidth_gbs(dev.device_kind)
   lines, t0 = [f"# GPU check: {dev.device_kind}", ""], time.perf_counter()
   measured = {}  # filled by the peaks part
@@ -118,6 +123,9 @@ def main(argv):
       ("overhead", lambda: gs.overhead_section(
           gs.overhead_run(scfg.target, scfg.draft, scfg.dtype, gamma, reps, out), scfg.target,
           scfg.draft, gamma)),
+      ("trees", lambda: gs.trees_section(
+          gs.trees_run(tree_model, scfg.dtype, tree_batches, tree_sizes, depth, reps, out),
+          tree_model, tree_sizes)),
       ("mesh", lambda: mesh_part("tiny" if _SMOKE.value else "llama-7b", scfg.dtype, reps,
                                  out)),
   ]

@@ -202,3 +202,41 @@ def mesh_section(recs: Records, model: str, reps: int, n_devices: int,
                       [[r["mesh"], f"{1e3 * r['t1_s']:.2f}", f"{1e3 * r['tv_s']:.2f}",
                         f"{r['verify_ratio']:.2f}", f"{r['t1_vs_first']:.2f}"] for r in recs])]
 
+
+
+# ---------------------------------------------------------------- tree verify cost
+
+
+def trees_run(spec, dtype, batches, sizes, depth, reps, out) -> Records:
+  """T(B, 1 + N) of the tree verify (bench/tree_verify_cost.XlaTreeProbe)
+  for Sequoia's best trees of `sizes` nodes (depth <= 8, model.tree's
+  default p) and chain:1 (T(B, 2), the reference), at every batch."""
+  from specjax.bench import tree_verify_cost as tvc  # pylint: disable=import-outside-toplevel
+  from specjax.model import tree as trees  # pylint: disable=import-outside-toplevel
+  cfg, params, _ = checkpoint.load_model(spec, dtype=dtype)
+  m = steps.Runner(cfg, params)
+  tl = [trees.chain(1)] + [trees.sequoia(n, 8) for n in sizes]
+  cap = depth + max(t.block_size for t in tl)
+  recs = []
+  for b in batches:
+    for r in tvc.surface(lambda bb: tvc.XlaTreeProbe(m, bb, cap, depth), [b], tl, reps):
+      rec = {"model": cfg.name, "dtype": cfg.precision, "depth": depth, **r}
+      out("trees", rec)
+      recs.append(rec)
+  return recs
+
+
+def trees_section(rs: Records, spec, sizes) -> list[str]:
+  """T(B, 1 + N) / T(B, 2) per batch and tree size: where the tree verify
+  stops being flat (on a GPU: near B (1 + N) ~ the ridge point)."""
+  lines = [f"## Tree verify cost T(B, N) ({spec}, {rs[0]['dtype'] if rs else '-'}, tree mask)",
+           "", "| B | T(B, 2) ms | " + " | ".join(f"N={n}" for n in sizes)
+           + " | tokens per verify at N=%d |" % max(sizes), "|---" * (3 + len(sizes)) + "|"]
+  for b in sorted({r["batch"] for r in rs}):
+    at = {r["nodes"]: r["seconds"] for r in rs if r["batch"] == b}
+    lines.append(f"| {b} | {1e3 * at[1]:.2f} | " + " | ".join(
+        f"{at[n] / at[1]:.2f}" for n in sizes) + f" | {b * (1 + max(sizes))} |")
+  lines += ["", "Each cell: T(B, 1 + N) / T(B, 2) (one verify of a Sequoia tree of N nodes "
+            "over chain:1's verify at the same batch). A tree pays while this stays near 1; "
+            "the study's crossover batch (bench/tree_report.py) is where it stops."]
+  return lines

@@ -198,6 +198,7 @@ def test_gpu_check_smoke(tmp_path):
   assert "T(2)/T(1)" in summary and "| tiny |" in summary and "efficiency" in summary
   assert "| data:1,model:2 |" in summary and "Crossover, gamma 2" in summary
   assert "## Measured ceilings" in summary and "Ridge point" in summary
+  assert "## Tree verify cost T(B, N)" in summary and "| 2 |" in summary
   parts = [json.loads(l)["part"] for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
   assert parts[0] == "peaks" and "bench" in parts
   assert (tmp_path / "sweep" / "results.jsonl").exists()
