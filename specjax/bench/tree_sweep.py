@@ -292,13 +292,15 @@ def run_tree_sweep(cfg, workdir: str, resume: bool = False, progress: bool = Tru
   for p in points(cfg):
     if p.key in finished or (only is not None and n_new >= only):
       continue
-    if p.drafter in skipped:
+    kind = (p.drafter, "auto" if p.tree == AUTO else "chain" if p.tree.startswith("chain")
+            else "tree")
+    if kind in skipped:
       continue
     try:
       rec = run_point(benches[p.drafter], p)
     except ConfigError as e:  # a drafter that cannot draft trees (yet): one line, go on
-      skipped[p.drafter] = f"drafter {p.drafter}: skipped ({e})"
-      print(skipped[p.drafter], flush=True)
+      skipped[kind] = f"drafter {p.drafter}, {kind[1]} points: skipped ({e})"
+      print(skipped[kind], flush=True)
       continue
     d_cfg = benches[p.drafter].drafter.draft_config(tcfg, draft and draft.cfg)
     rec.update(target=tcfg.name, draft=d_cfg.name if d_cfg is not None else None,

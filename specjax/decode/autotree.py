@@ -227,7 +227,7 @@ def _check(c: TreeCosts, batch: int, cands: Mapping[str, trees.Tree], drafter) -
   if missing or 1 not in c.t_draft:
     raise ConfigError(f"the auto tree costs lack T_target(n) for n = {missing}"
                       + ("" if 1 in c.t_draft else " and T_draft(1)"))
-  if not drafter.gamma_free_state:
+  if not drafter.gamma_free_state and len(cands) > 1:
     raise ConfigError(f"drafter {drafter.spec} keeps state shaped by gamma: the tree cannot be "
                       "chosen at run time (use model or layerskip)")
   if (any(not t.is_chain for t in cands.values())
