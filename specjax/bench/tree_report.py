@@ -25,8 +25,10 @@ AUTO = "auto"
 
 
 def is_chain(rec: Record) -> bool:
-  """A chain point: its tree spec is chain:G (tree_nodes == depth)."""
-  return str(rec["tree"]).startswith("chain")
+  """A chain point: chain:G, or a tree whose topology is a chain (as many
+  nodes as levels: e.g. Sequoia's best 4-node tree at p = (0.6, 0.2, 0.1))."""
+  nodes = rec.get("tree_nodes")
+  return str(rec["tree"]).startswith("chain") or (nodes is not None and nodes == rec["gamma"])
 
 
 def series_key(rec: Record) -> tuple:

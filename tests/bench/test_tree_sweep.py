@@ -46,6 +46,9 @@ def check_crossover():
   # a chain win at B=4 that the tree takes back at 16 is no crossover at 4
   assert tree_report.crossover({1: {"tree": 2, "chain": 1}, 4: {"tree": 1, "chain": 2},
                                 16: {"tree": 2, "chain": 1}, 32: {"tree": 1, "chain": 2}}) == 32
+  # a "tree" of chain topology (4 nodes, depth 4) is a chain
+  assert tree_report.is_chain({**_rec(1, "sequoia:4,8", 1.0, 4), "gamma": 4})
+  assert not tree_report.is_chain({**_rec(1, "sequoia:8,8", 1.0, 8), "gamma": 7})
   lines = "\n".join(tree_report.summary_lines(SYNTH, ["drafter eagle: skipped (cannot)"]))
   assert "Crossover batch" in lines and "here on): 16" in lines
   assert "| 1 | sequoia:16,8 | 2.600 | chain:4 | 2.000 | 1.300 | 2.500 | 0.962 |" in lines
