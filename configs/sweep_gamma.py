@@ -32,6 +32,8 @@ import ml_collections
 
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
+  if arg in ("taskbench", "taskbench_quick"):
+    return taskbench_config(arg)
   c = ml_collections.ConfigDict()
   c.target = "cpu-target"        # target: preset, HF directory or orbax directory
   c.draft = "cpu-draft"          # draft: same forms; must share the target's vocabulary
@@ -145,5 +147,39 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
       c.n_predict, c.ctx_size, c.reps = 64, 160, 2
   elif arg != "default":
     raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, gpu_batch, batch, "
-                     f"batch_quick, drafters, trees or trees_quick")
+                     f"batch_quick, drafters, trees, trees_quick, taskbench or taskbench_quick")
+  return c
+
+
+def taskbench_config(arg: str) -> ml_collections.ConfigDict:
+  """The task suite (bench/taskbench_run.py; specjax/assets/taskbench): SmolLM2-135M-Instruct,
+  every category through its chat template, real acceptance at T = 0 and 1. The report:
+  WORKDIR/taskbench.md (a Spec-Bench-shaped leaderboard), taskbench.png.
+    python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:taskbench --workdir=/tmp/specjax_tb
+    python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:taskbench_quick --workdir=/tmp/specjax_tbq
+  """
+  c = get_config("default")
+  c.target, c.dtype = "smollm2-135m", "float32"
+  c.taskbench = ("multi_turn", "code_completion", "code_editing", "summarization", "qa", "math")
+  c.taskbench_category = ""     # set per category by the runner
+  c.taskbench_prompts = 0       # conversations per category (0 = all)
+  c.chat = True
+  # TODO(issue 27): the distilled SmolLM2 draft ("model") and its EAGLE head ("eagle:PATH",
+  # chain and dynamic tree) once they are trained and shipped.
+  c.drafters = ("ngram", "layerskip:8", "layerskip:15")
+  c.gammas = (2, 4)
+  c.accepts = ("real",)
+  c.temps = (0.0, 1.0)
+  c.n_predict = 64
+  c.ctx_size = 320
+  c.reps = 2
+  c.measure_split = False
+  if arg == "taskbench_quick":  # a few minutes on 2 cores
+    c.taskbench_prompts = 2
+    c.drafters = ("ngram", "layerskip:8")
+    c.gammas = (4,)
+    c.temps = (0.0,)
+    c.n_predict = 32
+    c.ctx_size = 256
+    c.reps = 1
   return c

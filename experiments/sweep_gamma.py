@@ -15,6 +15,7 @@ from ml_collections import config_flags
 
 from specjax import cli
 from specjax.bench import sweep
+from specjax.bench import taskbench_run
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "sweep_gamma.py"),
@@ -25,8 +26,14 @@ _RESUME = flags.DEFINE_bool("resume", False, "Skip points already in workdir/res
 
 def main(argv):
   del argv
-  sweep.run_sweep(_CONFIG.value, _WORKDIR.value, resume=_RESUME.value, progress=sys.stderr.isatty())
-  with open(os.path.join(_WORKDIR.value, "summary.md")) as f:
+  cfg, progress = _CONFIG.value, sys.stderr.isatty()
+  if cfg.get("taskbench", ()):  # the task suite: one sweep per category + its report
+    taskbench_run.run_taskbench(cfg, _WORKDIR.value, resume=_RESUME.value, progress=progress)
+    summary = taskbench_run.REPORT
+  else:
+    sweep.run_sweep(cfg, _WORKDIR.value, resume=_RESUME.value, progress=progress)
+    summary = "summary.md"
+  with open(os.path.join(_WORKDIR.value, summary)) as f:
     print(f.read())
   print(f"outputs in {_WORKDIR.value}")
 

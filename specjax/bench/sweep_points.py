@@ -9,6 +9,7 @@ import dataclasses
 
 from specjax import cli
 from specjax import workdir as wd
+from specjax.bench import taskbench
 from specjax.decode import acceptance
 from specjax.drafters import registry
 from specjax.errors import ConfigError
@@ -106,11 +107,17 @@ def group_key(p: Point) -> tuple:
 
 
 def sweep_prompts(cfg, tok, vocab_size: int) -> list[list[int]]:
-  """The prompts of a sweep: `heldout_prompts` shipped held-out prompts, or one.
+  """The prompts of a sweep: `heldout_prompts` shipped held-out prompts, or one;
+  with `taskbench_category`, that task suite category's conversations (the
+  first `taskbench_prompts`, 0: all) through the chat template.
   With `chat`, each is a user turn rendered with the target's chat template
   (the chat form, for Instruct targets; a target without one is refused)."""
   n = int(cfg.get("heldout_prompts", 0))
   chat = bool(cfg.get("chat", False))
+  category = str(cfg.get("taskbench_category", ""))
+  if category and not cfg.prompt_tokens:  # a task suite category (bench/taskbench_run.py)
+    return taskbench.category_prompts(category, tok, vocab_size,
+                                      int(cfg.get("taskbench_prompts", 0)))
   if n:
     if tok is None:
       raise ConfigError("config.heldout_prompts needs a target with a tokenizer")
