@@ -4,6 +4,7 @@ answers copy from their passage; the quick config runs end to end on tiny
 models (bench/taskbench_run.py)."""
 
 import json
+import statistics
 
 import pytest
 
@@ -70,3 +71,85 @@ def test_bad_files_are_one_clear_error(tmp_path):
       {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n")
   with pytest.raises(ConfigError, match="end in a user turn"):
     taskbench.load_category("qa", tmp_path)
+
+
+# ------------------------------------------------------------ the quick config, end to end
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+  """configs/sweep_gamma.py:taskbench_quick on the tiny pair (random weights,
+  no tokenizer: every category runs the same ids), as a user would override it."""
+  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  c = sweep_gamma.get_config("taskbench_quick")
+  c.target, c.draft, c.chat = "tiny", "tiny-draft", False
+  c.prompt_tokens = "1,5,9,200,3,7,7,7,7,7,7,7,7,7,7,7"  # repeats: the n-gram drafter matches
+  c.drafters = ("ngram", "model")
+  c.n_predict, c.ctx_size = 16, 64
+  c.taskbench = ("code_editing", "math")  # two categories: CI time (each compiles its own sweep)
+  workdir = tmp_path_factory.mktemp("taskbench")
+  return workdir, c, taskbench_run.run_taskbench(c, str(workdir), progress=False)
+
+
+def test_quick_config_runs_every_category_and_writes_the_report(quick_run):
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  workdir, cfg, records = quick_run
+  assert {(r["category"], r["drafter"]) for r in records} == {
+      (c, d) for c in cfg.taskbench for d in ("ngram:1-4", "model")}
+  text = (workdir / taskbench_run.REPORT).read_text()
+  table = [ln for ln in text.splitlines() if ln.startswith("| ngram") or ln.startswith("| model")]
+  assert len(table) == 2 and all(ln.count("x |") == len(cfg.taskbench) + 1 for ln in table)
+  assert "| Code edit | model | 0 | 4 |" in text
+  assert (workdir / taskbench_run.PLOT).stat().st_size > 0
+  assert len((workdir / taskbench_run.RECORDS).read_text().splitlines()) == len(records)
+  assert sweep_gamma_categories() == taskbench.CATEGORIES
+
+
+def sweep_gamma_categories():
+  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
+  return tuple(sweep_gamma.get_config("taskbench_quick").taskbench)
+
+
+def test_leaderboard_takes_each_points_own_numbers(quick_run):
+  """The overall column is the mean of the row's category speedups and MAT
+  the mean tokens per step; a record moved to another category moves its cell."""
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  _, _, records = quick_run
+  recs = [dict(r) for r in records]
+  for r in recs:
+    r["speedup"] = 2.0 if r["category"] == "math" else 1.0
+    r["tokens_per_step"] = 3.0
+  row = next(ln for ln in taskbench_run.leaderboard(recs).splitlines() if ln.startswith("| model"))
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[2:] == ["1.00x", "2.00x", "3.00", "1.50x"]
+  # Deliberate bug: the overall column as the best category, not the mean.
+  mean = statistics.mean
+  statistics.mean = max
+  try:
+    bad = next(ln for ln in taskbench_run.leaderboard(recs).splitlines() if ln.startswith("| model"))
+  finally:
+    statistics.mean = mean
+  assert bad != row
+
+
+def test_sweep_renders_a_category_with_the_chat_template():
+  """sweep_points.sweep_prompts with config.taskbench_category: the category's
+  conversations through the target's chat template (SmolLM2's tokenizer)."""
+  from specjax.bench import sweep_points  # pylint: disable=import-outside-toplevel
+  from specjax.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+  from specjax.formats import checkpoint, gguf, gguf_tokenizer  # pylint: disable=import-outside-toplevel
+  try:
+    path = checkpoint.packaged_path("smollm2-135m")
+  except CheckpointError as e:
+    pytest.skip(str(e))
+  tok = gguf_tokenizer.gguf_tokenizer(gguf.open_reader(path), str(path))
+  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
+  c = sweep_gamma.get_config("taskbench_quick")
+  c.taskbench_category = "math"
+  got = sweep_points.sweep_prompts(c, tok, 49152)
+  want = [tok.encode_chat(r["messages"]) for r in taskbench.load_category("math")[:2]]
+  assert got == want and len(got) == c.taskbench_prompts == 2
+  assert got[0].count(1) == 3  # <|im_start|> (id 1): system, user, assistant
+  c.taskbench_category = "qa"  # deliberate bug: another category's prompts
+  assert sweep_points.sweep_prompts(c, tok, 49152) != want
