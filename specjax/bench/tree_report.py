@@ -119,12 +119,18 @@ def plot(path: str, records: Sequence[Record]) -> None:
   for row, ((drafter, rule, temp), recs) in enumerate(series.items()):
     ax = axes[row][0]
     for b in sorted({r["batch"] for r in recs}):
-      pts = sorted((r for r in recs if r["batch"] == b and r["tree"] != AUTO),
-                   key=lambda r: r["tree_nodes"])
-      ln = ax.plot([r["tree_nodes"] for r in pts], [r["tokens_per_step"] for r in pts], "o",
-                   label=f"B={b} measured")
-      ax.plot([r["tree_nodes"] for r in pts], [r["tokens_per_step_predicted"] for r in pts],
-              "-", color=ln[0].get_color(), alpha=0.6, label=f"B={b} predicted")
+      color = None
+      for chain, mark, style in ((False, "o", "-"), (True, "s", ":")):  # trees, then chains
+        pts = sorted((r for r in recs if r["batch"] == b and r["tree"] != AUTO
+                      and is_chain(r) == chain), key=lambda r: r["tree_nodes"])
+        if not pts:
+          continue
+        kind = "chains" if chain else "trees"
+        ln = ax.plot([r["tree_nodes"] for r in pts], [r["tokens_per_step"] for r in pts], mark,
+                     color=color, label=f"B={b} {kind} measured")
+        color = ln[0].get_color()
+        ax.plot([r["tree_nodes"] for r in pts], [r["tokens_per_step_predicted"] for r in pts],
+                style, color=color, alpha=0.6, label=f"B={b} {kind} predicted")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("draft nodes N")
     ax.set_ylabel("tokens per step")
