@@ -23,6 +23,8 @@ Chains next to token trees (tokens/step and speedup measured vs predicted, the c
 auto vs the best fixed tree; bench/tree_sweep.py, docs/trees.md):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees --workdir=/tmp/specjax_trees
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees_quick --workdir=/tmp/specjax_tq
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees \
+      --config.prompt_set=editing --workdir=/tmp/specjax_trees_edit
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
       --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
