@@ -24,7 +24,7 @@ from specjax.model.config import ModelConfig, get_preset
 from specjax.errors import ConfigError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository (tests/parallel/../..)
 EIGHT = "--xla_force_host_platform_device_count=8"
 # GQA (16 query heads over 8 KV heads); every split size divisible by 8.
 TARGET = ModelConfig("tp-target", vocab_size=256, dim=128, n_layers=2, n_heads=16,
