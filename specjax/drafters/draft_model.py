@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.model import sampling
+from specjax.drafters import dynamic
 from specjax.drafters.base import Drafted, DraftedTree, Drafter, rollback_draft_cache
 from specjax.errors import ConfigError
 from specjax.model import kv_cache as kvc
@@ -99,20 +100,20 @@ def draft_tree_phase(dparams, dcache, tail, n, live, key, sc):
 
 def draft_dynamic_phase(dparams, dcache, tail, n, live, key, sc):
   """Drafts a dynamic tree (sc.tree a model.tree.DynamicTree k, depth, N),
-  EAGLE-2's way, per row: the top-k children of every frontier node by
-  cumulative draft log-probability, the frontier of each level its top k
-  candidates (k + (depth - 1) k^2 candidates), then the N candidates with
-  the highest cumulative log-probability (ties: the shallower first, so a
-  kept node's parent is kept), in BFS order, siblings by probability.
+  EAGLE-2's way, per row (the selection: drafters/dynamic.py, shared with
+  the EAGLE head): the top-k children of every frontier node by cumulative
+  draft log-probability, the frontier of each level its top k candidates,
+  then the N candidates with the highest cumulative log-probability, in BFS
+  order, siblings by probability.
 
   The draft feeds the root and each level's frontier (1 + (depth - 1) k
-  tokens) at slots n - 1 + its feed index, so its scratch layout is not the
-  verify block's: DraftedTree.fed maps one to the other for the commit.
+  tokens) at slots n - 1 + its feed index, each level attending to the
+  cached slots < n - 1 and its fed ancestors, so its scratch layout is not
+  the verify block's: DraftedTree.fed maps one to the other for the commit.
   Returns (DraftedTree with per-row parents, mask and fed, dcache with
   lengths n - 1)."""
   del key  # top-k children: deterministic
-  cfg, tree = sc.draft, sc.tree
-  k, depth, n_keep = tree.k, tree.depth, tree.n_nodes
+  cfg = sc.draft
   behind = live & (dcache.lengths < n - 1)
 
   def catch_up(c):
@@ -120,56 +121,18 @@ def draft_dynamic_phase(dparams, dcache, tail, n, live, key, sc):
     return llama.forward(dparams, tail[:, :1], c, cfg)[1]
 
   dcache = jax.lax.cond(jnp.any(behind), catch_up, lambda c: c, dcache)
-  base, b, f = dcache.lengths, tail.shape[0], tree.n_fed
-  rows = jnp.arange(b)[:, None]
-  fed_tok = jnp.zeros((b, f), jnp.int32).at[:, 0].set(tail[:, 1])
-  fed_anc = jnp.zeros((b, f, f), bool).at[:, 0, 0].set(True)  # ancestors-or-self, feed layout
-  fed_score = jnp.zeros((b, f), jnp.float32)
-  fed_cand = jnp.full((b, f), -1, jnp.int32)  # each fed node's candidate index (root: -1)
-  toks, scores, depths, parent_cand, fed_of = [], [], [], [], []
-  n_cand = 0
-  for d in range(depth):  # feed level d's frontier, propose level d + 1
-    lo, hi = (0, 1) if d == 0 else (1 + (d - 1) * k, 1 + d * k)
-    logits, dcache = llama.forward(dparams, fed_tok[:, lo:hi], kvc.rollback(dcache, base + lo),
-                                   cfg, tree_mask=fed_anc[:, lo:hi, :hi])
-    logp = fed_score[:, lo:hi, None] + jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-    top, tok = jax.lax.top_k(logp, k)  # [B, w, k]
-    w = hi - lo
-    toks.append(tok.reshape(b, w * k).astype(jnp.int32))
-    scores.append(top.reshape(b, w * k))
-    depths.append(jnp.full((b, w * k), d + 1, jnp.int32))
-    parent_cand.append(jnp.repeat(fed_cand[:, lo:hi], k, axis=1))
-    level = jnp.full((b, w * k), -1, jnp.int32)
-    if d + 1 < depth:  # the next frontier: this level's top k
-      best = jax.lax.top_k(scores[-1], k)[1]  # [B, k] positions in the level
-      nlo = 1 + d * k
-      par = lo + best // k  # their parents' feed index
-      fed_tok = fed_tok.at[:, nlo:nlo + k].set(jnp.take_along_axis(toks[-1], best, 1))
-      fed_score = fed_score.at[:, nlo:nlo + k].set(jnp.take_along_axis(scores[-1], best, 1))
-      fed_cand = fed_cand.at[:, nlo:nlo + k].set(n_cand + best)
-      anc = fed_anc[rows, par] | jax.nn.one_hot(nlo + jnp.arange(k), f, dtype=bool)[None]
-      fed_anc = fed_anc.at[:, nlo:nlo + k].set(anc)
-      level = level.at[rows, best].set(nlo + jnp.arange(k, dtype=jnp.int32)[None])
-    fed_of.append(level)
-    n_cand += w * k
-  tok, score, dep, par_c, fed_c = (jnp.concatenate(x, 1) for x in
-                                   (toks, scores, depths, parent_cand, fed_of))
-  keep = jnp.lexsort((dep, -score), axis=-1)[:, :n_keep]  # best first; ties: shallower
-  keep = jnp.take_along_axis(keep, jnp.lexsort((-jnp.take_along_axis(score, keep, 1),
-                                                jnp.take_along_axis(dep, keep, 1)), axis=-1), 1)
-  pos = jnp.full((b, n_cand), -1, jnp.int32).at[rows, keep].set(
-      jnp.arange(n_keep, dtype=jnp.int32)[None])  # candidate -> node (BFS order)
-  par_k = jnp.take_along_axis(par_c, keep, 1)
-  parents = jnp.where(par_k >= 0, jnp.take_along_axis(pos, jnp.maximum(par_k, 0), 1), -1)
-  t = n_keep + 1
-  mask = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t)).at[:, :, 0].set(True)
-  for i in range(n_keep):  # BFS: a parent's row is complete before its children's
-    mask = mask.at[:, i + 1].set(mask[:, i + 1] | mask[rows[:, 0], parents[:, i] + 1])
-  fed = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.take_along_axis(fed_c, keep, 1)], 1)
-  drafted = DraftedTree(tokens=jnp.take_along_axis(tok, keep, 1),
-                        q=jnp.zeros((b, t, 0), jnp.float32), caught_up=behind,
-                        parents=parents, mask=mask, fed=fed)
-  return drafted, kvc.rollback(dcache, base)
+  base = dcache.lengths
+
+  def feed(tokens, anc, parent):  # fed indices lo .. hi-1 at slots base + lo ..
+    del parent  # the cache holds every fed ancestor's K/V
+    nonlocal dcache
+    lo = anc.shape[-1] - tokens.shape[1]
+    logits, dcache = llama.forward(dparams, tokens, kvc.rollback(dcache, base + lo), cfg,
+                                   tree_mask=anc)
+    return logits
+
+  drafted = dynamic.select(feed, tail[:, 1], sc.tree)
+  return drafted.replace(caught_up=behind), kvc.rollback(dcache, base)
 
 
 def _draft_tree(dparams, dcache, tail, n, live, key, sc):

@@ -1,0 +1,97 @@
+"""EAGLE-2's dynamic draft tree (model.tree.DynamicTree k, depth, N): the
+selection every drafter that drafts one shares (draft_model.py's draft
+model and layer skip, eagle.py's head), apart from how a node is fed.
+
+Per row: feed the root, take the top-k children of every fed node by
+cumulative draft log-probability, make the level's top k candidates the
+next frontier and feed it, for `depth` levels (k + (depth - 1) k^2
+candidates); then keep the N candidates with the highest cumulative
+log-probability (ties: the shallower first, so a kept node's parent is
+kept), in BFS order, siblings by probability.
+
+The feed layout: the root at fed index 0, level d's frontier (d >= 1) at
+fed indices 1 + (d - 1) k .. d k. A drafter's `feed(tokens, anc, parent)`
+is called once per level with that level's fed nodes, lo .. hi - 1 in the
+feed layout (lo = hi - w; lo = 0 is the root alone):
+  tokens [B, w]     their tokens (the root's: the caller's root_token)
+  anc    [B, w, hi] bool, each one's ancestors-or-self in the feed layout
+  parent [B, w]     the fed index of each one's parent (-1: the root)
+and returns the logits [B, w, V] their children are drawn from. Whatever
+state the feeding needs (a KV cache, the fed nodes' features) stays in the
+drafter's closure."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters.base import DraftedTree
+from specjax.model.tree import DynamicTree
+
+Feed = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def level_span(d: int, k: int) -> tuple[int, int]:
+  """Level d's fed indices [lo, hi): the root (d = 0), else its frontier."""
+  return (0, 1) if d == 0 else (1 + (d - 1) * k, 1 + d * k)
+
+
+def select(feed: Feed, root_token, tree: DynamicTree) -> DraftedTree:
+  """The dynamic tree of each row (module docstring), fed by `feed`.
+
+  Returns a DraftedTree with per-row parents, mask and fed (each block's
+  fed index, -1: a node outside every frontier, never fed), no q (top-k
+  siblings: deterministic) and caught_up all False (the caller's to set)."""
+  k, depth, n_keep = tree.k, tree.depth, tree.n_nodes
+  b, f = root_token.shape[0], tree.n_fed
+  rows = jnp.arange(b)[:, None]
+  fed_tok = jnp.zeros((b, f), jnp.int32).at[:, 0].set(root_token)
+  fed_anc = jnp.zeros((b, f, f), bool).at[:, 0, 0].set(True)  # ancestors-or-self, feed layout
+  fed_score = jnp.zeros((b, f), jnp.float32)
+  fed_cand = jnp.full((b, f), -1, jnp.int32)  # each fed node's candidate index (root: -1)
+  fed_par = jnp.full((b, f), -1, jnp.int32)  # each fed node's parent's fed index (root: -1)
+  toks, scores, depths, parent_cand, fed_of = [], [], [], [], []
+  n_cand = 0
+  for d in range(depth):  # feed level d's frontier, propose level d + 1
+    lo, hi = level_span(d, k)
+    logits = feed(fed_tok[:, lo:hi], fed_anc[:, lo:hi, :hi], fed_par[:, lo:hi])
+    logp = fed_score[:, lo:hi, None] + jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+    top, tok = jax.lax.top_k(logp, k)  # [B, w, k]
+    w = hi - lo
+    toks.append(tok.reshape(b, w * k).astype(jnp.int32))
+    scores.append(top.reshape(b, w * k))
+    depths.append(jnp.full((b, w * k), d + 1, jnp.int32))
+    parent_cand.append(jnp.repeat(fed_cand[:, lo:hi], k, axis=1))
+    level = jnp.full((b, w * k), -1, jnp.int32)
+    if d + 1 < depth:  # the next frontier: this level's top k
+      best = jax.lax.top_k(scores[-1], k)[1]  # [B, k] positions in the level
+      nlo = 1 + d * k
+      par = lo + best // k  # their parents' feed index
+      fed_tok = fed_tok.at[:, nlo:nlo + k].set(jnp.take_along_axis(toks[-1], best, 1))
+      fed_score = fed_score.at[:, nlo:nlo + k].set(jnp.take_along_axis(scores[-1], best, 1))
+      fed_cand = fed_cand.at[:, nlo:nlo + k].set(n_cand + best)
+      fed_par = fed_par.at[:, nlo:nlo + k].set(par.astype(jnp.int32))
+      anc = fed_anc[rows, par] | jax.nn.one_hot(nlo + jnp.arange(k), f, dtype=bool)[None]
+      fed_anc = fed_anc.at[:, nlo:nlo + k].set(anc)
+      level = level.at[rows, best].set(nlo + jnp.arange(k, dtype=jnp.int32)[None])
+    fed_of.append(level)
+    n_cand += w * k
+  tok, score, dep, par_c, fed_c = (jnp.concatenate(x, 1) for x in
+                                   (toks, scores, depths, parent_cand, fed_of))
+  keep = jnp.lexsort((dep, -score), axis=-1)[:, :n_keep]  # best first; ties: shallower
+  keep = jnp.take_along_axis(keep, jnp.lexsort((-jnp.take_along_axis(score, keep, 1),
+                                                jnp.take_along_axis(dep, keep, 1)), axis=-1), 1)
+  pos = jnp.full((b, n_cand), -1, jnp.int32).at[rows, keep].set(
+      jnp.arange(n_keep, dtype=jnp.int32)[None])  # candidate -> node (BFS order)
+  par_k = jnp.take_along_axis(par_c, keep, 1)
+  parents = jnp.where(par_k >= 0, jnp.take_along_axis(pos, jnp.maximum(par_k, 0), 1), -1)
+  t = n_keep + 1
+  mask = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t)).at[:, :, 0].set(True)
+  for i in range(n_keep):  # BFS: a parent's row is complete before its children's
+    mask = mask.at[:, i + 1].set(mask[:, i + 1] | mask[rows[:, 0], parents[:, i] + 1])
+  fed = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.take_along_axis(fed_c, keep, 1)], 1)
+  return DraftedTree(tokens=jnp.take_along_axis(tok, keep, 1),
+                     q=jnp.zeros((b, t, 0), jnp.float32), caught_up=jnp.zeros((b,), bool),
+                     parents=parents, mask=mask, fed=fed)
