@@ -76,6 +76,7 @@ from flax import struct
 
 from specjax.formats import safetensors_io
 from specjax.drafters import base as drafters
+from specjax.drafters import dynamic
 from specjax.model import sampling
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model_lib
@@ -83,6 +84,7 @@ from specjax import workdir as wd
 from specjax.model.config import ModelConfig
 from specjax.errors import CheckpointError, ConfigError
 from specjax.model.layers import Block, weight_init
+from specjax.model.tree import DynamicTree
 
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -323,6 +325,53 @@ def draft_tree_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
                               caught_up=jnp.zeros((b,), bool)), kvc.rollback(hcache, n - 1)
 
 
+def _refresh(tparams, hparams, hcache, pending: Pending, n, sc):
+  """A draft phase's first part: the head over the pending pairs from
+  `start`, rolled back to the real pairs (length n - 1). Returns (hcache,
+  the root's feature g_{n-2} [B, 1, E])."""
+  hcache = kvc.rollback(hcache, pending.start)
+  pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
+                              sc.draft, sc.target)  # T = gamma+1
+  hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
+  idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
+  return hcache, jnp.take_along_axis(pred, idx[:, None, None], 1)
+
+
+def draft_dynamic_phase(tparams, hparams, hcache, pending: Pending, n, root_token, sc):
+  """A dynamic tree (sc.tree a model.tree.DynamicTree k, depth, N) drafted
+  by the head, EAGLE-2's way (the selection: drafters/dynamic.py, shared
+  with the draft model), one head forward per level over its frontier.
+  Returns (DraftedTree with per-row parents and mask, hcache of length n-1).
+
+  After the refresh the root's feature is g_{n-2} and its logits draft the
+  first level (the root's pair is in the head cache: nothing is fed). A fed
+  node at fed index f >= 1 and depth d is the pair (its parent's feature,
+  its token) at head slot n - 2 + f, RoPE position n - 2 + d, attending to
+  pairs 0..n-2 and its fed ancestors (the feed layout's ancestor mask
+  without the root's column), as draft_tree_phase with the feed layout for
+  the block; the head's output there is the node's feature, its logits the
+  node's children's. Siblings are the head's top-k (no q). DraftedTree.fed
+  is the feed layout, which EAGLE's commit does not use: it re-feeds the
+  verified features along the accepted path."""
+  hcfg, tcfg = sc.draft, sc.target
+  hcache, root = _refresh(tparams, hparams, hcache, pending, n, sc)
+  feats = jnp.zeros((n.shape[0], sc.tree.n_fed, root.shape[-1]), root.dtype).at[:, :1].set(root)
+
+  def feed(tokens, anc, parent):  # fed indices lo .. hi-1 -> their children's logits
+    nonlocal hcache, feats
+    hi = anc.shape[-1]
+    lo = hi - tokens.shape[1]
+    if lo == 0:  # the root: its pair is cached, its feature is g_{n-2}
+      return model_lib.head_logits(tparams, feats[:, :1], tcfg)
+    par = jnp.take_along_axis(feats, parent[:, :, None], 1)  # [B, w, E]
+    g, hcache = head_forward(hparams, tparams, par, tokens, kvc.rollback(hcache, n - 2 + lo),
+                             hcfg, tcfg, tree_mask=anc[:, :, 1:])
+    feats = feats.at[:, lo:hi].set(g)
+    return model_lib.head_logits(tparams, g, tcfg)
+
+  return dynamic.select(feed, root_token, sc.tree), kvc.rollback(hcache, n - 1)
+
+
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "gamma"))
 def _prefill_head(hparams, tparams, hidden, tokens, lens, first, hcache, *, hcfg, tcfg,
                   gamma):
@@ -351,7 +400,9 @@ class EagleDrafter(drafters.Drafter):
   come through commit (needs_features). The prompt's features come from a
   target prefill pass of init's own (the engine's prefill returns none):
   one extra prompt pass per call, outside the decode loop. p_min is not
-  applied (the head always drafts gamma)."""
+  applied (the head always drafts gamma). Token trees: a static tree
+  (draft_tree_phase) or EAGLE-2's dynamic one (--tree=dynamic:K,D,N,
+  draft_dynamic_phase), both committed as the chain of the accepted path."""
   path: str = "stdlib-eagle"
   kind: ClassVar[str] = "eagle"
   needs_features: ClassVar[bool] = True
@@ -387,8 +438,12 @@ class EagleDrafter(drafters.Drafter):
     return d, dstate.replace(hcache=hcache), tcache
 
   def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
-    d, hcache = draft_tree_phase(dparams["target"], dparams["head"], dstate.hcache,
-                                 dstate.pending, n, key, sc)
+    if isinstance(sc.tree, DynamicTree):
+      d, hcache = draft_dynamic_phase(dparams["target"], dparams["head"], dstate.hcache,
+                                      dstate.pending, n, tail[:, 1], sc)
+    else:
+      d, hcache = draft_tree_phase(dparams["target"], dparams["head"], dstate.hcache,
+                                   dstate.pending, n, key, sc)
     return d, dstate.replace(hcache=hcache), tcache
 
   def commit(self, dstate, c):

@@ -4,7 +4,8 @@ a chain-shaped tree is the chain drafter, n-gram branches are the distinct
 continuations of different matches and n (rank 0 the chain's proposal),
 every node the head drafts is the head run as a chain along its path, the
 head's cache after a tree run holds the teacher-forced pairs of the output,
-and sampled tree speculation follows the target's law (chi-square, as in
+on an EAGLE-2 dynamic tree every fed node is the head run as a chain along
+its path and every kept node's children its top-k there, and sampled tree speculation follows the target's law (chi-square, as in
 tests/decode/test_trees.py). MUTATIONS are deliberate bugs, each failing a
 check."""
 
@@ -292,6 +293,123 @@ def test_head_drafts_every_node_as_a_chain_along_its_path(v6_head):
   assert head_mismatches(v6_head) == []
 
 
+# ---------------------------------------------------------------- dynamic trees (EAGLE-2)
+
+# (K, D, N): level 2 has two fed parents; a wide shallow one; one that keeps
+# nearly every candidate (deep paths with runners-up)
+DYNAMIC = {"2,3,5": trees.DynamicTree(2, 3, 5), "3,2,4": trees.DynamicTree(3, 2, 4),
+           "2,4,12": trees.DynamicTree(2, 4, 12)}
+
+
+@pytest.mark.parametrize("name", list(DYNAMIC))
+def test_greedy_eagle_dynamic_tree_equals_target_only(v6_head, name):
+  tree = DYNAMIC[name]
+  want = generation.generate(v6_head[0], lawcheck.PROMPTS, 16).tokens
+  res = run_eagle(v6_head, tree, gamma=tree.max_depth)
+  assert res.tokens == want
+  assert res.stats.n_accept > 0
+
+
+def test_eagle_dynamic_tree_of_one_child_is_the_chain(v6_head):
+  """dynamic:1,D,D keeps the head's greedy chain: the chain step for step."""
+  chain, tree = run_eagle(v6_head, None), run_eagle(v6_head, trees.DynamicTree(1, 3, 3))
+  assert chain.tokens == tree.tokens
+  np.testing.assert_array_equal(chain.records.n_acc, tree.records.n_acc)
+  assert chain.stats.n_accept > 0
+
+
+DYN_TREE = trees.DynamicTree(2, 3, 7)  # 10 candidates, 5 fed (levels 1 and 2 two each)
+
+
+def dynamic_head_mismatches(v6, tree=DYN_TREE) -> list[str]:
+  """A sampled dynamic-tree run (T = 1: the rows' states differ), then one
+  more draft phase from its final state, against a brute force
+  (head_mismatches' chain along each node's path): every fed node's K/V in
+  the head's scratch slot (n - 2 + its fed index) is the K/V the head run as
+  a chain over the teacher-forced pairs and then the node's path writes at
+  slot n - 2 + its depth (its parent's feature, its token, its RoPE
+  position); every kept node's children, in BFS order, are the first of its
+  parent's top-k by the head's logits at the parent on that chain; each
+  level's kept nodes come best first by the chain's cumulative
+  log-probability; and a kept node's parent was fed."""
+  target, drafter = v6
+  prompts = [p for p in lawcheck.PROMPTS for _ in range(4)]
+  res = run_eagle(v6, tree, gamma=tree.max_depth, prompts=prompts, n=12, keep_state=True,
+                  sp=SamplingParams(1.0), seed=3)
+  st = res.state
+  sc = speculative.SpecConfig(target.cfg, None, tree.max_depth, SamplingParams(1.0),
+                              drafter=drafter, tree=tree)
+  hparams = drafter.draft_params(target.params, None)["head"]
+  d, hcache = jax.jit(eagle.draft_dynamic_phase, static_argnames="sc")(
+      target.params, hparams, st.dcache.hcache, st.dcache.pending, st.n, st.tail[:, 1], sc=sc)
+  hcfg, tcfg = sc.draft.replace(attn_block=0), target.cfg
+  seqs = [p + out for p, out in zip(prompts, res.tokens)]
+  n = np.array([len(x) for x in seqs])
+  if not np.array_equal(np.asarray(st.n), n):
+    return [f"lengths {np.asarray(st.n).tolist()}, want {n.tolist()}"]
+  padded = np.array([x + [0] * (WIDTH - len(x)) for x in seqs], np.int32)
+  feats = np.array(_features(target.params, tcfg, jnp.asarray(padded))[1])
+  feats[np.arange(WIDTH)[None] >= (n - 1)[:, None]] = 0  # pairs 0..n-2 only
+  toks = np.concatenate([padded[:, 1:], np.zeros_like(padded[:, :1])], 1)
+  parents = np.asarray(d.parents) + 1  # block indices (0: the root)
+  tokens, fed = np.asarray(d.tokens), np.asarray(d.fed)
+  depth = np.asarray(jnp.sum(d.mask, -1)) - 1  # [B, 1+N]
+  b_rows = len(seqs)
+  batch = b_rows * tree.n_nodes
+  head = lambda f, t: _head_chain(hparams, target.params, _rows(f, batch), _rows(t, batch),
+                                  hcfg=hcfg, tcfg=tcfg)
+  node_feat = np.zeros((b_rows, tree.block_size, feats.shape[-1]), np.float32)
+  node_feat[:, 0] = np.asarray(head(feats, toks)[0])[np.arange(b_rows), n - 2]
+  got_k, got_v = np.asarray(hcache.k[0]), np.asarray(hcache.v[0])  # [B, K, S, D]
+  bad = []
+  for lev in range(1, tree.max_depth):  # the features of nodes at depth lev
+    at = [(b, j) for b in range(b_rows) for j in range(1, tree.block_size) if depth[b, j] == lev]
+    if not at:
+      break
+    f, t = feats[[b for b, _ in at]].copy(), toks[[b for b, _ in at]].copy()
+    for r, (b, j) in enumerate(at):
+      path = [j]
+      while parents[b, path[0] - 1] > 0:
+        path.insert(0, int(parents[b, path[0] - 1]))
+      for i, a in enumerate(path):  # pair n - 1 + i: (its parent's feature, its token)
+        f[r, n[b] - 1 + i] = node_feat[b, parents[b, a - 1]]
+        t[r, n[b] - 1 + i] = tokens[b, a - 1]
+    out, ref = head(f, t)
+    out, ref_k, ref_v = np.asarray(out), np.asarray(ref.k[0]), np.asarray(ref.v[0])
+    for r, (b, j) in enumerate(at):
+      node_feat[b, j] = out[r, n[b] - 2 + lev]
+      if fed[b, j] >= 0:  # head slot n - 2 + fed index; the chain's n - 2 + depth
+        s, c = n[b] - 2 + fed[b, j], n[b] - 2 + lev
+        err = max(np.max(np.abs(got_k[b, :, s] - ref_k[r, :, c])),
+                  np.max(np.abs(got_v[b, :, s] - ref_v[r, :, c])))
+        if not err <= 1e-4:
+          bad.append(f"row {b} node {j} (fed {fed[b, j]}): K/V off by {err:.2g}")
+  logp = np.asarray(jax.nn.log_softmax(model.head_logits(target.params, jnp.asarray(node_feat),
+                                                         tcfg)[..., :tcfg.vocab_size]))
+  for b in range(b_rows):
+    score = np.zeros(tree.block_size)
+    for j in range(1, tree.block_size):
+      p = parents[b, j - 1]
+      score[j] = score[p] + logp[b, p, tokens[b, j - 1]]
+      if p > 0 and fed[b, p] < 0:
+        bad.append(f"row {b} node {j}: parent {p} never fed")
+    for p in range(tree.block_size):
+      kids = [j for j in range(1, tree.block_size) if parents[b, j - 1] == p]
+      want = np.argsort(-logp[b, p], kind="stable")[:len(kids)].tolist()
+      if [int(tokens[b, j - 1]) for j in kids] != want:
+        bad.append(f"row {b} block {p}: children {[int(tokens[b, j - 1]) for j in kids]}, "
+                   f"head's top {want}")
+    for lev in range(1, tree.max_depth + 1):
+      s = score[1:][depth[b, 1:] == lev]
+      if np.any(np.diff(s) > 1e-4):
+        bad.append(f"row {b} depth {lev}: scores {np.round(s, 3).tolist()} not best first")
+  return bad
+
+
+def test_eagle_dynamic_tree_is_the_heads_top_k_along_each_path(v6_head):
+  assert dynamic_head_mismatches(v6_head) == []
+
+
 # ---------------------------------------------------------------- exactness
 
 ROWS = 1500
@@ -352,6 +470,12 @@ MUTATIONS = {
         head_mismatches),
     "eagle's commit ignores the path (block-order features)": (
         tree_step, "path_features", _path_ignored, head_mismatches),
+    "eagle's dynamic tree feeds every node the root's feature": (
+        eagle, "draft_dynamic_phase", ("feats, parent[:, :, None], 1)", "feats, 0 * parent[:, :, None], 1)"),
+        dynamic_head_mismatches),
+    "eagle's dynamic tree feeds each level one head slot late": (
+        eagle, "draft_dynamic_phase", ("rollback(hcache, n - 2 + lo)", "rollback(hcache, n - 1 + lo)"),
+        dynamic_head_mismatches),
 }
 
 
