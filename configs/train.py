@@ -82,6 +82,68 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.alpha_prompt_tokens = 16
     c.alpha_n_predict = 8
     c.export_dtype = "float32"
+  elif arg in ("smollm2", "smollm2_tiny"):
+    return smollm2_config(arg)
   elif arg not in ("default", "eagle", "eagle_tiny"):
-    raise ValueError(f"unknown train variant {arg!r}: use default, tiny, eagle or eagle_tiny")
+    raise ValueError(f"unknown train variant {arg!r}: use default, tiny, eagle, eagle_tiny, "
+                     f"smollm2 or smollm2_tiny")
+  return c
+
+
+def smollm2_config(arg: str) -> ml_collections.ConfigDict:
+  """Drafts for SmolLM2-135M-Instruct trained on its own replies
+  (specjax/train/selfdistill.py; experiments/train_smollm2.py):
+    python experiments/train_smollm2.py --workdir=/tmp/specjax_smollm2 --export_dir=specjax/assets
+  """
+  c = ml_collections.ConfigDict()
+  c.target = "smollm2-135m"
+  c.seed = 0
+  c.max_files = 0                # stdlib files used (0 = all; tests)
+  # The prompt mix (selfdistill.prompt_mix): prompts per kind; every
+  # heldout_every-th is held out for the acceptance measurement.
+  c.mix = ml_collections.ConfigDict(dict(code=280, prose=120, instruct=160, math=60))
+  c.heldout_every = 20
+  c.followups = 120              # second-turn conversations after the first replies
+  c.n_new = 192                  # reply length (greedy, up to EOS)
+  c.gen_batch = 16
+  c.stdlib_tokens = 80_000       # raw stdlib documents, in pieces of doc_len tokens
+  c.doc_len = 256
+  c.eval_share = 0.03            # sequences held out for the held-out losses
+  c.top_k = 32                   # soft labels: the target's top-k probabilities
+  c.feat_batch = 4
+  c.head_name = "smollm2-eagle"
+  # EAGLE-1 head: one decoder layer at the target's width (4.2 M params).
+  c.head_train = _train(400, 8, 256, 2e-3, 25, seed=3, ce_weight=0.1, eval_every=100,
+                        eval_batches=4, ckpt_every=50, log_every=10)
+  # Distilled draft: 128 wide, 4 layers, the target's vocabulary (7.1 M params,
+  # 6.3 M of them the tied embedding); bfloat16 on disk, about 14 MB.
+  c.draft = _model(128, 4, 4, 2, 384, max_seq_len=8192)
+  c.draft.name = "smollm2-draft"
+  c.draft_train = _train(500, 16, 256, 3e-3, 30, seed=4, ce_weight=0.1, eval_every=100,
+                         eval_batches=4, ckpt_every=50, log_every=10)
+  c.export_dtype = "bfloat16"
+  c.alpha_prompts = 24
+  c.alpha_gamma = 4
+  c.alpha_n_predict = 96
+  c.alpha_temps = (0.0, 1.0)
+  if arg == "smollm2_tiny":
+    c.max_files = 6
+    c.mix = ml_collections.ConfigDict(dict(code=4, prose=2, instruct=4, math=2))
+    c.heldout_every = 4
+    c.followups = 2
+    c.n_new = 8
+    c.gen_batch = 4
+    c.stdlib_tokens = 600
+    c.doc_len = 64
+    c.eval_share = 0.3
+    c.top_k = 4
+    c.head_train = _train(2, 2, 16, 3e-3, 1, seed=3, ce_weight=0.1, eval_every=2,
+                          eval_batches=1, ckpt_every=1, log_every=1)
+    c.draft = _model(32, 1, 2, 1, 64, max_seq_len=512)
+    c.draft.name = "smollm2-draft"
+    c.draft_train = _train(2, 2, 16, 3e-3, 1, seed=4, ce_weight=0.1, eval_every=2,
+                           eval_batches=1, ckpt_every=1, log_every=1)
+    c.alpha_prompts = 2
+    c.alpha_n_predict = 6
+    c.alpha_temps = (0.0,)
   return c

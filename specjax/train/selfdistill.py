@@ -1,0 +1,575 @@
+"""Drafts for a pretrained target, trained here on the target's own replies
+(issue 27): the data, an EAGLE head and a distilled draft model, their
+held-out acceptance, and their export (experiments/train_smollm2.py,
+configs/train.py:smollm2 for SmolLM2-135M-Instruct).
+
+Data. As Medusa-2 and the EAGLE authors regenerate their training data with
+the target, the target answers a prompt mix written here (`prompt_mix`), in
+its chat template:
+  code      complete / explain / edit a function of the stdlib's training split
+  prose     summarize / answer a question over a module docstring (prose)
+  instruct  instruction templates over topics (explain, compare, list, ...)
+  math      word problems (taskbench.math_problems with another seed: the
+            suite's own problems are never trained on)
+  followup  a second user turn after the target's first reply (multi-turn)
+plus raw documents of the stdlib corpus (corpus.py's training split). The
+task suite (specjax/assets/taskbench) is held out: no prompt is built from
+it. A fixed share of the prompts (every `heldout_every`-th) is held out for
+the acceptance measurement.
+
+Soft labels. One target pass per sequence gives, at every position, its
+feature (the final-normed hidden state, f16) and its top-K next-token
+probabilities at T = 1 (the soft label, f16 with int32 ids). Training then
+never runs the target: the two losses read the stored labels.
+  head   EAGLE-1's: smooth L1 of the predicted next feature + w x the
+         cross-entropy of the head's LM-head distribution to the target's
+         top-K probabilities (specjax/train/eagle.py's loss with stored
+         features and truncated soft labels).
+  draft  cross-entropy to the target's top-K probabilities (the forward KL
+         up to the target's entropy, restricted to its top K) + ce_weight x
+         the next-token cross-entropy.
+A batch is windows of *positions* into the concatenated stream
+(corpus.batch_at over arange(N)), so the resumable loop of
+specjax/train/loop.py drives both runs unchanged.
+
+The draft shares the target's tokenizer (vocabulary, BOS/EOS); it is
+initialised from the target's embedding table projected on its top `dim`
+principal directions (the SVD E ~ U S V^T gives E V_d = U_d S_d): the tied
+embedding then starts with the target's token geometry (tokens the target
+embeds alike start alike), which a narrow model could not learn from a few
+hundred thousand tokens; its layers start random (the target's are 576 wide).
+
+Workdir (every stage resumes; `run`):
+  prompts.json   the mix, with the held-out split
+  gen/NNNN.json  the target's replies, a batch per file (an interrupted run
+                 keeps its finished batches)
+  data.npz       tokens, features, top-K ids and probabilities of every position
+  head/, draft/  the two training runs (orbax checkpoints, metrics.jsonl)
+  alpha.json, summary.json, training.png
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax import workdir as wd
+from specjax.bench import taskbench
+from specjax.decode import generation, speculative
+from specjax.drafters.eagle import EagleDrafter, head_config, head_forward, init_head, load_eagle
+from specjax.drafters.eagle import new_cache as new_head_cache
+from specjax.drafters.eagle import save_head
+from specjax.errors import ConfigError
+from specjax.formats import checkpoint, hf
+from specjax.model import llama as model_lib
+from specjax.model import steps
+from specjax.model.config import ModelConfig
+from specjax.model.sampling import SamplingParams
+from specjax.train import corpus, pair
+from specjax.train import eagle as eagle_train
+from specjax.train import loop as train_lib
+
+DATA_FILE = "data.npz"
+PROMPTS_FILE = "prompts.json"
+SUMMARY_FILE = "summary.json"
+
+# ---------------------------------------------------------------- the prompt mix
+
+TOPICS = (
+    "photosynthesis", "compound interest", "the water cycle", "binary search", "recursion",
+    "how vaccines work", "supply and demand", "plate tectonics", "hash tables", "gravity",
+    "the French Revolution", "machine learning", "climate change", "the immune system",
+    "public key cryptography", "how a compiler works", "inflation", "black holes",
+    "version control", "the scientific method", "time management", "healthy sleep",
+    "renewable energy", "the printing press", "unit testing", "garbage collection",
+    "the Roman Empire", "ocean currents", "electric circuits", "sorting algorithms",
+    "regular expressions", "volcanoes", "the stock market", "nutrition", "databases",
+    "the internet", "migration of birds", "operating systems", "probability", "bread baking")
+INSTRUCTIONS = (
+    "Explain {t} in simple terms.",
+    "Write a short paragraph about {t}.",
+    "Give three key facts about {t}.",
+    "What are the main ideas behind {t}? Answer in a few sentences.",
+    "Explain {t} to a ten-year-old.",
+    "List the advantages and disadvantages of {t}.",
+    "Write a short quiz question about {t}, with its answer.",
+    "Compare {t} and {u} in a few sentences.",
+    "Write a haiku about {t}.",
+    "Why is {t} important? Give two reasons.")
+CODE_ASKS = {
+    "complete": "Complete this Python function:\n\n```python\n{head}\n```",
+    "explain": "Explain what this Python function does:\n\n```python\n{code}\n```",
+    "edit": ("Rewrite this Python function with clearer variable names and a short "
+             "docstring:\n\n```python\n{code}\n```"),
+    "test": "Write a unit test for this Python function:\n\n```python\n{code}\n```"}
+PROSE_ASKS = (
+    "Summarize the following text in two sentences.\n\n{p}",
+    "Read the text and answer the question.\n\nText: {p}\n\nQuestion: What is the main "
+    "purpose of what the text describes?",
+    "Rewrite the following text in plain English.\n\n{p}",
+    "List the key terms in this text and explain each briefly.\n\n{p}")
+FOLLOWUPS = ("Can you explain that more simply?", "Give an example.", "Make it shorter.",
+             "Thanks! What should I learn next?", "Can you say it as a bulleted list?",
+             "Why is that?")
+
+
+def _function_head(code: str) -> str:
+  """A function's def line and docstring (or first two lines): what to complete."""
+  lines = code.splitlines()
+  body = "\n".join(lines[1:])
+  for q in ('"""', "'''"):
+    s = body.find(q)
+    if 0 <= s < 40:
+      e = body.find(q, s + 3)
+      if e > 0:
+        return lines[0] + "\n" + body[:e + 3]
+  return "\n".join(lines[:2])
+
+
+def _docstring_paragraphs(text: str) -> list[str]:
+  """Prose paragraphs (200-900 characters) of a module's docstring."""
+  try:
+    import ast  # pylint: disable=import-outside-toplevel
+    doc = ast.get_docstring(ast.parse(text)) or ""
+  except (SyntaxError, ValueError):
+    return []
+  paras = [" ".join(p.split()) for p in doc.split("\n\n")]
+  return [p for p in paras if 200 <= len(p) <= 900 and p.count(">>>") == 0]
+
+
+def prompt_mix(counts: dict[str, int], seed: int, heldout_every: int,
+               max_files: int = 0) -> list[dict[str, Any]]:
+  """The prompt mix (module docstring): counts per kind (code, prose,
+  instruct, math); each record {"messages", "kind", "heldout"}. Seeded,
+  built from the stdlib's training split only, never from taskbench."""
+  rng = random.Random(seed)
+  files, _ = corpus.list_files()
+  if max_files:
+    files = files[:max_files]
+  funcs, paras = [], []
+  for _, text in corpus.readable(files):
+    funcs += [c for _, c in corpus.function_blocks(text) if 120 <= len(c) <= 1400]
+    paras += _docstring_paragraphs(text)
+  rng.shuffle(funcs)
+  rng.shuffle(paras)
+  out: list[dict[str, Any]] = []
+  asks = list(CODE_ASKS)
+  for i, code in enumerate(funcs[:counts.get("code", 0)]):
+    ask = asks[i % len(asks)]
+    out.append({"kind": f"code_{ask}", "messages": [{"role": "user", "content": CODE_ASKS[
+        ask].format(code=code.rstrip(), head=_function_head(code))}]})
+  for i, p in enumerate(paras[:counts.get("prose", 0)]):
+    out.append({"kind": "prose", "messages": [
+        {"role": "user", "content": PROSE_ASKS[i % len(PROSE_ASKS)].format(p=p)}]})
+  for i in range(counts.get("instruct", 0)):
+    t, u = rng.sample(TOPICS, 2)
+    out.append({"kind": "instruct", "messages": [
+        {"role": "user", "content": INSTRUCTIONS[i % len(INSTRUCTIONS)].format(t=t, u=u)}]})
+  suite = {json.dumps(r["messages"]) for r in taskbench.math_problems()}
+  for r in taskbench.math_problems(counts.get("math", 0), seed=seed + 1000):
+    if json.dumps(r["messages"]) not in suite:
+      out.append({"kind": "math", "messages": r["messages"]})
+  rng.shuffle(out)
+  for i, r in enumerate(out):
+    r["heldout"] = i % heldout_every == 0
+  return out
+
+
+# ---------------------------------------------------------------- the target's replies
+
+
+def _chunks(items: list, n: int):
+  for i in range(0, len(items), n):
+    yield i // n, items[i:i + n]
+
+
+def generate_replies(target: steps.Runner, tok, convs: list[dict], n_new: int, batch: int,
+                     gen_dir: Path, tag: str, log: Callable[[str], None] = print
+                     ) -> list[list[int]]:
+  """The target's greedy reply (up to EOS or n_new tokens) to each
+  conversation, in batches of similar prompt length; batch i is written to
+  gen_dir/<tag>-<i>.json and read back on a resumed run. Returns the replies
+  in `convs` order (token ids, EOS included when reached)."""
+  gen_dir.mkdir(parents=True, exist_ok=True)
+  ids = [tok.encode_chat(c["messages"]) for c in convs]
+  order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+  replies: list[list[int] | None] = [None] * len(ids)
+  n_batches = (len(order) + batch - 1) // batch
+  for b, idx in _chunks(order, batch):
+    path = gen_dir / f"{tag}-{b:04d}.json"
+    if path.is_file():
+      got = wd.read_json(path)
+    else:
+      res = generation.generate(target, [ids[i] for i in idx], n_new, eos_id=tok.eos_id)
+      got = [r[:n_new] for r in res.tokens]
+      wd.write_json(path, got)
+      log(f"replies {tag}: batch {b + 1}/{n_batches} ({len(idx)} prompts, "
+          f"{sum(map(len, got))} tokens, {res.eval_s:.1f} s)")
+    for i, r in zip(idx, got):
+      replies[i] = [int(t) for t in r]
+  return replies  # type: ignore[return-value]
+
+
+def with_followups(convs: list[dict], replies: list[list[int]], tok, n: int, seed: int
+                   ) -> list[dict]:
+  """Second-turn conversations: the first n (conversation, reply) pairs with
+  the reply as the assistant's turn and a follow-up question."""
+  rng = random.Random(seed)
+  out = []
+  for c, r in list(zip(convs, replies))[:n]:
+    text = tok.decode([t for t in r if t != tok.eos_id]).strip()
+    if not text:
+      continue
+    out.append({"kind": "followup", "heldout": c.get("heldout", False), "messages": [
+        *c["messages"], {"role": "assistant", "content": text},
+        {"role": "user", "content": rng.choice(FOLLOWUPS)}]})
+  return out
+
+
+# ---------------------------------------------------------------- features and soft labels
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"))
+def _labels(params, hidden, *, cfg: ModelConfig, k: int):
+  """hidden [B, T, E] -> (top-k ids [B, T, k] int32, their probabilities f16)."""
+  p = jax.nn.softmax(model_lib.head_logits(params, hidden, cfg), -1)
+  top_p, top_i = jax.lax.top_k(p, k)
+  return top_i.astype(jnp.int32), top_p.astype(jnp.float16)
+
+
+def features(target: steps.Runner, seqs: list[list[int]], k: int, batch: int,
+             log: Callable[[str], None] = print) -> dict[str, np.ndarray]:
+  """One target pass per sequence: per position the feature (f16) and the
+  top-k soft label; the sequences concatenated in the given order."""
+  cfg = target.cfg
+  feats = [None] * len(seqs)
+  order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+  for b, idx in _chunks(order, batch):
+    rows = [seqs[i] for i in idx]
+    cache = target.new_cache(len(rows), steps.prefill_bucket(max(map(len, rows))))
+    _, _, hidden = target.prefill(rows, cache, return_hidden=True)
+    top_i, top_p = _labels(target.params, hidden, cfg=cfg, k=k)
+    hidden, top_i, top_p = (np.asarray(x) for x in (hidden.astype(jnp.float16), top_i, top_p))
+    for j, i in enumerate(idx):
+      n = len(seqs[i])
+      feats[i] = (hidden[j, :n], top_i[j, :n], top_p[j, :n])
+    if b % 10 == 0:
+      log(f"features: {min(len(order), (b + 1) * batch)}/{len(order)} sequences")
+  return {"tokens": np.concatenate([np.asarray(s, np.int32) for s in seqs]),
+          "feats": np.concatenate([f[0] for f in feats]),
+          "top_i": np.concatenate([f[1] for f in feats]),
+          "top_p": np.concatenate([f[2] for f in feats]),
+          "starts": np.cumsum([0] + [len(s) for s in seqs[:-1]]).astype(np.int64)}
+
+
+def stdlib_documents(tok, n_tokens: int, length: int, max_files: int = 0) -> list[list[int]]:
+  """Raw stdlib training-split documents in the target's tokens, cut into
+  pieces of `length`, up to n_tokens in all (the corpus part of the data)."""
+  files, _ = corpus.list_files()
+  if max_files:
+    files = files[:max_files]
+  out, total = [], 0
+  for _, text in corpus.readable(files):
+    ids = tok.encode(text)
+    for s in range(0, max(1, len(ids) - 16), length):
+      piece = ids[s:s + length]
+      out.append(piece)
+      total += len(piece)
+      if total >= n_tokens:
+        return out
+  return out
+
+
+# ---------------------------------------------------------------- the two losses
+
+
+def soft_ce(logits, top_i, top_p):
+  """Cross-entropy of logits [..., V] to truncated soft labels (ids, probs [..., K])."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
+  return -jnp.sum(top_p.astype(jnp.float32) * jnp.take_along_axis(logp, top_i, -1), -1).mean()
+
+
+def _gather(data, pos):
+  return {k: data[k][pos] for k in ("tokens", "feats", "top_i", "top_p")}
+
+
+def head_loss(hparams, hcfg: ModelConfig, tparams, tcfg: ModelConfig, w, ce_weight: float):
+  """EAGLE loss of a window of stored data (module docstring); (loss, aux)."""
+  feats = w["feats"].astype(jnp.float32)
+  t = feats.shape[1] - 1
+  pred, _ = head_forward(hparams, tparams, feats[:, :-1], w["tokens"][:, 1:],
+                         new_head_cache(hcfg, feats.shape[0], t), hcfg, tcfg)
+  pred = pred.astype(jnp.float32)
+  vloss = optax.huber_loss(pred, feats[:, 1:], delta=1.0).mean()
+  logits = model_lib.head_logits(tparams, pred, tcfg)
+  ploss = soft_ce(logits, w["top_i"][:, 1:], w["top_p"][:, 1:])
+  acc = jnp.mean(jnp.argmax(logits, -1) == w["top_i"][:, 1:, 0])
+  return vloss + ce_weight * ploss, {"vloss": vloss, "ploss": ploss, "acc": acc}
+
+
+def draft_loss(params, cfg: ModelConfig, w, ce_weight: float):
+  """Distillation loss of a window of stored data (module docstring); (loss, aux)."""
+  logits = train_lib.logits_of(params, cfg, w["tokens"][:, :-1])
+  kl = soft_ce(logits, w["top_i"][:, :-1], w["top_p"][:, :-1])
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, w["tokens"][:, 1:]).mean()
+  acc = jnp.mean(jnp.argmax(logits, -1) == w["top_i"][:, :-1, 0])
+  return kl + ce_weight * ce, {"kl": kl, "ce": ce, "acc": acc}
+
+
+def _loss_fn(kind: str, cfg: ModelConfig, tcfg: ModelConfig, ce_weight: float):
+  if kind == "head":
+    return lambda p, aux, w: head_loss(p, cfg, aux["target"], tcfg, w, ce_weight)
+  return lambda p, aux, w: draft_loss(p, cfg, w, ce_weight)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tcfg", "opt", "ce_weight"),
+                   donate_argnums=(0,))
+def train_step(state, pos, aux, *, kind, cfg, tcfg, opt, ce_weight):
+  """One optimiser step on the windows of positions pos [B, T+1]."""
+  loss_fn = _loss_fn(kind, cfg, tcfg, ce_weight)
+  params = state["params"]
+  (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, aux,
+                                                               _gather(aux["data"], pos))
+  updates, opt_state = opt.update(grads, state["opt_state"], params)
+  new = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+         "opt_state": opt_state}
+  return new, {"loss": loss, "grad_norm": train_lib.global_norm(grads), **m}
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tcfg", "ce_weight"))
+def _eval_step(params, pos, aux, *, kind, cfg, tcfg, ce_weight):
+  loss, m = _loss_fn(kind, cfg, tcfg, ce_weight)(params, aux, _gather(aux["data"], pos))
+  return {"loss": loss, **m}
+
+
+def evaluate(kind: str, params, cfg, tcfg, aux, windows: np.ndarray, batch: int,
+             ce_weight: float) -> dict[str, float]:
+  tot: dict[str, list] = {}
+  for i in range(0, len(windows), batch):
+    m = _eval_step(params, jnp.asarray(windows[i:i + batch]), aux, kind=kind, cfg=cfg,
+                   tcfg=tcfg, ce_weight=ce_weight)
+    for k, v in m.items():
+      tot.setdefault(k, []).append(float(v))
+  return {f"eval_{k}": float(np.mean(v)) for k, v in tot.items()}
+
+
+def train(kind: str, cfg: ModelConfig, init, tcfg: ModelConfig, tparams, data, n_train: int,
+          tc, workdir: Path, stop_at: int | None = None, progress: bool = True,
+          log: Callable[[str], None] = print):
+  """Trains (or resumes) the head (kind 'head', cfg its layer config) or the
+  draft ('draft') on the stored data: positions [0, n_train) train, the rest
+  is held out. Returns the params after the last step run."""
+  train_lib.validate(tc)
+  want = {**train_lib.train_config(cfg, tc, (tcfg, None)), "kind": f"selfdistill-{kind}",
+          "n_train": int(n_train), "n_data": int(len(data["tokens"]))}
+  train_lib.check_same_run(workdir, want)
+  opt, schedule = eagle_train._optimizer(tuple((k, tc[k]) for k in train_lib.TRAIN_FIELDS))
+  state = {"step": jnp.zeros((), jnp.int32), "params": init, "opt_state": opt.init(init)}
+  mngr = train_lib.checkpoint_manager(workdir, int(tc.keep))
+  metrics_path = workdir / train_lib.METRICS_FILE
+  start = mngr.latest_step() or 0
+  if start:
+    state = train_lib.restore(mngr, start, jax.eval_shape(lambda: state))
+    train_lib.trim_metrics(metrics_path, start)
+    log(f"resumed {workdir} at step {start}")
+  total = int(tc.steps)
+  end = total if stop_at is None else min(total, int(stop_at))
+  n = len(data["tokens"])
+  if n - n_train <= int(tc.seq_len) + 1:
+    raise ConfigError(f"held-out data of {n - n_train} positions is shorter than one window")
+  windows = corpus.eval_windows(np.arange(n_train, n), int(tc.eval_batches) * int(tc.batch),
+                                int(tc.seq_len) + 1)
+  aux = {"data": {k: jnp.asarray(data[k]) for k in ("tokens", "feats", "top_i", "top_p")},
+         "target": tparams}
+  ce_weight = float(tc.ce_weight)
+  step_fn = functools.partial(train_step, kind=kind, cfg=cfg, tcfg=tcfg, opt=opt,
+                              ce_weight=ce_weight)
+  eval_fn = lambda p: evaluate(kind, p, cfg, tcfg, aux, windows, int(tc.batch), ce_weight)
+  state = train_lib.run_loop(state, step_fn, aux, eval_fn, tc, schedule, mngr, metrics_path,
+                             np.arange(n_train), start, end, progress, workdir.name)
+  return state["params"]
+
+
+# ---------------------------------------------------------------- the draft model
+
+
+def draft_config(tcfg: ModelConfig, m) -> ModelConfig:
+  """The distilled draft: the target's vocabulary, special ids, RoPE and
+  norms at the config's width and depth, tied embeddings."""
+  return tcfg.replace(name=str(m.name), dim=int(m.dim), n_layers=int(m.n_layers),
+                      n_heads=int(m.n_heads), n_kv_heads=int(m.n_kv_heads),
+                      ffn_dim=int(m.ffn_dim), head_dim=None, tie_embeddings=True,
+                      max_seq_len=int(m.max_seq_len), quant=None)
+
+
+def init_draft(tcfg: ModelConfig, tparams, cfg: ModelConfig, seed: int):
+  """Random layers; the embedding = the target's projected on its top
+  cfg.dim principal directions (module docstring)."""
+  params = model_lib.init_params(cfg, seed)
+  table = np.asarray(tparams["embed"]["embedding"], np.float32)[:cfg.padded_vocab]
+  u, s, _ = np.linalg.svd(table, full_matrices=False)
+  proj = u[:, :cfg.dim] * s[:cfg.dim]
+  proj *= float(np.std(np.asarray(params["embed"]["embedding"]))) / float(np.std(proj))
+  params = dict(params)
+  params["embed"] = {"embedding": jnp.asarray(proj, cfg.jnp_param_dtype)}
+  return params
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+def _data(c, target: steps.Runner, tok, work: Path, log) -> tuple[dict, int, list[dict]]:
+  """Builds (or reads) data.npz; returns (data, n_train positions, held-out prompts)."""
+  mix_file = work / PROMPTS_FILE
+  if mix_file.is_file():
+    mix = wd.read_json(mix_file)
+  else:
+    mix = prompt_mix(dict(c.mix), int(c.seed), int(c.heldout_every), int(c.max_files))
+    work.mkdir(parents=True, exist_ok=True)
+    wd.write_json(mix_file, mix)
+  held = [r for r in mix if r["heldout"]]
+  train_convs = [r for r in mix if not r["heldout"]]
+  if (work / DATA_FILE).is_file():
+    with np.load(work / DATA_FILE) as z:
+      data = {k: z[k] for k in z.files}
+    return data, int(data["n_train"]), held
+  log(f"data: {len(train_convs)} training prompts ({len(held)} held out); the target's "
+      f"replies, {int(c.n_new)} tokens at most")
+  replies = generate_replies(target, tok, train_convs, int(c.n_new), int(c.gen_batch),
+                             work / "gen", "first", log)
+  follow = with_followups(train_convs, replies, tok, int(c.followups), int(c.seed))
+  f_replies = generate_replies(target, tok, follow, int(c.n_new), int(c.gen_batch),
+                               work / "gen", "followup", log)
+  seqs = [tok.encode_chat(r["messages"]) + rep
+          for r, rep in zip(train_convs + follow, replies + f_replies)]
+  seqs += stdlib_documents(tok, int(c.stdlib_tokens), int(c.doc_len), int(c.max_files))
+  random.Random(int(c.seed)).shuffle(seqs)
+  n_held = max(1, int(len(seqs) * float(c.eval_share)))
+  data = features(target, seqs[n_held:] + seqs[:n_held], int(c.top_k), int(c.feat_batch), log)
+  data["n_train"] = np.asarray(int(data["starts"][len(seqs) - n_held]))
+  np.savez(work / DATA_FILE, **data)
+  return data, int(data["n_train"]), held
+
+
+def measure_alpha(target: steps.Runner, tok, prompts: list[list[int]], head_dir: Path | None,
+                  draft: steps.Runner | None, gamma: int, n_predict: int, temps, seed: int = 0
+                  ) -> dict[str, Any]:
+  """Real acceptance (the engine) of the head and the draft on held-out prompts."""
+  out: dict[str, Any] = {}
+  for name in ("eagle", "draft"):
+    if (name == "draft" and draft is None) or (name == "eagle" and head_dir is None):
+      continue
+    out[name] = {}
+    for t in temps:
+      kw = ({"drafter": EagleDrafter(str(head_dir))} if name == "eagle" else {"rule": "real"})
+      s = speculative.generate(target, None if name == "eagle" else draft, prompts, n_predict,
+                               gamma, sp=SamplingParams(float(t)), seed=seed,
+                               eos_id=tok.eos_id, **kw).stats
+      out[name][f"{float(t):g}"] = {"alpha": s.alpha, "tokens_per_step": s.tokens_per_step,
+                                    "alpha_at_pos": s.alpha_at_pos, "n_steps": s.n_steps}
+  return out
+
+
+def plot(work: Path, path: Path) -> None:
+  """Both runs: held-out loss and top-1 agreement against tokens seen."""
+  plt = wd.pyplot()
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  for kind, col in (("head", "C0"), ("draft", "C1")):
+    if not (work / kind / train_lib.METRICS_FILE).is_file():
+      continue
+    recs = train_lib.read_metrics(work / kind)
+    tr = [r for r in recs if "loss" in r]
+    ev = [r for r in recs if "eval_loss" in r]
+    per = tr[0]["tokens"] / tr[0]["step"] if tr else 1
+    axes[0].plot([r["tokens"] / 1e6 for r in tr], [r["loss"] for r in tr], color=col, lw=1,
+                 label=f"{kind} train")
+    axes[0].plot([r["step"] * per / 1e6 for r in ev], [r["eval_loss"] for r in ev], "o--",
+                 color=col, ms=4, label=f"{kind} held-out")
+    axes[1].plot([r["tokens"] / 1e6 for r in tr], [r["acc"] for r in tr], color=col, lw=1,
+                 label=f"{kind} train")
+    axes[1].plot([r["step"] * per / 1e6 for r in ev], [r["eval_acc"] for r in ev], "o--",
+                 color=col, ms=4, label=f"{kind} held-out")
+  axes[0].set_ylabel("loss (head: vloss + w ploss; draft: soft CE + w CE)")
+  axes[1].set_ylabel("top-1 agreement with the target")
+  for ax in axes:
+    ax.set_xlabel("tokens seen (M)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  fig.suptitle("Drafts for SmolLM2-135M-Instruct, trained on its own replies")
+  wd.save_figure(fig, path)
+
+
+def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = None,
+        progress: bool = True, log: Callable[[str], None] = print,
+        stages: tuple[str, ...] = ("head", "draft")) -> dict[str, Any]:
+  """The whole pipeline (module docstring) for the target c.target; exports
+  <export_dir>/<c.head_name> and <c.draft.name>. Returns the summary."""
+  work = Path(workdir)
+  tcfg, tparams, tok = checkpoint.load_model(str(c.target), dtype="float32")
+  if tok is None or tok.chat is None:
+    raise ConfigError(f"target {c.target}: the prompt mix needs its tokenizer and chat template")
+  target = steps.Runner(tcfg, tparams)
+  data, n_train, held = _data(c, target, tok, work, log)
+  log(f"data: {len(data['tokens']):,} positions ({n_train:,} train)")
+  dt = str(c.export_dtype)
+  summary: dict[str, Any] = {"target": str(c.target), "positions": int(len(data["tokens"])),
+                             "train_positions": n_train, "export_dtype": dt}
+  head_dir = draft_runner = None
+  if "head" in stages:
+    hcfg = head_config(tcfg)
+    hparams = train("head", hcfg, init_head(hcfg, int(c.head_train.seed)), tcfg, tparams, data,
+                    n_train, c.head_train, work / "head", progress=progress, log=log)
+    head_dir = save_head(work / str(c.head_name), hcfg, hparams, tcfg, str(c.target), dt)
+    summary["head"] = {"params": model_lib.param_count(hparams),
+                       "train_seconds": pair.train_seconds(work / "head")}
+  if "draft" in stages:
+    dcfg = draft_config(tcfg, c.draft)
+    dparams = train("draft", dcfg, init_draft(tcfg, tparams, dcfg, int(c.draft_train.seed)),
+                    tcfg, tparams, data, n_train, c.draft_train, work / "draft",
+                    progress=progress, log=log)
+    cast = jax.tree_util.tree_map(lambda x: x.astype(dt), dparams)
+    hf.save_hf(work / dcfg.name, dcfg.with_dtype(dt), cast)
+    rcfg, rparams, _ = checkpoint.load_model(str(work / dcfg.name), "float32", role="draft")
+    draft_runner = steps.Runner(rcfg, rparams)
+    summary["draft"] = {"config": dcfg.to_dict(), "params": model_lib.param_count(dparams),
+                        "init": "target embedding, top principal directions",
+                        "train_seconds": pair.train_seconds(work / "draft")}
+  plot(work, work / "training.png")
+  prompts = [tok.encode_chat(r["messages"]) for r in held[:int(c.alpha_prompts)]]
+  alpha_file = work / "alpha.json"
+  if alpha_file.is_file():
+    alpha = wd.read_json(alpha_file)
+  else:
+    log(f"acceptance on {len(prompts)} held-out prompts")
+    alpha = measure_alpha(target, tok, prompts, head_dir, draft_runner, int(c.alpha_gamma),
+                          int(c.alpha_n_predict), tuple(c.alpha_temps))
+    alpha.update(gamma=int(c.alpha_gamma), n_predict=int(c.alpha_n_predict),
+                 prompts=len(prompts))
+    wd.write_json(alpha_file, alpha)
+  summary["alpha"] = alpha
+  for kind in stages:
+    recs = [r for r in train_lib.read_metrics(work / kind) if "eval_loss" in r]
+    summary.setdefault(kind, {})["heldout"] = recs[-1] if recs else None
+  wd.write_json(work / SUMMARY_FILE, summary)
+  if export_dir is not None:
+    out = Path(export_dir)
+    if head_dir is not None:
+      _, hp, _ = load_eagle(head_dir)
+      summary["exported_head"] = str(save_head(out / str(c.head_name), head_config(tcfg), hp,
+                                               tcfg, str(c.target), dt, {"training": summary}))
+    if draft_runner is not None:
+      d = out / str(c.draft.name)
+      hf.save_hf(d, draft_runner.cfg.with_dtype(dt), jax.tree_util.tree_map(
+          lambda x: x.astype(dt), draft_runner.params))
+      wd.write_json(d / "training.json", summary)
+      summary["exported_draft"] = str(d)
+  return summary

@@ -1,0 +1,147 @@
+"""Drafts trained on a pretrained target's own replies (specjax/train/selfdistill.py):
+the prompt mix is seeded, split and never the task suite; the stored soft
+labels and features give exactly the losses of a live target pass (with all
+labels kept); the draft starts from the target's principal embedding
+directions; the pipeline runs end to end on a tiny model with SmolLM2's
+tokenizer, resumes without regenerating, and its exports load and keep
+greedy output equal to target-only. MUTATIONS are deliberate bugs, each
+failing a check."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import train as train_configs
+from specjax.bench import taskbench
+from specjax.decode import generation, speculative
+from specjax.drafters import eagle
+from specjax.formats import checkpoint
+from specjax.model import llama as model
+from specjax.model import steps
+from specjax.model.config import ModelConfig
+from specjax.train import eagle as eagle_train
+from specjax.train import loop as train_lib
+from specjax.train import selfdistill as sd
+
+TINY = ModelConfig("t", 97, 32, 2, 4, 2, 64, max_seq_len=128, tie_embeddings=True)
+
+
+def test_prompt_mix_is_seeded_split_and_never_the_suite():
+  counts = {"code": 8, "prose": 4, "instruct": 6, "math": 6}
+  a = sd.prompt_mix(counts, 5, 4, max_files=40)
+  assert a == sd.prompt_mix(counts, 5, 4, max_files=40)
+  assert a != sd.prompt_mix(counts, 6, 4, max_files=40)
+  assert [r["heldout"] for r in a] == [i % 4 == 0 for i in range(len(a))]
+  kinds = {r["kind"].split("_")[0] for r in a}
+  assert kinds == {"code", "prose", "instruct", "math"}, kinds
+  suite = {m["content"] for recs in taskbench.load_suite().values()
+           for r in recs for m in r["messages"]}
+  assert not suite & {m["content"] for r in a for m in r["messages"]}
+
+
+@pytest.fixture(scope="module")
+def stored(init_params):
+  """A tiny target (embedding scaled: peaked next-token laws), one
+  sequence, its stored data with every label kept (K = V)."""
+  params = dict(init_params(TINY, 3))
+  params["embed"] = {"embedding": params["embed"]["embedding"] * 30.0}
+  target = steps.Runner(TINY, params)
+  seq = list(np.random.default_rng(0).integers(0, TINY.vocab_size, 40))
+  data = sd.features(target, [seq[:17], seq], TINY.vocab_size, 2, log=lambda s: None)
+  return target, seq, data
+
+
+def test_stored_labels_give_the_live_losses(stored):
+  """With all labels kept, the stored-data losses equal the live target's:
+  the head's is eagle_train.eagle_loss, the draft's minus the target's
+  entropy is loop.distill_loss's KL."""
+  target, seq, data = stored
+  start = int(data["starts"][1])  # the second sequence: a window from its start
+  window = np.arange(start, start + 33)[None]
+  w = {k: jnp.asarray(data[k][window]) for k in ("tokens", "feats", "top_i", "top_p")}
+  batch = jnp.asarray([seq[:33]], jnp.int32)
+  assert np.array_equal(np.asarray(w["tokens"]), np.asarray(batch))
+  hcfg = eagle.head_config(TINY)
+  hparams = eagle.init_head(hcfg, 1)
+  want, want_aux = eagle_train.eagle_loss(hparams, hcfg, target.params, TINY, batch, 0.1)
+  got, got_aux = sd.head_loss(hparams, hcfg, target.params, TINY, w, 0.1)
+  # features and labels are stored in float16: agreement to that precision
+  np.testing.assert_allclose(got_aux["ploss"], want_aux["ploss"], rtol=2e-3)
+  np.testing.assert_allclose(got_aux["vloss"], want_aux["vloss"], rtol=2e-2)
+  dcfg = TINY.replace(name="d", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32)
+  dparams = model.init_params(dcfg, 2)
+  tlogits = train_lib.logits_of(target.params, TINY, batch[:, :-1])
+  kl, _ = train_lib.distill_loss(dparams, dcfg, batch, tlogits, 0.0)[1]
+  p = jax.nn.softmax(tlogits, -1)
+  entropy = -jnp.sum(p * jax.nn.log_softmax(tlogits, -1), -1).mean()
+  _, aux = sd.draft_loss(dparams, dcfg, w, 0.0)
+  np.testing.assert_allclose(aux["kl"] - entropy, kl, rtol=2e-3, atol=2e-4)
+  # MUTATION: labels read one position late (the head's next feature's
+  # labels taken at its own): the losses part.
+  late = dict(w, top_i=jnp.roll(w["top_i"], 1, 1), top_p=jnp.roll(w["top_p"], 1, 1))
+  _, bad = sd.head_loss(hparams, hcfg, target.params, TINY, late, 0.1)
+  assert abs(float(bad["ploss"]) - float(want_aux["ploss"])) > 1e-2
+
+
+def test_the_draft_starts_from_the_targets_principal_directions(stored):
+  target, _, _ = stored
+  dcfg = sd.draft_config(TINY, train_configs.get_config("smollm2_tiny").draft).replace(dim=8)
+  assert (dcfg.vocab_size, dcfg.bos_token_id, dcfg.eos_token_id, dcfg.rope_theta) == (
+      TINY.vocab_size, TINY.bos_token_id, TINY.eos_token_id, TINY.rope_theta)
+  emb = np.asarray(sd.init_draft(TINY, target.params, dcfg, 0)["embed"]["embedding"])
+  full = np.asarray(target.params["embed"]["embedding"])
+  # E V_d: orthogonal columns, spanning the target's top-d directions
+  gram = emb.T @ emb
+  assert np.allclose(gram, np.diag(np.diag(gram)), atol=1e-4 * gram.max())
+  _, _, vt = np.linalg.svd(full, full_matrices=False)
+  coef = np.linalg.lstsq(full @ vt[:8].T, emb, rcond=None)[0]
+  np.testing.assert_allclose(full @ vt[:8].T @ coef, emb, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  """The smollm2_tiny pipeline on a tiny random target with SmolLM2's
+  tokenizer and chat template (the real model is the shipped run's)."""
+  try:
+    _, _, tok = checkpoint.load_model("smollm2-135m", "float32")
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.skip(f"smollm2-135m: {e}")
+  cfg = ModelConfig("tiny-smol", tok.vocab_size, 32, 2, 4, 2, 64, max_seq_len=512,
+                    tie_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+  params = model.init_params(cfg, 0)
+  real = checkpoint.load_model
+
+  def load_model(spec, dtype=None, seed=0, role="target"):
+    return (cfg, params, tok) if spec == "smollm2-135m" else real(spec, dtype, seed, role)
+
+  mp = pytest.MonkeyPatch()
+  mp.setattr(sd.checkpoint, "load_model", load_model)
+  c = train_configs.get_config("smollm2_tiny")
+  work, out = tmp_path_factory.mktemp("sd"), tmp_path_factory.mktemp("assets")
+  lines = []
+  s = sd.run(c, work, out, progress=False, log=lines.append)
+  yield c, work, out, s, lines, steps.Runner(cfg, params), tok, load_model
+  mp.undo()
+
+
+def test_pipeline_runs_resumes_and_exports(tiny_run):
+  c, work, out, s, lines, target, tok, load_model = tiny_run
+  assert any(l.startswith("replies first") for l in lines)
+  assert s["positions"] > s["train_positions"] > 0
+  for kind in ("head", "draft"):
+    assert [r["step"] for r in train_lib.read_metrics(work / kind) if "loss" in r] == [1, 2]
+  assert set(s["alpha"]["eagle"]) == set(s["alpha"]["draft"]) == {"0"}
+  again = []
+  s2 = sd.run(c, work, out, progress=False, log=again.append)
+  assert not any(l.startswith("replies") for l in again), again  # nothing regenerated
+  assert s2["alpha"] == s["alpha"]
+  # The exports load and keep greedy output equal to target-only.
+  prompts = [tok.encode_chat([{"role": "user", "content": "Hello there."}]), [5, 6, 7]]
+  want = generation.generate(target, prompts, 12).tokens
+  head = speculative.generate(target, None, prompts, 12, 3,
+                              drafter=eagle.EagleDrafter(str(out / "smollm2-eagle")))
+  dcfg, dparams, _ = load_model(str(out / "smollm2-draft"), "float32", role="draft")
+  assert dcfg.vocab_size == target.cfg.vocab_size
+  draft = speculative.generate(target, steps.Runner(dcfg, dparams), prompts, 12, 3)
+  assert head.tokens == want and draft.tokens == want
