@@ -89,7 +89,10 @@ from specjax.model.tree import DynamicTree
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "specjax-eagle-1"
-SHIPPED_EAGLE = {"stdlib-eagle": Path(__file__).resolve().parents[1] / "assets" / "stdlib-eagle"}
+# Shipped heads by name: the stdlib target's, and SmolLM2-135M-Instruct's
+# (specjax/train/selfdistill.py; experiments/train_smollm2.py).
+SHIPPED_EAGLE = {name: Path(__file__).resolve().parents[1] / "assets" / name
+                 for name in ("stdlib-eagle", "smollm2-eagle")}
 
 # ---------------------------------------------------------------- the head
 

