@@ -162,13 +162,18 @@ def taskbench_config(arg: str) -> ml_collections.ConfigDict:
   """
   c = get_config("default")
   c.target, c.dtype = "smollm2-135m", "float32"
+  c.draft = "smollm2-draft"     # the distilled draft (drafter "model"); loaded only if one runs
   c.taskbench = ("multi_turn", "code_completion", "code_editing", "summarization", "qa", "math")
   c.taskbench_category = ""     # set per category by the runner
   c.taskbench_prompts = 0       # conversations per category (0 = all)
   c.chat = True
-  # TODO(issue 27): the distilled SmolLM2 draft ("model") and its EAGLE head ("eagle:PATH",
-  # chain and dynamic tree) once they are trained and shipped.
-  c.drafters = ("ngram", "layerskip:8", "layerskip:15")
+  # Chains: n-gram lookup, the target's first 8 of 30 layers (the quick run's better layerskip),
+  # the distilled draft and the EAGLE head trained here (specjax/assets/smollm2-*).
+  c.drafters = ("ngram", "layerskip:8", "model", "eagle:smollm2-eagle")
+  # Token trees, DRAFTER@TREE, each a leaderboard row of its own (bench/tree_sweep.py per
+  # category): the EAGLE head drafting EAGLE-2's dynamic tree (top 4 per node, 4 levels,
+  # the 16 best nodes verified).
+  c.taskbench_trees = ("eagle:smollm2-eagle@dynamic:4,4,16",)
   c.gammas = (2, 4)
   c.accepts = ("real",)
   c.temps = (0.0, 1.0)
@@ -178,7 +183,7 @@ def taskbench_config(arg: str) -> ml_collections.ConfigDict:
   c.measure_split = False
   if arg == "taskbench_quick":  # a few minutes on 2 cores
     c.taskbench_prompts = 2
-    c.drafters = ("ngram", "layerskip:8")
+    c.drafters = ("ngram", "eagle:smollm2-eagle")
     c.gammas = (4,)
     c.temps = (0.0,)
     c.n_predict = 32

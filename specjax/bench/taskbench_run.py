@@ -18,6 +18,28 @@ accepted drafts plus the target's token, as Spec-Bench counts them). Where a
 category ran several gammas, the row takes the gamma of the best measured
 speedup (and names it).
 
+Token trees: `config.taskbench_trees` lists rows "DRAFTER@TREE" (e.g.
+"eagle:smollm2-eagle@dynamic:4,4,16"); per category, each drafter's trees
+run through the trees sweep (bench/tree_sweep.py, the category's prompts,
+batch 1, the config's rules and temperatures) in WORKDIR/CATEGORY/trees-NAME/
+and each (drafter, tree) becomes a leaderboard row of its own, labelled
+"DRAFTER TREE". Its columns: MAT and alpha as the trees sweep measures them
+(alpha: the i.i.d. rate whose capped geometric over the tree's depth gives
+the measured mean accepted length), tokens/s and speedup, the trees sweep's
+own measured-cost prediction (a static tree: tree_theory at the measured p by
+rank over the measured costs; a dynamic tree: the measured MAT over the
+measured step costs); no Leviathan prediction (a chain's theorem).
+
+The report opens with the published MATs next to ours and ends with the
+goals (issue 27), computed from the records (`goals`): the EAGLE dynamic
+tree's MAT on code editing and averaged over the categories at T = 0; the
+points within 10 % of their measured-cost prediction (those outside listed);
+per category at T = 0, whether the best drafter beats target-only (if not,
+the measured costs that say why).
+
+An interrupted run loses no finished point: every sweep (chains and trees)
+appends each point as it finishes, and `resume` skips them.
+
 With `config.prompt_tokens` set (models without a tokenizer: the tests'
 tiny pair) every category runs those ids instead of its conversations.
 """
@@ -25,6 +47,7 @@ tiny pair) every category runs those ids instead of its conversations.
 from __future__ import annotations
 
 import os
+import re
 import statistics
 
 import ml_collections
@@ -32,9 +55,16 @@ import ml_collections
 from specjax import workdir as wd
 from specjax.bench import sweep
 from specjax.bench import taskbench
+from specjax.bench import tree_sweep
+from specjax.drafters import registry
 from specjax.errors import ConfigError
+from specjax.model import tree as trees
 
 REPORT, PLOT, RECORDS = "taskbench.md", "taskbench.png", "taskbench.jsonl"
+PUBLISHED = ("Published MATs (mean accepted tokens per step, Spec-Bench, Vicuna-7B, T=0): "
+             "EAGLE 3.61, EAGLE-2 4.36")
+GOAL_EDIT_MAT, GOAL_MEAN_MAT = 3.0, 2.5  # EAGLE dynamic tree at T = 0 (issue 27)
+GOAL_EFFICIENCY = 0.10  # |measured / measured-cost prediction - 1| at every point
 
 
 def categories(cfg) -> tuple[str, ...]:
@@ -46,19 +76,72 @@ def categories(cfg) -> tuple[str, ...]:
   return cats
 
 
+def tree_rows(cfg) -> list[tuple[str, str]]:
+  """config.taskbench_trees ("DRAFTER@TREE", ...) -> [(drafter spec, tree
+  spec)], each checked (the drafter parses, the tree is a fixed one)."""
+  rows = []
+  for row in cfg.get("taskbench_trees", ()) or ():
+    drafter, sep, tree = str(row).rpartition("@")
+    if not sep or not drafter or not tree:
+      raise ConfigError(f"config.taskbench_trees: {row!r} is not DRAFTER@TREE "
+                        "(e.g. eagle:smollm2-eagle@dynamic:4,4,16)")
+    t = trees.parse(tree, 1)
+    if not isinstance(t, (trees.Tree, trees.DynamicTree)):
+      raise ConfigError(f"config.taskbench_trees: {row!r}: {tree} is not a fixed tree "
+                        "(chain:G, kary:K,D, sequoia:N,D, dynamic:K,D,N)")
+    rows.append((registry.parse(drafter).spec, t.spec if hasattr(t, "spec") else tree))
+  if len(set(rows)) < len(rows):
+    raise ConfigError(f"config.taskbench_trees names a row twice: {list(cfg.taskbench_trees)}")
+  return rows
+
+
+def tree_label(drafter: str, tree: str) -> str:
+  """A tree row's name in the leaderboard."""
+  return f"{drafter} {tree}"
+
+
+def tree_dir(drafter: str) -> str:
+  """A drafter's trees sweep's subdirectory of its category's workdir."""
+  return "trees-" + re.sub(r"[^A-Za-z0-9.,-]+", "_", drafter).strip("_")
+
+
+def tree_config(cfg, cat: str, drafter: str, specs: list[str]):
+  """The trees sweep of one category and drafter: its trees at batch 1, the
+  config's rules and temperatures."""
+  sub = ml_collections.ConfigDict(cfg.to_dict())
+  sub.taskbench, sub.taskbench_trees, sub.taskbench_category = (), (), cat
+  sub.drafters, sub.trees, sub.batches = (drafter,), tuple(specs), (1,)
+  return sub
+
+
 def run_taskbench(cfg, workdir: str, resume: bool = False, progress: bool = True) -> list[dict]:
-  """One sweep per category of `cfg.taskbench`; returns every record, each
-  with its "category", and writes the report."""
+  """One sweep per category of `cfg.taskbench`, and per category one trees
+  sweep per drafter of `cfg.taskbench_trees`; returns every record, each
+  with its "category" (a tree row's "drafter" is its label, the drafter's
+  spec in "tree_drafter"), and writes the report."""
   cats = categories(cfg)
   if not cats:
     raise ConfigError("config.taskbench names no category")
+  rows = tree_rows(cfg)
+  by_drafter: dict[str, list[str]] = {}
+  for d, t in rows:
+    by_drafter.setdefault(d, []).append(t)
+  chains = bool(list(cfg.get("drafters", ()) or ())) or not rows  # () and rows: trees only
   records = []
   for cat in cats:
-    sub = ml_collections.ConfigDict(cfg.to_dict())
-    sub.taskbench = ()
-    sub.taskbench_category = cat
-    for rec in sweep.run_sweep(sub, os.path.join(workdir, cat), resume, progress):
-      records.append(dict(rec, category=cat))
+    if chains:
+      sub = ml_collections.ConfigDict(cfg.to_dict())
+      sub.taskbench, sub.taskbench_trees = (), ()
+      sub.taskbench_category = cat
+      for rec in sweep.run_sweep(sub, os.path.join(workdir, cat), resume, progress):
+        records.append(dict(rec, category=cat))
+    for d, specs in by_drafter.items():
+      sub = tree_config(cfg, cat, d, specs)
+      out = os.path.join(workdir, cat, tree_dir(d))
+      for rec in tree_sweep.run_tree_sweep(sub, out, resume, progress):
+        if rec["tree"] in specs:
+          records.append(dict(rec, category=cat, tree_drafter=d,
+                              drafter=tree_label(d, rec["tree"])))
   wd.restart_jsonl(os.path.join(workdir, RECORDS), records)
   write_report(workdir, records, cfg)
   return records
@@ -92,7 +175,8 @@ def leaderboard(records: list[dict]) -> str:
     overall = statistics.mean(p["speedup"] for p in have)
     lines.append(f"| {drafter} | {temp:g} | " + " | ".join(cells)
                  + f" | {mat:.2f} | {overall:.2f}x |")
-  lines += ["", "Per category (the gamma of the best measured speedup):", "",
+  lines += ["", "Per category (the gamma of the best measured speedup; a tree row: its "
+            "tree, its prediction the trees sweep's):", "",
             "| Category | Drafter | T | gamma | MAT | alpha | tok/s spec | tok/s target "
             "| speedup | pred. measured-cost | pred. Leviathan |",
             "|" + "---|" * 11]
@@ -102,11 +186,106 @@ def leaderboard(records: list[dict]) -> str:
       if p is None:
         continue
       lines.append(
-          f"| {taskbench.TITLES[c]} | {drafter} | {temp:g} | {p['gamma']} "
+          f"| {taskbench.TITLES[c]} | {drafter} | {temp:g} | {p.get('tree') or p['gamma']} "
           f"| {p['tokens_per_step']:.2f} | {p['alpha']:.3f} | {p['spec_tps']:.1f} "
           f"| {p['baseline_tps']:.1f} | {p['speedup']:.2f}x "
-          f"| {p['predicted_measured_cost']:.2f}x | {p['predicted_leviathan']:.2f}x |")
+          f"| {_x(p.get('predicted_measured_cost'))} | {_x(p.get('predicted_leviathan'))} |")
   return "\n".join(lines) + "\n"
+
+
+def _x(v) -> str:
+  return "n/a" if v is None else f"{v:.2f}x"
+
+
+def is_eagle_dynamic(rec: dict) -> bool:
+  """A tree row of an EAGLE head drafting a dynamic tree."""
+  return (str(rec.get("tree", "")).startswith("dynamic:")
+          and str(rec.get("tree_drafter", "")).startswith("eagle"))
+
+
+def goals(records: list[dict]) -> dict:
+  """Issue 27's goals from the records (real acceptance):
+    eagle_dynamic  per EAGLE dynamic-tree row at T = 0: its MAT on code
+                   editing and its MAT averaged over the categories it ran
+                   (the leaderboard's points), each against its goal;
+    efficiency     every point with a measured-cost prediction: within
+                   GOAL_EFFICIENCY of it or not (those outside listed);
+    beats_target   per category at T = 0: the drafter of the best measured
+                   speedup, that speedup, and the measured step in units of
+                   a target decode step T_target(1) (the MAT a step would
+                   need to break even) with the verify's T(N)/T(1)."""
+  best = best_points(records)
+  out: dict = {"eagle_dynamic": [], "efficiency": {}, "beats_target": []}
+  labels = sorted({k[1] for k, r in best.items() if k[2] == 0.0 and is_eagle_dynamic(r)})
+  for label in labels:
+    mats = {k[0]: r["tokens_per_step"] for k, r in best.items() if k[1:] == (label, 0.0)}
+    edit = mats.get("code_editing")
+    mean = statistics.mean(mats.values())
+    out["eagle_dynamic"].append({
+        "drafter": label, "code_editing": edit, "mean": mean, "n_categories": len(mats),
+        "code_editing_ok": edit is not None and edit >= GOAL_EDIT_MAT,
+        "mean_ok": mean >= GOAL_MEAN_MAT})
+  pts = [r for r in records if r.get("accept_rule") == "real"
+         and r.get("predicted_measured_cost")]
+  outside = []
+  for r in pts:
+    ratio = r["speedup"] / r["predicted_measured_cost"]
+    if abs(ratio - 1.0) > GOAL_EFFICIENCY:
+      outside.append({"category": r["category"], "drafter": r["drafter"],
+                      "temperature": float(r["temperature"]),
+                      "gamma": r.get("tree") or r["gamma"], "speedup": r["speedup"],
+                      "predicted": r["predicted_measured_cost"], "ratio": ratio})
+  out["efficiency"] = {"n": len(pts), "within": len(pts) - len(outside), "outside": outside}
+  for c in taskbench.CATEGORIES:
+    here = [r for k, r in best.items() if k[0] == c and k[2] == 0.0]
+    if not here:
+      continue
+    r = max(here, key=lambda r: r["speedup"])
+    t1 = r.get("t_target_s")
+    step = r.get("predicted_step_s")
+    out["beats_target"].append({
+        "category": c, "drafter": r["drafter"], "speedup": r["speedup"],
+        "beats": r["speedup"] > 1.0, "mat": r["tokens_per_step"],
+        "step_over_t1": step / t1 if step and t1 else None,
+        "verify_over_t1": r["t_verify_s"] / t1 if r.get("t_verify_s") and t1 else None})
+  return out
+
+
+def goals_lines(g: dict) -> list[str]:
+  """The report's goals section from `goals`."""
+  ok = lambda b: "met" if b else "NOT met"
+  lines = ["## Goals (issue 27, from the records above)", ""]
+  if not g["eagle_dynamic"]:
+    lines.append("- EAGLE dynamic tree: no such row at T=0 in this run.")
+  for e in g["eagle_dynamic"]:
+    edit = "not run" if e["code_editing"] is None else f"{e['code_editing']:.2f}"
+    lines.append(f"- {e['drafter']}, T=0: MAT {edit} on code editing (goal >= "
+                 f"{GOAL_EDIT_MAT:g}: {ok(e['code_editing_ok'])}), {e['mean']:.2f} averaged "
+                 f"over {e['n_categories']} categories (goal >= {GOAL_MEAN_MAT:g}: "
+                 f"{ok(e['mean_ok'])}); published: EAGLE 3.61, EAGLE-2 4.36.")
+  eff = g["efficiency"]
+  lines.append(f"- Measured speedup within {GOAL_EFFICIENCY:.0%} of the measured-cost "
+               f"prediction: {eff['within']} of {eff['n']} points"
+               + (":" if eff["outside"] else " (every point)."))
+  if eff["outside"]:
+    lines += ["", "| Category | Drafter | T | gamma / tree | speedup | predicted | "
+              "measured / predicted |", "|---|---|---|---|---|---|---|"]
+    for o in eff["outside"]:
+      lines.append(f"| {taskbench.TITLES[o['category']]} | {o['drafter']} | "
+                   f"{o['temperature']:g} | {o['gamma']} | {o['speedup']:.2f}x | "
+                   f"{o['predicted']:.2f}x | {o['ratio']:.2f} |")
+    lines.append("")
+  lines.append("- Best drafter per category at T=0 against target-only (a step costs "
+               "step/T(1) target decode steps and keeps MAT tokens: it wins when MAT > "
+               "step/T(1)):")
+  lines += ["", "| Category | best drafter | speedup | faster? | MAT | step / T(1) | "
+            "T(verify) / T(1) |", "|---|---|---|---|---|---|---|"]
+  f = lambda v: "-" if v is None else f"{v:.2f}"
+  for b in g["beats_target"]:
+    lines.append(f"| {taskbench.TITLES[b['category']]} | {b['drafter']} | {b['speedup']:.2f}x "
+                 f"| {'yes' if b['beats'] else 'no'} | {b['mat']:.2f} | "
+                 f"{f(b['step_over_t1'])} | {f(b['verify_over_t1'])} |")
+  return lines
 
 
 def write_report(workdir: str, records: list[dict], cfg) -> None:
@@ -116,11 +295,25 @@ def write_report(workdir: str, records: list[dict], cfg) -> None:
           f"{int(cfg.n_predict)} tokens per prompt, {int(cfg.reps)} repetitions, "
           f"dtype {cfg.dtype or 'the model default'}, prompts through the chat template; "
           f"{wd.machine_line(env)}."
+          f"\n\n{PUBLISHED}; ours (the leaderboard's MAT column): {_ours(records)}."
           f"\n\nSpeedup per category; MAT = mean accepted tokens per step (drafts accepted "
-          f"+ 1), averaged over the categories:\n\n" + leaderboard(records))
+          f"+ 1), averaged over the categories:\n\n" + leaderboard(records)
+          + "\n" + "\n".join(goals_lines(goals(records))) + "\n")
   with open(os.path.join(workdir, REPORT), "w") as f:
     f.write(text)
   _plot(workdir, records)
+
+
+def _ours(records: list[dict]) -> str:
+  """Each drafter row's mean MAT over its categories at T=0 (all rows where
+  none ran at T=0)."""
+  best = best_points(records)
+  temps = {k[2] for k in best}
+  t = 0.0 if 0.0 in temps else min(temps, default=0.0)
+  rows = sorted({k[1] for k in best if k[2] == t})
+  parts = [f"{d} {statistics.mean(r['tokens_per_step'] for k, r in best.items() if k[1:] == (d, t)):.2f}"
+           for d in rows]
+  return f"T={t:g}: " + ", ".join(parts) if parts else "none"
 
 
 def _plot(workdir: str, records: list[dict]) -> None:

@@ -129,8 +129,10 @@ def plot(path: str, records: Sequence[Record]) -> None:
         ln = ax.plot([r["tree_nodes"] for r in pts], [r["tokens_per_step"] for r in pts], mark,
                      color=color, label=f"B={b} {kind} measured")
         color = ln[0].get_color()
-        ax.plot([r["tree_nodes"] for r in pts], [r["tokens_per_step_predicted"] for r in pts],
-                style, color=color, alpha=0.6, label=f"B={b} {kind} predicted")
+        pred = [r for r in pts if r.get("tokens_per_step_predicted") is not None]  # not dynamic
+        if pred:
+          ax.plot([r["tree_nodes"] for r in pred], [r["tokens_per_step_predicted"] for r in pred],
+                  style, color=color, alpha=0.6, label=f"B={b} {kind} predicted")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("draft nodes N")
     ax.set_ylabel("tokens per step")

@@ -1,13 +1,16 @@
 """The task suite (bench/taskbench.py): its files load, every category has
 10-20 conversations ending in a user turn, every math answer is right, QA
 answers copy from their passage; the quick config runs end to end on tiny
-models (bench/taskbench_run.py)."""
+models (bench/taskbench_run.py), its token-tree rows (an EAGLE head's
+dynamic tree through the trees sweep) included; the report's goals come
+from the records."""
 
 import json
 import statistics
 
 import pytest
 
+import lawcheck
 from specjax.bench import taskbench
 from specjax.errors import ConfigError
 
@@ -77,33 +80,94 @@ def test_bad_files_are_one_clear_error(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def tiny_head(tmp_path_factory):
+  """A random EAGLE head for the tiny target (it drafts badly; the runs only
+  need its shapes)."""
+  from specjax.drafters import eagle  # pylint: disable=import-outside-toplevel
+  from specjax.model import config  # pylint: disable=import-outside-toplevel
+  cfg = config.get_preset("tiny")
+  hcfg = eagle.head_config(cfg)
+  return str(eagle.save_head(tmp_path_factory.mktemp("head") / "tiny-eagle", hcfg,
+                             eagle.init_head(hcfg), cfg, "tiny"))
+
+
+TREE = "dynamic:2,2,3"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory, tiny_head):
   """configs/sweep_gamma.py:taskbench_quick on the tiny pair (random weights,
-  no tokenizer: every category runs the same ids), as a user would override it."""
+  no tokenizer: every category runs the same ids), as a user would override it,
+  with one EAGLE dynamic-tree row (a random head for the tiny target)."""
   from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
   from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
   c = sweep_gamma.get_config("taskbench_quick")
+  assert len(c.taskbench_trees) == 1 and "@dynamic:" in c.taskbench_trees[0]
   c.target, c.draft, c.chat = "tiny", "tiny-draft", False
   c.prompt_tokens = "1,5,9,200,3,7,7,7,7,7,7,7,7,7,7,7"  # repeats: the n-gram drafter matches
   c.drafters = ("ngram", "model")
+  c.taskbench_trees = (f"eagle:{tiny_head}@{TREE}",)
   c.n_predict, c.ctx_size = 16, 64
   c.taskbench = ("code_editing", "math")  # two categories: CI time (each compiles its own sweep)
   workdir = tmp_path_factory.mktemp("taskbench")
   return workdir, c, taskbench_run.run_taskbench(c, str(workdir), progress=False)
 
 
-def test_quick_config_runs_every_category_and_writes_the_report(quick_run):
+def test_quick_config_runs_every_category_and_writes_the_report(quick_run, tiny_head):
   from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
   workdir, cfg, records = quick_run
+  tree_row = f"eagle:{tiny_head} {TREE}"
   assert {(r["category"], r["drafter"]) for r in records} == {
-      (c, d) for c in cfg.taskbench for d in ("ngram:1-4", "model")}
+      (c, d) for c in cfg.taskbench for d in ("ngram:1-4", "model", tree_row)}
   text = (workdir / taskbench_run.REPORT).read_text()
-  table = [ln for ln in text.splitlines() if ln.startswith("| ngram") or ln.startswith("| model")]
-  assert len(table) == 2 and all(ln.count("x |") == len(cfg.taskbench) + 1 for ln in table)
+  table = [ln for ln in text.splitlines() if ln.startswith("| ngram") or ln.startswith("| model")
+           or ln.startswith("| eagle")]
+  assert len(table) == 3 and all(ln.count("x |") == len(cfg.taskbench) + 1 for ln in table)
   assert "| Code edit | model | 0 | 4 |" in text
+  # the tree row: its tree in the gamma column, the trees sweep's prediction, no Leviathan
+  row = next(ln for ln in text.splitlines() if ln.startswith(f"| Code edit | {tree_row} | 0 |"))
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[3] == TREE and cells[-2].endswith("x") and cells[-1] == "n/a"
+  assert text.startswith("# Task suite") and "EAGLE 3.61, EAGLE-2 4.36" in text
+  assert "## Goals" in text and f"{tree_row}, T=0: MAT" in text
   assert (workdir / taskbench_run.PLOT).stat().st_size > 0
   assert len((workdir / taskbench_run.RECORDS).read_text().splitlines()) == len(records)
   assert sweep_gamma_categories() == taskbench.CATEGORIES
+  for cat in cfg.taskbench:  # each drafter's trees sweep in its own subdirectory
+    assert (workdir / cat / taskbench_run.tree_dir(f"eagle:{tiny_head}") / "results.jsonl").is_file()
+  tree = next(r for r in records if r["drafter"] == tree_row)
+  assert tree["tree"] == TREE and tree["gamma"] == 2 and tree["tree_nodes"] == 3
+  assert tree["t_draft_s"] > 0 and tree["predicted_step_s"] == pytest.approx(
+      tree["t_draft_s"] + tree["t_verify_s"] + tree["t_accept_s"])
+  assert tree["predicted_measured_cost"] == pytest.approx(
+      tree["tokens_per_step"] * tree["t_target_s"] / tree["predicted_step_s"])
+
+
+def test_resume_runs_nothing_again(quick_run, monkeypatch):
+  """A resumed run finds every point (chains and trees) finished: nothing is
+  measured, and the records are the same."""
+  from specjax.bench import sweep, taskbench_run, tree_sweep  # pylint: disable=import-outside-toplevel
+  workdir, cfg, records = quick_run
+  def boom(*a, **k):
+    raise AssertionError("a finished point ran again")
+  monkeypatch.setattr(sweep, "run_group", boom)
+  monkeypatch.setattr(tree_sweep, "run_point", boom)
+  again = taskbench_run.run_taskbench(cfg, str(workdir), resume=True, progress=False)
+  key = lambda r: (r["category"], r["drafter"], r["gamma"], r["speedup"])
+  assert sorted(map(key, again)) == sorted(map(key, records))
+
+
+def test_tree_rows_are_checked():
+  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  c = sweep_gamma.get_config("taskbench")
+  assert taskbench_run.tree_rows(c) == [("eagle:smollm2-eagle", "dynamic:4,4,16")]
+  assert c.draft == "smollm2-draft" and "model" in c.drafters and "eagle:smollm2-eagle" in c.drafters
+  for bad, msg in (("dynamic:2,2,3", "not DRAFTER@TREE"), ("eagle@auto", "not a fixed tree"),
+                   ("eagle@dynamic:2,2,30", "more nodes"), ("bogus@chain:2", "unknown drafter")):
+    c.taskbench_trees = (bad,)
+    with pytest.raises(ConfigError, match=msg):
+      taskbench_run.tree_rows(c)
 
 
 def sweep_gamma_categories():
@@ -153,3 +217,78 @@ def test_sweep_renders_a_category_with_the_chat_template():
   assert got[0].count(1) == 3  # <|im_start|> (id 1): system, user, assistant
   c.taskbench_category = "qa"  # deliberate bug: another category's prompts
   assert sweep_points.sweep_prompts(c, tok, 49152) != want
+
+
+# ------------------------------------------------------------ the goals, from records
+
+
+def _rec(cat, drafter, temp, speedup, mat, pred, **kw):
+  return dict(dict(category=cat, drafter=drafter, temperature=temp, speedup=speedup,
+                   tokens_per_step=mat, predicted_measured_cost=pred, accept_rule="real",
+                   gamma=4, t_target_s=0.01, predicted_step_s=0.02, t_verify_s=0.012), **kw)
+
+
+DYN = dict(tree="dynamic:4,4,16", tree_drafter="eagle:smollm2-eagle", gamma=4)
+LABEL = "eagle:smollm2-eagle dynamic:4,4,16"
+
+
+def _goal_records():
+  return [
+      _rec("code_editing", LABEL, 0.0, 1.5, 3.4, 1.45, **DYN),
+      _rec("math", LABEL, 0.0, 0.9, 2.0, 1.2, **DYN),          # 25 % off its prediction
+      _rec("math", LABEL, 1.0, 1.3, 5.0, 1.3, **DYN),          # T=1: not in the T=0 goals
+      _rec("code_editing", "ngram:1-4", 0.0, 1.2, 2.6, 1.25),
+      _rec("math", "ngram:1-4", 0.0, 0.8, 1.1, 0.7),            # 14 % above its prediction
+      _rec("math", "ngram:1-4", 0.0, 0.6, 1.1, 0.6, accept_rule="bernoulli:0.8"),  # not real
+  ]
+
+
+def _check_goals(g) -> list[str]:
+  """What the hand-made records imply; the names of the checks that fail."""
+  bad = []
+  e = g["eagle_dynamic"]
+  if not (len(e) == 1 and e[0]["drafter"] == LABEL and e[0]["code_editing"] == 3.4
+          and abs(e[0]["mean"] - 2.7) < 1e-9 and e[0]["n_categories"] == 2
+          and e[0]["code_editing_ok"] and e[0]["mean_ok"]):
+    bad.append(f"eagle dynamic {e}")
+  eff = g["efficiency"]
+  outside = sorted((o["category"], o["drafter"], o["temperature"]) for o in eff["outside"])
+  if (eff["n"], eff["within"]) != (5, 3) or outside != [("math", LABEL, 0.0),
+                                                        ("math", "ngram:1-4", 0.0)]:
+    bad.append(f"efficiency {eff}")
+  beats = {b["category"]: (b["drafter"], b["beats"], b["step_over_t1"]) for b in g["beats_target"]}
+  if beats != {"code_editing": (LABEL, True, 2.0), "math": (LABEL, False, 2.0)}:
+    bad.append(f"beats {beats}")
+  return bad
+
+
+def test_goals_come_from_the_records():
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  g = taskbench_run.goals(_goal_records())
+  assert _check_goals(g) == []
+  text = "\n".join(taskbench_run.goals_lines(g))
+  assert "MAT 3.40 on code editing (goal >= 3: met), 2.70 averaged over 2 categories" in text
+  assert "3 of 5 points" in text and "| Math | ngram:1-4 | 0 | 4 | 0.80x | 0.70x | 1.14 |" in text
+  assert "| Math | eagle:smollm2-eagle dynamic:4,4,16 | 0.90x | no | 2.00 | 2.00 | 1.20 |" in text
+  # an EAGLE dynamic tree short of its goals says so
+  low = [dict(r, tokens_per_step=2.0) if r["drafter"] == LABEL else r for r in _goal_records()]
+  assert "NOT met" in "\n".join(taskbench_run.goals_lines(taskbench_run.goals(low)))
+
+
+GOAL_MUTATIONS = {
+    "efficiency counts only points below their prediction (no abs)": (
+        "abs(ratio - 1.0) > GOAL_EFFICIENCY", "1.0 - ratio > GOAL_EFFICIENCY"),
+    "the EAGLE dynamic MAT averages every temperature": (
+        "k[1:] == (label, 0.0)}", "k[1] == label}"),
+    "the best drafter per category is taken at any temperature": (
+        "k[0] == c and k[2] == 0.0]", "k[0] == c]"),
+}
+
+
+@pytest.mark.parametrize("bug", list(GOAL_MUTATIONS))
+def test_each_deliberate_goals_bug_fails(bug):
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  bugged = lawcheck.mutant(taskbench_run.goals, *GOAL_MUTATIONS[bug])
+  bad = _check_goals(bugged(_goal_records()))
+  print(f"MUTATION | {bug} | {bad[:2]}")
+  assert bad, f"{bug}: not caught"

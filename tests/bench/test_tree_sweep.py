@@ -74,8 +74,14 @@ def test_rule_p_and_config():
   c.trees = ("auto",)
   with pytest.raises(ConfigError, match="fixed trees"):
     tree_sweep.validate(c)
+  c.trees = ("dynamic:2,2,4", "auto")  # a dynamic tree runs as a point of its own, never auto's
+  with pytest.raises(ConfigError, match="fixed trees"):
+    tree_sweep.validate(c)
   c.trees = ("dynamic:2,2,4",)
-  with pytest.raises(ConfigError, match="not a static tree"):
+  tree_sweep.validate(c)
+  assert tree_sweep.static_trees(tree_sweep.fixed_trees(c)) == {}
+  c.trees = ("auto:4,8",)
+  with pytest.raises(ConfigError, match="not a fixed tree"):
     tree_sweep.validate(c)
 
 
