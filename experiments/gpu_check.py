@@ -27,6 +27,14 @@ about 5 minutes on one GPU).
 8. With several local GPUs: llama-7b T(1) and T(5) on data:1,model:M for
    M = 1, 2, 4, 8 up to the number of GPUs (tensor parallelism); with one,
    the summary says so.
+9. The task suite's quick config (issue 27, configs/sweep_gamma.py:
+   taskbench_quick): SmolLM2-135M-Instruct, 2 prompts per category, the
+   n-gram drafter, the EAGLE head as a chain and with a dynamic tree: the
+   Spec-Bench-shaped leaderboard (MAT and speedup per category) and the
+   goals, into --workdir/taskbench/. A drafter whose trained draft is not in
+   the checkout is left out (one line); a missing target package is one line
+   too. In --smoke: the tiny target, the n-gram drafter, one category (the
+   runner's path only; the tree rows need a trained head).
 
 Writes gpu_summary.md and gpu_check.jsonl (one record per measurement, each
 with the environment) to --workdir and prints both paths and the summary.
@@ -58,7 +66,7 @@ _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", None, "Peak memory bandwidth (G
                                 "looked up from the device kind.", lower_bound=1.0)
 _REPS = flags.DEFINE_integer("reps", 5, "Benchmark repetitions.", lower_bound=1)
 _SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: peaks, bench, attention, sweep, batch, "
-                         "overhead, trees, mesh.")
+                         "overhead, trees, mesh, taskbench.")
 
 
 def peaks_part(smoke: bool, reps: int, out, measured: dict) -> list[str]:
@@ -82,6 +90,19 @@ def mesh_part(model, dtype, reps, out) -> list[str]:
   return gs.mesh_section(recs, model, reps, n, jax.default_backend())
 
 
+def taskbench_part(cfg, workdir: str, out, note: str) -> list[str]:
+  """The task suite's quick config; a target that cannot be loaded (the
+  smollm2 package not installed) is one line in the summary, not the end of
+  the check."""
+  try:
+    records, dropped = gs.taskbench_part_run(cfg, workdir)
+  except SpecjaxError as e:
+    records, dropped = [], [f"not run: {str(e).splitlines()[0][:300]}"]
+  for r in records:
+    out("taskbench", {k: v for k, v in r.items() if k != "env"})
+  return gs.taskbench_section(records, cfg, dropped, note)
+
+
 def main(argv):
   del argv
   dev = jax.devices()[0]
@@ -92,6 +113,7 @@ def main(argv):
         flush=True)
   out, reps, skip = gs.Out(_WORKDIR.value), _REPS.value, set(_SKIP.value)
   scfg, bcfg = sweep_gamma.get_config("gpu"), sweep_gamma.get_config("gpu_batch")
+  tcfg, tnote = sweep_gamma.get_config("taskbench_quick"), ""
   if _SMOKE.value:
     bcfg.target, bcfg.draft, bcfg.dtype = "tiny", "tiny-draft", "float32"
     bcfg.batches, bcfg.gammas, bcfg.n_predict, bcfg.ctx_size, bcfg.reps = (1, 2), (2,), 8, 48, 1
@@ -101,6 +123,11 @@ def main(argv):
     models, n_prompt, n_gen, depth = ["tiny-draft", "tiny"], [1, 2, 4], 4, 8
     attn_model, attn_points, attn_gen = "tiny", [(32, 8), (128, 8), (128, 96)], 4
     tree_model, tree_batches, tree_sizes = "tiny", (1, 2), (4, 8)
+    tcfg.target, tcfg.chat, tcfg.prompt_tokens = "tiny", False, "1,5,9,200,3,7,7,7,7,7"
+    tcfg.drafters, tcfg.taskbench_trees, tcfg.taskbench = ("ngram",), (), ("math",)
+    tcfg.n_predict, tcfg.ctx_size = 8, 48
+    tnote = ("Smoke: the tiny target (random weights), the n-gram drafter, one category; "
+             "the real part runs configs/sweep_gamma.py:taskbench_quick.")
   else:
     models, n_prompt, n_gen, depth = ["llama-160m", "llama-7b"], [1, 2, 4, 8, 16, 32, 64], 64, 128
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
@@ -128,6 +155,7 @@ def main(argv):
           tree_model, tree_sizes)),
       ("mesh", lambda: mesh_part("tiny" if _SMOKE.value else "llama-7b", scfg.dtype, reps,
                                  out)),
+      ("taskbench", lambda: taskbench_part(tcfg, _WORKDIR.value, out, tnote)),
   ]
   for name, part in parts:
     if name in skip:

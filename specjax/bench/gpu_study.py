@@ -240,3 +240,59 @@ def trees_section(rs: Records, spec, sizes) -> list[str]:
             "over chain:1's verify at the same batch). A tree pays while this stays near 1; "
             "the study's crossover batch (bench/tree_report.py) is where it stops."]
   return lines
+
+
+# ---------------------------------------------------------------- the task suite
+
+
+def taskbench_available(cfg) -> tuple[Any, list[str]]:
+  """cfg without the drafters and tree rows whose trained draft is not
+  there (an EAGLE head, the draft model: still being trained, or not
+  shipped with this checkout), and one line per row left out, so that the
+  rest of the suite runs."""
+  from specjax.drafters import eagle, registry  # pylint: disable=import-outside-toplevel
+  from specjax.errors import SpecjaxError  # pylint: disable=import-outside-toplevel
+  missing: dict[str, str] = {}
+
+  def ok(spec: str) -> bool:
+    d = registry.parse(spec)
+    if spec not in missing:
+      try:
+        if isinstance(d, eagle.EagleDrafter):
+          eagle.load_eagle(d.path)
+        elif d.needs_draft_model:
+          checkpoint.load_model(cfg.draft, dtype=cfg.dtype, role="draft")
+      except SpecjaxError as e:
+        missing[spec] = str(e).splitlines()[0][:200]
+    return spec not in missing
+
+  sub = cfg.copy_and_resolve_references()
+  sub.drafters = tuple(s for s in cfg.drafters if ok(str(s)))
+  sub.taskbench_trees = tuple(r for r in cfg.get("taskbench_trees", ())
+                              if ok(str(r).rpartition("@")[0]))
+  dropped = [f"{spec}: left out ({why})" for spec, why in missing.items()]
+  return sub, dropped
+
+
+def taskbench_part_run(cfg, workdir: str, name: str = "taskbench") -> tuple[Records, list[str]]:
+  """The task suite (bench/taskbench_run.run_taskbench) of cfg into
+  workdir/name, without the drafters whose trained draft is missing
+  (taskbench_available); (records, the lines saying what was left out)."""
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  sub, dropped = taskbench_available(cfg)
+  if not list(sub.drafters) and not list(sub.taskbench_trees):
+    return [], dropped + ["no drafter left to run"]
+  return taskbench_run.run_taskbench(sub, os.path.join(workdir, name), progress=False), dropped
+
+
+def taskbench_section(records: Records, cfg, dropped: list[str], note: str = "") -> list[str]:
+  """The suite's leaderboard and goals (bench/taskbench_run.py) from the records."""
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  lines = [f"## Task suite ({cfg.target}, {int(cfg.get('taskbench_prompts', 0)) or 'all'} "
+           f"prompt(s) per category, {int(cfg.n_predict)} tokens, real acceptance)", ""]
+  lines += [note, ""] if note else []
+  lines += [f"- {d}" for d in dropped] + ([""] if dropped else [])
+  if not records:
+    return lines + ["No point ran."]
+  lines += [taskbench_run.PUBLISHED + ".", "", taskbench_run.leaderboard(records)]
+  return lines + taskbench_run.goals_lines(taskbench_run.goals(records))

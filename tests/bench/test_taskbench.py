@@ -292,3 +292,18 @@ def test_each_deliberate_goals_bug_fails(bug):
   bad = _check_goals(bugged(_goal_records()))
   print(f"MUTATION | {bug} | {bad[:2]}")
   assert bad, f"{bug}: not caught"
+
+
+def test_gpu_part_leaves_out_missing_drafts(tmp_path, tiny_head):
+  """gpu_study.taskbench_available: a drafter or tree row whose trained
+  draft is missing is left out with one line; the others stay."""
+  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
+  from specjax.bench import gpu_study  # pylint: disable=import-outside-toplevel
+  c = sweep_gamma.get_config("taskbench_quick")
+  gone = str(tmp_path / "no-head")
+  c.drafters = ("ngram", f"eagle:{gone}", f"eagle:{tiny_head}")
+  c.taskbench_trees = (f"eagle:{gone}@dynamic:2,2,3", f"eagle:{tiny_head}@dynamic:2,2,3")
+  sub, dropped = gpu_study.taskbench_available(c)
+  assert sub.drafters == ("ngram", f"eagle:{tiny_head}")
+  assert sub.taskbench_trees == (f"eagle:{tiny_head}@dynamic:2,2,3",)
+  assert len(dropped) == 1 and dropped[0].startswith(f"eagle:{gone}: left out (")

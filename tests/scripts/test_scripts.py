@@ -202,6 +202,10 @@ def test_gpu_check_smoke(tmp_path):
   parts = [json.loads(l)["part"] for l in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
   assert parts[0] == "peaks" and "bench" in parts
   assert (tmp_path / "sweep" / "results.jsonl").exists()
+  # the task suite's part: its leaderboard and goals on the tiny target
+  assert "## Task suite (tiny" in summary and "| ngram:1-4 | 0 | " in summary
+  assert "## Goals" in summary and "taskbench" in parts
+  assert (tmp_path / "taskbench" / "taskbench.md").exists()
 
 
 def test_mesh_bench_smoke(tmp_path):
