@@ -156,7 +156,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
 def taskbench_config(arg: str) -> ml_collections.ConfigDict:
   """The task suite (bench/taskbench_run.py; specjax/assets/taskbench): SmolLM2-135M-Instruct,
   every category through its chat template, real acceptance at T = 0 and 1. The report:
-  WORKDIR/taskbench.md (a Spec-Bench-shaped leaderboard), taskbench.png.
+  WORKDIR/taskbench.md (a Spec-Bench-shaped leaderboard, the published MATs, the issue's goals),
+  taskbench.png. `taskbench_trees` rows (DRAFTER@TREE) run through the trees sweep per category
+  (docs/taskbench.md).
     python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:taskbench --workdir=/tmp/specjax_tb
     python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:taskbench_quick --workdir=/tmp/specjax_tbq
   """
