@@ -79,6 +79,11 @@ from specjax.train import eagle as eagle_train
 from specjax.train import loop as train_lib
 
 DATA_FILE = "data.npz"
+DATA_CONFIG_FILE = "data_config.json"
+# What makes two workdirs' data the same (replies, data.npz): a resume with
+# other values is refused rather than mixing the two.
+DATA_FIELDS = ("target", "seed", "max_files", "mix", "heldout_every", "followups", "n_new",
+               "gen_batch", "stdlib_tokens", "doc_len", "eval_share", "top_k")
 PROMPTS_FILE = "prompts.json"
 SUMMARY_FILE = "summary.json"
 
@@ -304,6 +309,7 @@ def _gather(data, pos):
 
 def head_loss(hparams, hcfg: ModelConfig, tparams, tcfg: ModelConfig, w, ce_weight: float):
   """EAGLE loss of a window of stored data (module docstring); (loss, aux)."""
+  hcfg = hcfg.replace(attn_block=0)  # masked attention: reverse mode cannot take the blocked loop
   feats = w["feats"].astype(jnp.float32)
   t = feats.shape[1] - 1
   pred, _ = head_forward(hparams, tparams, feats[:, :-1], w["tokens"][:, 1:],
@@ -427,8 +433,46 @@ def init_draft(tcfg: ModelConfig, tparams, cfg: ModelConfig, seed: int):
 # ---------------------------------------------------------------- the pipeline
 
 
+def validate(c, tcfg: ModelConfig) -> None:
+  """One line for a setting the pipeline cannot run."""
+  if int(c.heldout_every) < 2:
+    raise ConfigError(f"heldout_every must be >= 2 (every k-th prompt held out), "
+                      f"got {c.heldout_every}")
+  if not 0.0 < float(c.eval_share) < 0.5:
+    raise ConfigError(f"eval_share must be in (0, 0.5), got {c.eval_share}")
+  if not 1 <= int(c.top_k) <= tcfg.vocab_size:
+    raise ConfigError(f"top_k must be in [1, {tcfg.vocab_size}], got {c.top_k}")
+  if not 1 <= int(c.draft.dim) <= tcfg.dim:
+    raise ConfigError(f"draft.dim must be in [1, {tcfg.dim}] (the embedding starts from the "
+                      f"target's top principal directions), got {c.draft.dim}")
+  if int(c.n_new) < 1 or int(c.gen_batch) < 1:
+    raise ConfigError(f"n_new and gen_batch must be >= 1, got {c.n_new}, {c.gen_batch}")
+
+
+def _check_same_data(c, work: Path) -> None:
+  want = {k: (c[k].to_dict() if hasattr(c[k], "to_dict") else c[k]) for k in DATA_FIELDS}
+  file = work / DATA_CONFIG_FILE
+  if file.is_file():
+    if wd.normalised(wd.read_json(file)) != wd.normalised(want):
+      raise ConfigError(f"{work} holds data made with other settings ({file}); use a new "
+                        f"workdir or delete it")
+  else:
+    work.mkdir(parents=True, exist_ok=True)
+    wd.write_json(file, want)
+
+
+def _load_data(path: Path) -> dict[str, np.ndarray]:
+  try:
+    with np.load(path) as z:
+      return {k: z[k] for k in z.files}
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f"{path} is unreadable ({type(e).__name__}); delete it to rebuild "
+                      f"it from the stored replies") from None
+
+
 def _data(c, target: steps.Runner, tok, work: Path, log) -> tuple[dict, int, list[dict]]:
   """Builds (or reads) data.npz; returns (data, n_train positions, held-out prompts)."""
+  _check_same_data(c, work)
   mix_file = work / PROMPTS_FILE
   if mix_file.is_file():
     mix = wd.read_json(mix_file)
@@ -439,8 +483,7 @@ def _data(c, target: steps.Runner, tok, work: Path, log) -> tuple[dict, int, lis
   held = [r for r in mix if r["heldout"]]
   train_convs = [r for r in mix if not r["heldout"]]
   if (work / DATA_FILE).is_file():
-    with np.load(work / DATA_FILE) as z:
-      data = {k: z[k] for k in z.files}
+    data = _load_data(work / DATA_FILE)
     return data, int(data["n_train"]), held
   log(f"data: {len(train_convs)} training prompts ({len(held)} held out); the target's "
       f"replies, {int(c.n_new)} tokens at most")
@@ -456,7 +499,9 @@ def _data(c, target: steps.Runner, tok, work: Path, log) -> tuple[dict, int, lis
   n_held = max(1, int(len(seqs) * float(c.eval_share)))
   data = features(target, seqs[n_held:] + seqs[:n_held], int(c.top_k), int(c.feat_batch), log)
   data["n_train"] = np.asarray(int(data["starts"][len(seqs) - n_held]))
-  np.savez(work / DATA_FILE, **data)
+  tmp = work / (DATA_FILE + ".partial.npz")
+  np.savez(tmp, **data)
+  os.replace(tmp, work / DATA_FILE)  # whole or absent: an interrupted write is redone
   return data, int(data["n_train"]), held
 
 
@@ -517,6 +562,7 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   tcfg, tparams, tok = checkpoint.load_model(str(c.target), dtype="float32")
   if tok is None or tok.chat is None:
     raise ConfigError(f"target {c.target}: the prompt mix needs its tokenizer and chat template")
+  validate(c, tcfg)
   target = steps.Runner(tcfg, tparams)
   data, n_train, held = _data(c, target, tok, work, log)
   log(f"data: {len(data['tokens']):,} positions ({n_train:,} train)")
@@ -546,12 +592,14 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   plot(work, work / "training.png")
   prompts = [tok.encode_chat(r["messages"]) for r in held[:int(c.alpha_prompts)]]
   alpha_file = work / "alpha.json"
-  if alpha_file.is_file():
-    alpha = wd.read_json(alpha_file)
-  else:
+  alpha = wd.read_json(alpha_file) if alpha_file.is_file() else {}
+  missing_head = head_dir if head_dir is not None and "eagle" not in alpha else None
+  missing_draft = draft_runner if draft_runner is not None and "draft" not in alpha else None
+  if missing_head is not None or missing_draft is not None:
     log(f"acceptance on {len(prompts)} held-out prompts")
-    alpha = measure_alpha(target, tok, prompts, head_dir, draft_runner, int(c.alpha_gamma),
-                          int(c.alpha_n_predict), tuple(c.alpha_temps))
+    alpha.update(measure_alpha(target, tok, prompts, missing_head, missing_draft,
+                               int(c.alpha_gamma), int(c.alpha_n_predict),
+                               tuple(c.alpha_temps)))
     alpha.update(gamma=int(c.alpha_gamma), n_predict=int(c.alpha_n_predict),
                  prompts=len(prompts))
     wd.write_json(alpha_file, alpha)

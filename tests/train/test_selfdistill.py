@@ -16,6 +16,7 @@ from configs import train as train_configs
 from specjax.bench import taskbench
 from specjax.decode import generation, speculative
 from specjax.drafters import eagle
+from specjax.errors import ConfigError
 from specjax.formats import checkpoint
 from specjax.model import llama as model
 from specjax.model import steps
@@ -24,7 +25,22 @@ from specjax.train import eagle as eagle_train
 from specjax.train import loop as train_lib
 from specjax.train import selfdistill as sd
 
-TINY = ModelConfig("t", 97, 32, 2, 4, 2, 64, max_seq_len=128, tie_embeddings=True)
+# attn_block 8 < the 33-token windows: the losses must use masked attention
+TINY = ModelConfig("t", 97, 32, 2, 4, 2, 64, max_seq_len=128, tie_embeddings=True, attn_block=8)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("heldout_every", 1, "heldout_every"), ("eval_share", 0.0, "eval_share"),
+    ("top_k", 0, "top_k")])
+def test_bad_settings_are_one_line(field, value, match):
+  c = train_configs.get_config("smollm2_tiny")
+  c[field] = value
+  with pytest.raises(ConfigError, match=match):
+    sd.validate(c, TINY)
+  c = train_configs.get_config("smollm2_tiny")
+  c.draft.dim = TINY.dim + 1
+  with pytest.raises(ConfigError, match="draft.dim"):
+    sd.validate(c, TINY)
 
 
 def test_prompt_mix_is_seeded_split_and_never_the_suite():
@@ -48,7 +64,8 @@ def stored(init_params):
   params["embed"] = {"embedding": params["embed"]["embedding"] * 30.0}
   target = steps.Runner(TINY, params)
   seq = list(np.random.default_rng(0).integers(0, TINY.vocab_size, 40))
-  data = sd.features(target, [seq[:17], seq], TINY.vocab_size, 2, log=lambda s: None)
+  # out of length order: stored in the order given, not the order run
+  data = sd.features(target, [seq, seq[:17]], TINY.vocab_size, 2, log=lambda s: None)
   return target, seq, data
 
 
@@ -57,7 +74,8 @@ def test_stored_labels_give_the_live_losses(stored):
   the head's is eagle_train.eagle_loss, the draft's minus the target's
   entropy is loop.distill_loss's KL."""
   target, seq, data = stored
-  start = int(data["starts"][1])  # the second sequence: a window from its start
+  assert list(data["starts"]) == [0, 40]
+  start = int(data["starts"][0])  # the first sequence: a window from its start
   window = np.arange(start, start + 33)[None]
   w = {k: jnp.asarray(data[k][window]) for k in ("tokens", "feats", "top_i", "top_p")}
   batch = jnp.asarray([seq[:33]], jnp.int32)
@@ -66,6 +84,8 @@ def test_stored_labels_give_the_live_losses(stored):
   hparams = eagle.init_head(hcfg, 1)
   want, want_aux = eagle_train.eagle_loss(hparams, hcfg, target.params, TINY, batch, 0.1)
   got, got_aux = sd.head_loss(hparams, hcfg, target.params, TINY, w, 0.1)
+  # trainable at windows past attn_block (the blocked attention's loop has no reverse mode)
+  jax.jit(jax.grad(lambda p: sd.head_loss(p, hcfg, target.params, TINY, w, 0.1)[0]))(hparams)
   # features and labels are stored in float16: agreement to that precision
   np.testing.assert_allclose(got_aux["ploss"], want_aux["ploss"], rtol=2e-3)
   np.testing.assert_allclose(got_aux["vloss"], want_aux["vloss"], rtol=2e-2)
@@ -136,6 +156,10 @@ def test_pipeline_runs_resumes_and_exports(tiny_run):
   s2 = sd.run(c, work, out, progress=False, log=again.append)
   assert not any(l.startswith("replies") for l in again), again  # nothing regenerated
   assert s2["alpha"] == s["alpha"]
+  other = train_configs.get_config("smollm2_tiny")
+  other.n_new = 9  # other data settings in the same workdir: one line, not a mix
+  with pytest.raises(ConfigError, match="data made with other settings"):
+    sd.run(other, work, None, progress=False, log=again.append)
   # The exports load and keep greedy output equal to target-only.
   prompts = [tok.encode_chat([{"role": "user", "content": "Hello there."}]), [5, 6, 7]]
   want = generation.generate(target, prompts, 12).tokens
