@@ -148,6 +148,8 @@ def main(argv):
   rule = rule if auto else rule.resolve(gamma)
   drafter = _drafter()
   tree = None if auto else trees.parse(_TREE.value, gamma)
+  if tree is not None and not isinstance(tree, trees.AutoTree):
+    drafter.check_tree(tree)  # before any model loads (ngram: static trees only)
   auto_tree = tree if isinstance(tree, trees.AutoTree) else None
   cands = autotree.candidate_trees(auto_tree) if auto_tree else None
   if auto_tree:

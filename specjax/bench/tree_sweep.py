@@ -236,13 +236,15 @@ class TreeBench:
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "k"))
-def _repeat_propose_tree(dparams, dstate, tail, n, key, *, sc, k: int):
+def _repeat_propose_tree(dparams, dstate, tcache, tail, n, key, *, sc, k: int):
   """k dynamic-tree proposals on device; each iteration's lengths differ
-  (n - i % 2), so XLA cannot hoist the proposal out of the loop."""
+  (n - i % 2), so XLA cannot hoist the proposal out of the loop. `tcache`
+  is the target's prefilled cache: a drafter that shares it (layerskip:K)
+  reads and writes it, as in the engine's step."""
   live = jnp.ones(n.shape, bool)
 
   def body(i, acc):
-    d, _, _ = sc.drafter.propose_tree(dparams, dstate, None, tail, n - i % 2, live,
+    d, _, _ = sc.drafter.propose_tree(dparams, dstate, tcache, tail, n - i % 2, live,
                                       jax.random.fold_in(key, i), sc)
     return acc + jnp.sum(d.tokens)
 
@@ -252,7 +254,9 @@ def _repeat_propose_tree(dparams, dstate, tail, n, key, *, sc, k: int):
 class DynamicCostProbe:
   """T_draft_tree: one whole dynamic-tree proposal (every level the drafter
   feeds, the selection, the mask) at batch B, on a history of `depth` random
-  tokens; k proposals per timed repetition in one jitted loop."""
+  tokens; k proposals per timed repetition in one jitted loop. The target's
+  cache is prefilled with that history as the engine's prefill does
+  (speculative.prefill): layerskip:K drafts on the target's own cache."""
 
   def __init__(self, drafter, target: steps.Runner, draft: steps.Runner | None,
                tree: trees.DynamicTree, capacity: int, depth: int, batch: int = 1,
@@ -263,16 +267,18 @@ class DynamicCostProbe:
     rng = np.random.RandomState(seed)
     prompt = rng.randint(0, target.cfg.vocab_size, depth - 1).tolist()
     self.dparams = self.sc.drafter.draft_params(target.params, draft)
+    prompts = [prompt] * batch
+    _, self.tcache = target.prefill(prompts, target.new_cache(batch, capacity))
     first = jnp.asarray([prompt[-1]] * batch)
-    self.dstate = self.sc.drafter.init(self.sc, target, self.dparams, [prompt] * batch,
-                                       capacity, first)
+    self.dstate = self.sc.drafter.init(self.sc, target, self.dparams, prompts, capacity,
+                                       first)
     self.tail = jnp.asarray([[prompt[-1], prompt[-1]]] * batch, jnp.int32)
     self.n = jnp.full((batch,), depth, jnp.int32)
 
   def time(self, reps: int) -> float:
     """Median seconds of one proposal (compiles untimed first)."""
-    run = lambda: _repeat_propose_tree(self.dparams, self.dstate, self.tail, self.n,
-                                       jax.random.PRNGKey(0), sc=self.sc, k=self.k)
+    run = lambda: _repeat_propose_tree(self.dparams, self.dstate, self.tcache, self.tail,
+                                       self.n, jax.random.PRNGKey(0), sc=self.sc, k=self.k)
     return timing.measure(run, reps=reps, warmup=1).median / self.k
 
 
@@ -298,7 +304,10 @@ def _timed_reps(bench: TreeBench, p: TreePoint, spec) -> tuple[list, list[dict]]
 
 def run_dynamic_point(bench: TreeBench, p: TreePoint) -> Record:
   """A dynamic tree's point (module docstring): warm-up, then the timed
-  repetitions, then its record."""
+  repetitions, then its record. A drafter that cannot draft it (ngram: no
+  draft distribution to rank one with) is refused first, before any cost is
+  measured (ConfigError: run_tree_sweep skips the points with one line)."""
+  bench.drafter.check_tree(bench.cands[p.tree])
   cost = bench.dynamic_cost(p)
   with CompileWatch() as cw:
     bench.spec(p, None)

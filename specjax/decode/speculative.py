@@ -93,6 +93,8 @@ class SpecConfig:
     if self.tree is not None and self.p_min > 0:
       raise ConfigError("p_min (draft early stop) is for chains; a tree drafts every node")
     object.__setattr__(self, "drafter", registry.parse(self.drafter))
+    if self.tree is not None:
+      self.drafter.check_tree(self.tree)
     object.__setattr__(self, "draft", self.drafter.draft_config(self.target, self.draft))
     if self.draft is not None:
       check_vocabularies(self.target, self.draft)

@@ -38,6 +38,8 @@ The interface (speculative.py calls only these; every method but `init` and
                                   (host side, after the target's prefill):
                                   the drafter's state, any pytree, carried in
                                   SpecState.dcache
+  check_tree(tree)             -> None, or ConfigError for a tree it cannot draft
+                                  (ngram: no dynamic tree)
   propose(dparams, dstate, tcache, tail, n, live, key, sc)
                                -> (Drafted, dstate, tcache): gamma tokens per
                                   row, their q (or none: `deterministic`),
@@ -156,6 +158,12 @@ class Drafter:
 
   def commit(self, dstate, c: Committed):
     raise NotImplementedError
+
+  def check_tree(self, tree) -> None:
+    """Refuses (ConfigError, one line) a token tree this drafter cannot draft;
+    checked with the config (SpecConfig, the scripts' --tree), before any
+    model runs. Every drafter here drafts static and dynamic trees unless it
+    says otherwise."""
 
   def propose_tree(self, dparams, dstate, tcache: kvc.KVCache, tail, n, live, key, sc):
     """propose for a token tree (sc.tree): (DraftedTree, dstate, tcache)."""

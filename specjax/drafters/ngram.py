@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import Drafted, DraftedTree, Drafter
+from specjax.errors import ConfigError
+from specjax.model.tree import DynamicTree
 
 CANDIDATES_PER_NODE = 2  # a tree of N nodes reads the best 2N continuations
 
@@ -52,6 +54,13 @@ class NgramDrafter(Drafter):
     return Drafted(tokens=tokens, q=jnp.zeros((b, sc.gamma, 0), jnp.float32),
                    n_drafted=jnp.where(live, n_drafted, 0),
                    caught_up=jnp.zeros((b,), bool)), dstate, tcache
+
+  def check_tree(self, tree):
+    """A dynamic tree is ranked by the draft's distribution; prompt lookup has
+    none, so it drafts static trees only."""
+    if isinstance(tree, DynamicTree):
+      raise ConfigError(f"drafter {self.spec} drafts static trees only; {tree.spec} needs a "
+                        "drafter with a draft distribution (model, layerskip, eagle)")
 
   def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
     tree = sc.tree

@@ -1,7 +1,9 @@
 """The trees sweep (bench/tree_sweep.py, tree_report.py): the crossover batch
 and the best tree/chain/auto per batch on synthetic records; the rule's p;
 the sweep on tiny models, interrupted and resumed without losing or redoing
-a finished point. MUTATIONS are deliberate bugs, each failing a check."""
+a finished point; a dynamic tree drafted on the target's own cache
+(layerskip) measured, one the n-gram drafter cannot draft skipped with one
+line. MUTATIONS are deliberate bugs, each failing a check."""
 
 import json
 
@@ -119,6 +121,22 @@ def test_tree_sweep_resumes_after_an_interruption(tmp_path):
   summary = (tmp_path / "summary.md").read_text()
   assert "Crossover batch" in summary and "Machine: " in summary
   assert (tmp_path / "trees.png").stat().st_size > 0
+
+
+def test_dynamic_trees_of_a_shared_cache_drafter_and_of_ngram(tmp_path, capsys):
+  """layerskip:1 drafts on the target's cache: its dynamic tree's cost probe
+  (DynamicCostProbe) runs on a prefilled one and the point is measured; the
+  n-gram drafter has no draft distribution to rank a dynamic tree with, so
+  its point is skipped with one line and the sweep goes on."""
+  c = _micro()
+  c.target, c.drafters, c.trees = "tiny", ("ngram", "layerskip:1"), ("dynamic:2,2,3",)
+  c.batches, c.temps, c.accepts, c.n_predict = (1,), (0.0,), ("real",), 8
+  records = tree_sweep.run_tree_sweep(c, str(tmp_path), progress=False)
+  assert [(r["drafter"], r["tree"]) for r in records] == [("layerskip:1", "dynamic:2,2,3")]
+  assert records[0]["t_draft_s"] > 0 and records[0]["tokens_per_step"] >= 1
+  line = "drafter ngram:1-4, dynamic points: skipped (drafter ngram:1-4 drafts static trees only"
+  assert line in capsys.readouterr().out
+  assert line in (tmp_path / "summary.md").read_text()
 
 
 def _crossover_first_win(orig):

@@ -21,6 +21,7 @@ from specjax.decode import speculative
 from specjax.decode import tree_step
 from specjax.drafters import eagle
 from specjax.drafters import ngram
+from specjax.errors import ConfigError
 from specjax.model import config
 from specjax.model import llama as model
 from specjax.model import steps
@@ -450,6 +451,21 @@ def test_sampled_ngram_tree_follows_the_target(v6_head):
   ps = output_pvalues(v6_head[0], "ngram:1-2", SamplingParams(1.0), "topk")
   assert adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items()
                                          if v * len(ps) <= lawcheck.ALPHA}
+
+
+def test_ngram_refuses_a_dynamic_tree_with_one_line(peaked):
+  """Prompt lookup has no draft distribution to rank a dynamic tree with: the
+  config check refuses it (one line), before anything runs; its static trees
+  and the other drafters' dynamic trees pass."""
+  dyn = trees.DynamicTree(2, 2, 3)
+  msg = (r"^drafter ngram:1-4 drafts static trees only; dynamic:2,2,3 needs a drafter with a "
+         r"draft distribution \(model, layerskip, eagle\)$")
+  with pytest.raises(ConfigError, match=msg):
+    speculative.SpecConfig(CFG3, None, 2, drafter="ngram", tree=dyn)
+  with pytest.raises(ConfigError, match=msg):
+    run_ngram(peaked, dyn)
+  speculative.SpecConfig(CFG3, None, MEDUSA.max_depth, drafter="ngram", tree=MEDUSA)
+  speculative.SpecConfig(CFG3, None, 2, drafter="layerskip:1", tree=dyn)
 
 
 # ---------------------------------------------------------------- deliberate bugs

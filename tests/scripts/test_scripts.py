@@ -161,6 +161,8 @@ def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
                         "--auto_set=0,2"], r"error: .*auto"),
     ("speculative.py", ["--model=tiny", "--model_draft=tiny-draft", "--tree=auto",
                         "--loop=host"], r"error: --tree=auto runs the device loop"),
+    ("speculative.py", ["--model=tiny", "--drafter=ngram", "--tree=dynamic:2,2,3"],
+     r"error: drafter ngram:1-4 drafts static trees only; dynamic:2,2,3 needs"),
 ])
 def test_bad_input_is_one_line(script, args, pattern):
   assert_one_line_error(run(script, *args), pattern)
