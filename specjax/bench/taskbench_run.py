@@ -21,7 +21,7 @@ speedup (and names it).
 Token trees: `config.taskbench_trees` lists rows "DRAFTER@TREE" (e.g.
 "eagle:smollm2-eagle@dynamic:4,4,16"); per category, each drafter's trees
 run through the trees sweep (bench/tree_sweep.py, the category's prompts,
-batch 1, the config's rules and temperatures) in WORKDIR/CATEGORY/trees-NAME/
+batch 1, the config's rules and temperatures) in WORKDIR/CATEGORY/trees-NAME-HASH/
 and each (drafter, tree) becomes a leaderboard row of its own, labelled
 "DRAFTER TREE". Its columns: MAT and alpha as the trees sweep measures them
 (alpha: the i.i.d. rate whose capped geometric over the tree's depth gives
@@ -46,6 +46,7 @@ tiny pair) every category runs those ids instead of its conversations.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import statistics
@@ -101,8 +102,12 @@ def tree_label(drafter: str, tree: str) -> str:
 
 
 def tree_dir(drafter: str) -> str:
-  """A drafter's trees sweep's subdirectory of its category's workdir."""
-  return "trees-" + re.sub(r"[^A-Za-z0-9.,-]+", "_", drafter).strip("_")
+  """A drafter's trees sweep's subdirectory of its category's workdir: the
+  spec made filesystem-safe (readable), then a short hash of the spec itself,
+  since the sanitising maps different specs (eagle:/a/b_c, eagle:/a/b/c)
+  to one name and two drafters must never share a sweep's records."""
+  digest = hashlib.sha1(drafter.encode()).hexdigest()[:8]
+  return "trees-" + re.sub(r"[^A-Za-z0-9.,-]+", "_", drafter).strip("_") + "-" + digest
 
 
 def tree_config(cfg, cat: str, drafter: str, specs: list[str]):
@@ -139,7 +144,7 @@ def run_taskbench(cfg, workdir: str, resume: bool = False, progress: bool = True
       sub = tree_config(cfg, cat, d, specs)
       out = os.path.join(workdir, cat, tree_dir(d))
       for rec in tree_sweep.run_tree_sweep(sub, out, resume, progress):
-        if rec["tree"] in specs:
+        if rec["tree"] in specs and rec.get("drafter") == d:  # this drafter's own points only
           records.append(dict(rec, category=cat, tree_drafter=d,
                               drafter=tree_label(d, rec["tree"])))
   wd.restart_jsonl(os.path.join(workdir, RECORDS), records)

@@ -170,6 +170,71 @@ def test_tree_rows_are_checked():
       taskbench_run.tree_rows(c)
 
 
+APART_ROWS = ("eagle:/heads/a_b@dynamic:2,2,3", "eagle:/heads/a/b@dynamic:2,2,3",
+              "ngram@dynamic:2,2,3")
+
+
+def apart_mismatches(taskbench_run, monkeypatch, tmp_path) -> list[str]:
+  """Three tree rows whose drafters sanitise alike or draft nothing
+  (APART_ROWS), through run_taskbench with a stand-in trees sweep that
+  returns every drafter's record whatever it was asked (as a shared or
+  stale directory would): each drafter's sweep must get a directory of its
+  own and each row only its own drafter's records."""
+  from specjax.bench import tree_sweep  # pylint: disable=import-outside-toplevel
+  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
+  c = sweep_gamma.get_config("taskbench_quick")
+  c.drafters, c.taskbench, c.taskbench_trees = (), ("math",), APART_ROWS
+  outs = []
+  def fake_sweep(sub, out, resume=False, progress=True):
+    outs.append(out)
+    return [dict(drafter=d, tree=t, origin=d) for d, t in taskbench_run.tree_rows(c)]
+  monkeypatch.setattr(tree_sweep, "run_tree_sweep", fake_sweep)
+  monkeypatch.setattr(taskbench_run, "write_report", lambda *a, **k: None)
+  records = taskbench_run.run_taskbench(c, str(tmp_path), progress=False)
+  bad = []
+  if len(set(outs)) != 3:
+    bad.append(f"shared directories {outs}")
+  if sorted(r["origin"] for r in records) != ["eagle:/heads/a/b", "eagle:/heads/a_b", "ngram:1-4"]:
+    bad.append(f"records {[(r['tree_drafter'], r['origin']) for r in records]}")
+  bad += [f"{r['tree_drafter']} took {r['origin']}'s record" for r in records
+          if r["origin"] != r["tree_drafter"]]
+  return bad
+
+
+def test_tree_rows_keep_each_drafter_apart(monkeypatch, tmp_path):
+  """Two drafter specs that sanitise to one name get two directories, a
+  tree sweep's records are taken by drafter as well as tree, and an n-gram
+  dynamic-tree row is accepted by the checks (the trees sweep skips it with
+  one line: tests/bench/test_tree_sweep.py)."""
+  from specjax.bench import taskbench_run, tree_sweep  # pylint: disable=import-outside-toplevel
+  a, b = taskbench_run.tree_dir("eagle:/heads/a_b"), taskbench_run.tree_dir("eagle:/heads/a/b")
+  assert a != b and a.startswith("trees-eagle_heads_a_b-") and b.startswith("trees-eagle_heads_a_b-")
+  assert taskbench_run.tree_dir("ngram:1-4") == taskbench_run.tree_dir("ngram:1-4")
+  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
+  c = sweep_gamma.get_config("taskbench_quick")
+  c.taskbench_trees = APART_ROWS
+  assert taskbench_run.tree_rows(c)[-1] == ("ngram:1-4", "dynamic:2,2,3")
+  tree_sweep.validate(taskbench_run.tree_config(c, "math", "ngram:1-4", ["dynamic:2,2,3"]))
+  assert apart_mismatches(taskbench_run, monkeypatch, tmp_path) == []
+
+
+APART_MUTATIONS = {
+    "tree_dir without the spec's hash": ("tree_dir", ' + "-" + digest', ""),
+    "a trees sweep's records taken by tree only": (
+        "run_taskbench", ' and rec.get("drafter") == d', ""),
+}
+
+
+@pytest.mark.parametrize("bug", list(APART_MUTATIONS))
+def test_each_deliberate_apart_bug_fails(bug, monkeypatch, tmp_path):
+  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
+  name, old, new = APART_MUTATIONS[bug]
+  monkeypatch.setattr(taskbench_run, name, lawcheck.mutant(getattr(taskbench_run, name), old, new))
+  bad = apart_mismatches(taskbench_run, monkeypatch, tmp_path)
+  print(f"MUTATION | {bug} | {bad[:2]}")
+  assert bad, f"{bug}: not caught"
+
+
 def sweep_gamma_categories():
   from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
   return tuple(sweep_gamma.get_config("taskbench_quick").taskbench)
