@@ -19,7 +19,6 @@ A chain-shaped tree is the chain, token for token (tests/decode/test_trees.py).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

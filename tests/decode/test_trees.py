@@ -16,7 +16,6 @@ from specjax.decode import tree_step
 from specjax.drafters import base as drafters_base
 from specjax.model import config
 from specjax.model import kv_cache as kvc
-from specjax.model import layers
 from specjax.model import llama as model
 from specjax.model import steps
 from specjax.model import tree as trees
