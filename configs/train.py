@@ -99,7 +99,7 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
   c.target = "smollm2-135m"
   c.seed = 0
   c.max_files = 0                # stdlib files used (0 = all; tests)
-  # The prompt mix (selfdistill.prompt_mix): prompts per kind; every
+  # The prompt mix (train/replies.prompt_mix): prompts per kind; every
   # heldout_every-th is held out for the acceptance measurement.
   c.mix = ml_collections.ConfigDict(dict(code=280, prose=120, instruct=160, math=60))
   c.heldout_every = 20

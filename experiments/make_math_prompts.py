@@ -2,7 +2,7 @@
 
   python experiments/make_math_prompts.py
 
-Writes specjax/assets/taskbench/math.jsonl (bench/taskbench.math_problems):
+Writes specjax/assets/taskbench/math.jsonl (train/mathgen.math_problems, through bench/taskbench):
 each line {"messages": [a user turn], "expression": "3 * 12 - 5", "answer": 31}.
 The same seed gives the same file (tests/bench/test_taskbench.py checks it).
 """

@@ -23,6 +23,7 @@ from specjax.model import steps
 from specjax.model.config import ModelConfig
 from specjax.train import eagle as eagle_train
 from specjax.train import loop as train_lib
+from specjax.train import replies
 from specjax.train import selfdistill as sd
 
 # attn_block 8 < the 33-token windows: the losses must use masked attention
@@ -45,9 +46,9 @@ def test_bad_settings_are_one_line(field, value, match):
 
 def test_prompt_mix_is_seeded_split_and_never_the_suite():
   counts = {"code": 8, "prose": 4, "instruct": 6, "math": 6}
-  a = sd.prompt_mix(counts, 5, 4, max_files=40)
-  assert a == sd.prompt_mix(counts, 5, 4, max_files=40)
-  assert a != sd.prompt_mix(counts, 6, 4, max_files=40)
+  a = replies.prompt_mix(counts, 5, 4, max_files=40)
+  assert a == replies.prompt_mix(counts, 5, 4, max_files=40)
+  assert a != replies.prompt_mix(counts, 6, 4, max_files=40)
   assert [r["heldout"] for r in a] == [i % 4 == 0 for i in range(len(a))]
   kinds = {r["kind"].split("_")[0] for r in a}
   assert kinds == {"code", "prose", "instruct", "math"}, kinds
@@ -65,7 +66,7 @@ def stored(init_params):
   target = steps.Runner(TINY, params)
   seq = list(np.random.default_rng(0).integers(0, TINY.vocab_size, 40))
   # out of length order: stored in the order given, not the order run
-  data = sd.features(target, [seq, seq[:17]], TINY.vocab_size, 2, log=lambda s: None)
+  data = replies.features(target, [seq, seq[:17]], TINY.vocab_size, 2, log=lambda s: None)
   return target, seq, data
 
 
