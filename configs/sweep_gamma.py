@@ -188,6 +188,7 @@ def taskbench_config(arg: str) -> ml_collections.ConfigDict:
   if arg == "taskbench_quick":  # a few minutes on 2 cores
     c.taskbench_prompts = 2
     c.drafters = ("ngram", "eagle:smollm2-eagle")
+    c.taskbench_trees = c.taskbench_trees[:1]  # the CPU-sized dynamic tree only
     c.gammas = (4,)
     c.temps = (0.0,)
     c.n_predict = 32
