@@ -1,33 +1,34 @@
-"""Shared test fixtures, and XLA's persistent compilation cache for the suite.
+"""Shared test fixtures, and (opt-in) XLA's persistent compilation cache.
 
-Most of the suite's time is XLA compiling tiny models (a warm cache runs
-tests/decode/test_trees.py in 42 s against 186 s), and many tests and the
-scripts they launch compile the same programs. The cache is keyed by the
-program, the jax/XLA versions and the flags, so a hit is the same executable;
-its directory (SPECJAX_TEST_JAX_CACHE, default <tmp>/specjax-jax-cache, at
-most 2 GB, least recently used evicted) is exported before jax is imported,
-so the scripts run as subprocesses share it.
+Most of the suite's time is XLA compiling tiny models, and many tests and the
+scripts they launch compile the same programs. With SPECJAX_TEST_JAX_CACHE=DIR
+set, jax's persistent compilation cache lives in DIR (keyed by the program,
+the jax/XLA versions and the flags, so a hit is the same executable; at most
+2 GB, least recently used evicted), exported before jax is imported so the
+scripts run as subprocesses share it. Warm, tests/decode/test_trees.py takes
+42 s against 186 s; a cold run writes every executable and was slower (1976 s
+against 1776 s for the whole suite on 2 cores), so it is off by default.
 """
 
 import functools
 import os
-import tempfile
 
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ.get(
-    "SPECJAX_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "specjax-jax-cache")))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+_CACHE = os.environ.get("SPECJAX_TEST_JAX_CACHE")
+if _CACHE:
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax  # pylint: disable=wrong-import-position
 import pytest  # pylint: disable=wrong-import-position
 
 from specjax.model import llama as model_lib  # pylint: disable=wrong-import-position
 
-# Also in this process, should a plugin have imported jax before this file.
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+if _CACHE:  # also in this process, should a plugin have imported jax before this file
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @pytest.fixture(scope="session")
