@@ -29,6 +29,8 @@ if _CACHE:  # also in this process, should a plugin have imported jax before thi
   jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size",
+                    int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 @pytest.fixture(scope="session")
