@@ -8,10 +8,23 @@ the jax/XLA versions and the flags, so a hit is the same executable; at most
 scripts run as subprocesses share it. Warm, tests/decode/test_trees.py takes
 42 s against 186 s; a cold run writes every executable and was slower (1976 s
 against 1776 s for the whole suite on 2 cores), so it is off by default.
+
+The suite also compiles with LLVM's optimisation off
+(--xla_backend_optimization_level=0, appended to XLA_FLAGS here so the
+scripts it launches inherit it; SPECJAX_TEST_XLA_OPT=1 keeps XLA's default).
+The tests check what the programs compute, not how fast: on 2 cores this
+takes about a quarter off the compile-bound files (tests/model/test_attention.py
+and tests/decode/test_lossless.py: 103 s -> 80 s). Tests that start a
+subprocess with more virtual devices add that flag to XLA_FLAGS, not replace it.
 """
 
 import functools
 import os
+
+if os.environ.get("SPECJAX_TEST_XLA_OPT") != "1" and \
+    "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = " ".join(
+      [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
 _CACHE = os.environ.get("SPECJAX_TEST_JAX_CACHE")
 if _CACHE:

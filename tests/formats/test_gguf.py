@@ -240,7 +240,7 @@ def test_sharded_load_equals_single_device(tmp_path, params):
   import json  # pylint: disable=import-outside-toplevel
   write_model(tmp_path / "q8.gguf", CFG, params, Q.Q8_0)
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
   proc = subprocess.run([sys.executable, "-c", _MESH_WORKER, str(tmp_path / "q8.gguf")],
                         env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]

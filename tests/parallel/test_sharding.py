@@ -47,7 +47,8 @@ def pad_draft(v: int) -> ModelConfig:
 
 def _env(devices: int) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""),  # conftest's flags, and the count
+                              f"--xla_force_host_platform_device_count={devices}"]).strip()
   return env
 
 

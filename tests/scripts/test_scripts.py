@@ -194,7 +194,8 @@ def test_gpu_check_smoke(tmp_path):
   """The GPU script's whole path on tiny models (the real run needs a GPU),
   on two virtual devices so that its tensor-parallel part runs too."""
   proc = run("gpu_check.py", "--smoke", "--reps=1", f"--workdir={tmp_path}",
-             env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+             env={"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+                  + " --xla_force_host_platform_device_count=2"})
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = (tmp_path / "gpu_summary.md").read_text()
   assert "T(2)/T(1)" in summary and "| tiny |" in summary and "efficiency" in summary
