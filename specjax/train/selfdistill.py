@@ -97,12 +97,20 @@ def _gather(data, pos):
   return {k: data[k][pos] for k in ("tokens", "feats", "top_i", "top_p")}
 
 
-def head_loss(hparams, hcfg: ModelConfig, tparams, tcfg: ModelConfig, w, ce_weight: float):
-  """EAGLE loss of a window of stored data (module docstring); (loss, aux)."""
+def head_loss(hparams, hcfg: ModelConfig, tparams, tcfg: ModelConfig, w, ce_weight: float,
+              noise: float = 0.0, key=None):
+  """EAGLE loss of a window of stored data (module docstring); (loss, aux).
+
+  noise > 0: the head's input features get uniform noise in [-noise, noise]
+  (drawn from key), the targets stay clean, as EAGLE trains its head to
+  run on its own slightly wrong features at the deeper draft levels."""
   hcfg = hcfg.replace(attn_block=0)  # masked attention: reverse mode cannot take the blocked loop
   feats = w["feats"].astype(jnp.float32)
   t = feats.shape[1] - 1
-  pred, _ = head_forward(hparams, tparams, feats[:, :-1], w["tokens"][:, 1:],
+  inp = feats[:, :-1]
+  if noise > 0:
+    inp = inp + jax.random.uniform(key, inp.shape, jnp.float32, -noise, noise)
+  pred, _ = head_forward(hparams, tparams, inp, w["tokens"][:, 1:],
                          new_head_cache(hcfg, feats.shape[0], t), hcfg, tcfg)
   pred = pred.astype(jnp.float32)
   vloss = optax.huber_loss(pred, feats[:, 1:], delta=1.0).mean()
@@ -121,17 +129,20 @@ def draft_loss(params, cfg: ModelConfig, w, ce_weight: float):
   return kl + ce_weight * ce, {"kl": kl, "ce": ce, "acc": acc}
 
 
-def _loss_fn(kind: str, cfg: ModelConfig, tcfg: ModelConfig, ce_weight: float):
+def _loss_fn(kind: str, cfg: ModelConfig, tcfg: ModelConfig, ce_weight: float,
+             noise: float = 0.0, key=None):
   if kind == "head":
-    return lambda p, aux, w: head_loss(p, cfg, aux["target"], tcfg, w, ce_weight)
+    return lambda p, aux, w: head_loss(p, cfg, aux["target"], tcfg, w, ce_weight, noise, key)
   return lambda p, aux, w: draft_loss(p, cfg, w, ce_weight)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tcfg", "opt", "ce_weight"),
-                   donate_argnums=(0,))
-def train_step(state, pos, aux, *, kind, cfg, tcfg, opt, ce_weight):
-  """One optimiser step on the windows of positions pos [B, T+1]."""
-  loss_fn = _loss_fn(kind, cfg, tcfg, ce_weight)
+@functools.partial(jax.jit, static_argnames=("kind", "cfg", "tcfg", "opt", "ce_weight", "noise",
+                                             "seed"), donate_argnums=(0,))
+def train_step(state, pos, aux, *, kind, cfg, tcfg, opt, ce_weight, noise=0.0, seed=0):
+  """One optimiser step on the windows of positions pos [B, T+1]; the
+  feature noise's key is (seed, step), so a resumed run draws the same."""
+  key = jax.random.fold_in(jax.random.PRNGKey(seed), state["step"])
+  loss_fn = _loss_fn(kind, cfg, tcfg, ce_weight, noise, key)
   params = state["params"]
   (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, aux,
                                                                _gather(aux["data"], pos))
@@ -165,8 +176,13 @@ def train(kind: str, cfg: ModelConfig, init, tcfg: ModelConfig, tparams, data, n
   draft ('draft') on the stored data: positions [0, n_train) train, the rest
   is held out. Returns the params after the last step run."""
   train_lib.validate(tc)
+  noise = float(tc.get("feature_noise", 0.0)) if kind == "head" else 0.0
+  if not 0.0 <= noise < 10.0:
+    raise ConfigError(f"head_train.feature_noise must be in [0, 10), got {noise}")
   want = {**train_lib.train_config(cfg, tc, (tcfg, None)), "kind": f"selfdistill-{kind}",
           "n_train": int(n_train), "n_data": int(len(data["tokens"]))}
+  if noise:  # only then: runs from before the setting stay the same run
+    want["feature_noise"] = noise
   train_lib.check_same_run(workdir, want)
   opt, schedule = train_lib.make_optimizer(tc)
   state = {"step": jnp.zeros((), jnp.int32), "params": init, "opt_state": opt.init(init)}
@@ -188,7 +204,7 @@ def train(kind: str, cfg: ModelConfig, init, tcfg: ModelConfig, tparams, data, n
          "target": tparams}
   ce_weight = float(tc.ce_weight)
   step_fn = functools.partial(train_step, kind=kind, cfg=cfg, tcfg=tcfg, opt=opt,
-                              ce_weight=ce_weight)
+                              ce_weight=ce_weight, noise=noise, seed=int(tc.seed))
   eval_fn = lambda p: evaluate(kind, p, cfg, tcfg, aux, windows, int(tc.batch), ce_weight)
   state = train_lib.run_loop(state, step_fn, aux, eval_fn, tc, schedule, mngr, metrics_path,
                              np.arange(n_train), start, end, progress, workdir.name)

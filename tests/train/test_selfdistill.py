@@ -7,9 +7,12 @@ tokenizer, resumes without regenerating, and its exports load and keep
 greedy output equal to target-only. MUTATIONS are deliberate bugs, each
 failing a check."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs import train as train_configs
@@ -103,6 +106,49 @@ def test_stored_labels_give_the_live_losses(stored):
   late = dict(w, top_i=jnp.roll(w["top_i"], 1, 1), top_p=jnp.roll(w["top_p"], 1, 1))
   _, bad = sd.head_loss(hparams, hcfg, target.params, TINY, late, 0.1)
   assert abs(float(bad["ploss"]) - float(want_aux["ploss"])) > 1e-2
+
+
+def test_feature_noise_is_on_the_inputs_only(stored, tmp_path):
+  """head_train.feature_noise: uniform noise on the head's input features,
+  the next-feature targets clean; the same key draws the same noise; a
+  negative width is one line."""
+  target, _, data = stored
+  window = np.arange(0, 33)[None]
+  w = {k: jnp.asarray(data[k][window]) for k in ("tokens", "feats", "top_i", "top_p")}
+  hcfg = eagle.head_config(TINY)
+  hparams = eagle.init_head(hcfg, 1)
+  key = jax.random.PRNGKey(7)
+  clean, _ = sd.head_loss(hparams, hcfg, target.params, TINY, w, 0.1)
+  assert float(sd.head_loss(hparams, hcfg, target.params, TINY, w, 0.1, 0.0, key)[0]) == \
+      float(clean)
+  noisy, aux = sd.head_loss(hparams, hcfg, target.params, TINY, w, 0.1, 0.3, key)
+  again, _ = sd.head_loss(hparams, hcfg, target.params, TINY, w, 0.1, 0.3, key)
+  other, _ = sd.head_loss(hparams, hcfg, target.params, TINY, w, 0.1, 0.3,
+                          jax.random.PRNGKey(8))
+  assert float(noisy) == float(again) and float(noisy) != float(other) != float(clean)
+  # the reference: the noise drawn as head_loss draws it, added to the inputs only
+  feats = w["feats"].astype(jnp.float32)
+  u = jax.random.uniform(key, feats[:, :-1].shape, jnp.float32, -0.3, 0.3)
+  assert float(jnp.abs(u).max()) <= 0.3
+  pred, _ = eagle.head_forward(hparams, target.params, feats[:, :-1] + u, w["tokens"][:, 1:],
+                               eagle.new_cache(hcfg.replace(attn_block=0), 1, 32),
+                               hcfg.replace(attn_block=0), TINY)
+  want = float(jnp.mean(optax.huber_loss(pred.astype(jnp.float32), feats[:, 1:], delta=1.0)))
+  np.testing.assert_allclose(float(aux["vloss"]), want, rtol=1e-5)
+  # MUTATION: the targets noised too (a shifted copy of the same noise): the
+  # value loss is no longer the reference's
+  bad = float(jnp.mean(optax.huber_loss(
+      pred.astype(jnp.float32), feats[:, 1:] + jnp.roll(u, -1, 1), delta=1.0)))
+  assert abs(bad - want) > 1e-4 * abs(want)
+  tc = train_configs.get_config("smollm2_tiny").head_train
+  tc.feature_noise = -0.1
+  with pytest.raises(ConfigError, match="feature_noise"):
+    sd.train("head", hcfg, hparams, TINY, target.params, data, 30, tc, tmp_path)
+  # the training step draws it (2 steps), and the run records the setting
+  tc.feature_noise = 0.1
+  sd.train("head", hcfg, hparams, TINY, target.params, data, 30, tc, tmp_path / "n",
+           progress=False, log=lambda s: None)
+  assert json.loads((tmp_path / "n" / train_lib.CONFIG_FILE).read_text())["feature_noise"] == 0.1
 
 
 def test_the_draft_starts_from_the_targets_principal_directions(stored):
