@@ -302,6 +302,26 @@ def _timed_reps(bench: TreeBench, p: TreePoint, spec) -> tuple[list, list[dict]]
   return res, reps
 
 
+def _warm_base(bench: TreeBench, p: TreePoint) -> None:
+  """Compiles the target-only run of p's batch and sampling once per sweep."""
+  if (p.batch, p.sp) not in bench.warm:
+    bench.base(p)
+    bench.warm.add((p.batch, p.sp))
+
+
+def _common_fields(bench: TreeBench, p: TreePoint, reps: list[dict],
+                   compile_s: float) -> dict:
+  """The record fields every point has: its settings and the measured speeds
+  (medians over the repetitions)."""
+  med = lambda k: statistics.median(r[k] for r in reps)
+  return dict(
+      tree=p.tree, batch=p.batch, accept_rule=p.accept_rule, temperature=p.sp.temperature,
+      top_k=p.sp.top_k, top_p=p.sp.top_p, seed=int(bench.cfg.seed), loop="device",
+      capacity=bench.capacity, n_prompts=len(bench.prompts), reps=int(bench.cfg.reps),
+      baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=med("speedup"),
+      compile_s=compile_s)
+
+
 def run_dynamic_point(bench: TreeBench, p: TreePoint) -> Record:
   """A dynamic tree's point (module docstring): warm-up, then the timed
   repetitions, then its record. A drafter that cannot draft it (ngram: no
@@ -311,9 +331,7 @@ def run_dynamic_point(bench: TreeBench, p: TreePoint) -> Record:
   cost = bench.dynamic_cost(p)
   with CompileWatch() as cw:
     bench.spec(p, None)
-    if (p.batch, p.sp) not in bench.warm:
-      bench.base(p)
-      bench.warm.add((p.batch, p.sp))
+    _warm_base(bench, p)
   compile_s = cw.seconds
   res, reps = _timed_reps(bench, p, lambda: bench.spec(p, None))
   return dynamic_record(bench, p, cost, res, reps, compile_s)
@@ -327,18 +345,12 @@ def dynamic_record(bench: TreeBench, p: TreePoint, cost: dict[str, float], res: 
   pooled = stats_lib.Records.concat([r.records for r in res])
   st = stats_lib.SpecStats.compute(pooled, gamma=tree.max_depth,
                                    n_predict=sum(r.stats.n_predict for r in res))
-  med = lambda k: statistics.median(r[k] for r in reps)
   step_s = cost["t_draft_s"] + cost["t_verify_s"] + cost["t_accept_s"]
   pred = st.tokens_per_step * cost["t_target_s"] / step_s
-  speedup = med("speedup")
-  rec = dict(
-      tree=p.tree, batch=p.batch, accept_rule=p.accept_rule, temperature=p.sp.temperature,
-      top_k=p.sp.top_k, top_p=p.sp.top_p, seed=int(bench.cfg.seed), loop="device",
-      capacity=bench.capacity, n_prompts=len(bench.prompts), reps=int(bench.cfg.reps),
-      baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=speedup,
-      compile_s=compile_s, gamma=tree.max_depth, p_by_rank=None, tree_nodes=tree.n,
-      predicted_measured_cost=pred, efficiency=speedup / pred,
-      predicted_step_s=step_s, **cost)
+  rec = _common_fields(bench, p, reps, compile_s)
+  rec.update(gamma=tree.max_depth, p_by_rank=None, tree_nodes=tree.n,
+             predicted_measured_cost=pred, efficiency=rec["speedup"] / pred,
+             predicted_step_s=step_s, **cost)
   return schema.run_record(st, **rec)
 
 
@@ -364,9 +376,7 @@ def run_point(bench: TreeBench, p: TreePoint) -> Record:
                                   rule=p.accept_rule, seed=int(bench.cfg.seed),
                                   capacity=bench.capacity, drafter=bench.drafter)
     bench.spec(p, cost)
-    if (p.batch, p.sp) not in bench.warm:
-      bench.base(p)
-      bench.warm.add((p.batch, p.sp))
+    _warm_base(bench, p)
   compile_s = cw.seconds
   res, reps = _timed_reps(bench, p, lambda: bench.spec(p, cost))
   return point_record(bench, p, cost, res, reps, compile_s)
@@ -384,14 +394,8 @@ def point_record(bench: TreeBench, p: TreePoint, cost: autotree.TreeCosts,
   acc = np.sum([r.rank_accepted for r in res], 0)
   tried = np.sum([r.rank_tried for r in res], 0)
   p_meas = [float(a / t) if t else None for a, t in zip(acc, tried)]
-  med = lambda k: statistics.median(r[k] for r in reps)
-  rec = dict(
-      tree=p.tree, batch=p.batch, accept_rule=p.accept_rule, temperature=p.sp.temperature,
-      top_k=p.sp.top_k, top_p=p.sp.top_p, seed=int(bench.cfg.seed), loop="device",
-      capacity=bench.capacity, n_prompts=len(bench.prompts), reps=int(bench.cfg.reps),
-      baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=med("speedup"),
-      compile_s=compile_s, gamma=depth, p_by_rank=p_meas,
-      t_target_s=cost.t_target[1])
+  rec = _common_fields(bench, p, reps, compile_s)
+  rec.update(gamma=depth, p_by_rank=p_meas, t_target_s=cost.t_target[1])
   if p.tree == AUTO:
     used = [k for r in res for k in r.trees_used]
     rec.update(auto_trees=list(bench.static),
