@@ -13,9 +13,10 @@ The suite also compiles with LLVM's optimisation off
 (--xla_backend_optimization_level=0, appended to XLA_FLAGS here so the
 scripts it launches inherit it; SPECJAX_TEST_XLA_OPT=1 keeps XLA's default).
 The tests check what the programs compute, not how fast: on 2 cores this
-takes 15-25 % off (tests/bench: 368 s -> 305 s; test_attention + test_lossless:
-103 s -> 80 s; the real 135 M target's tests, run not compile bound: 128 s -> 115 s). Tests that start a
-subprocess with more virtual devices add that flag to XLA_FLAGS, not replace it.
+takes 10-25 % off (tests/bench: 368 s -> 305 s; test_attention + test_lossless:
+103 s -> 80 s; the SmolLM2 tests, which run a 135 M model: 128 s -> 115 s).
+Tests that start a subprocess with more virtual devices add that flag to
+XLA_FLAGS, not replace it.
 """
 
 import functools
