@@ -118,9 +118,6 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
   # EAGLE-1 head: one decoder layer at the target's width (4.2 M params).
   c.head_train = _train(1000, 8, 256, 2e-3, 25, seed=3, ce_weight=0.1, eval_every=100,
                         eval_batches=4, ckpt_every=50, log_every=10)
-  # Uniform noise in [-x, x] on the head's input features (EAGLE's
-  # augmentation; 0 = off, as the shipped head was trained).
-  c.head_train.feature_noise = 0.0
   # Distilled draft: 128 wide, 4 layers, the target's vocabulary (7.1 M params,
   # 6.3 M of them the tied embedding); bfloat16 on disk, about 14 MB.
   c.draft = _model(128, 4, 4, 2, 384, max_seq_len=8192)
@@ -145,7 +142,6 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
     c.top_k = 4
     c.head_train = _train(2, 2, 16, 3e-3, 1, seed=3, ce_weight=0.1, eval_every=2,
                           eval_batches=1, ckpt_every=1, log_every=1)
-    c.head_train.feature_noise = 0.0
     c.draft = _model(32, 1, 2, 1, 64, max_seq_len=512)
     c.draft.name = "smollm2-draft"
     c.draft_train = _train(2, 2, 16, 3e-3, 1, seed=4, ce_weight=0.1, eval_every=2,
@@ -153,4 +149,7 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
     c.alpha_prompts = 2
     c.alpha_n_predict = 6
     c.alpha_temps = (0.0,)
+  # Uniform noise in [-x, x] on the head's input features (EAGLE's
+  # augmentation; 0 = off, as the shipped head was trained).
+  c.head_train.feature_noise = 0.0
   return c

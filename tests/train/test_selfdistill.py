@@ -108,7 +108,7 @@ def test_stored_labels_give_the_live_losses(stored):
   assert abs(float(bad["ploss"]) - float(want_aux["ploss"])) > 1e-2
 
 
-def test_feature_noise_is_on_the_inputs_only(stored, tmp_path):
+def test_feature_noise_is_on_the_inputs_only(stored, tmp_path, monkeypatch):
   """head_train.feature_noise: uniform noise on the head's input features,
   the next-feature targets clean; the same key draws the same noise; a
   negative width is one line."""
@@ -144,11 +144,24 @@ def test_feature_noise_is_on_the_inputs_only(stored, tmp_path):
   tc.feature_noise = -0.1
   with pytest.raises(ConfigError, match="feature_noise"):
     sd.train("head", hcfg, hparams, TINY, target.params, data, 30, tc, tmp_path)
-  # the training step draws it (2 steps), and the run records the setting
-  tc.feature_noise = 0.1
-  sd.train("head", hcfg, hparams, TINY, target.params, data, 30, tc, tmp_path / "n",
-           progress=False, log=lambda s: None)
-  assert json.loads((tmp_path / "n" / train_lib.CONFIG_FILE).read_text())["feature_noise"] == 0.1
+  # the training step draws it (2 steps: the params part from a run without
+  # it, so a step that dropped the setting fails here), and the run records it
+  runs = {}
+  for x in (0.0, 0.1):
+    tc.feature_noise = x
+    runs[x] = sd.train("head", hcfg, eagle.init_head(hcfg, 1), TINY, target.params, data, 30, tc,
+                       tmp_path / str(x), progress=False, log=lambda s: None)
+  assert json.loads((tmp_path / "0.1" / train_lib.CONFIG_FILE).read_text())["feature_noise"] == 0.1
+  assert "feature_noise" not in json.loads((tmp_path / "0.0" / train_lib.CONFIG_FILE).read_text())
+  gap = lambda a, b: max(jax.tree_util.tree_leaves(
+      jax.tree_util.tree_map(lambda x, y: float(jnp.abs(x - y).max()), a, b)))
+  assert gap(runs[0.0], runs[0.1]) > 0
+  # MUTATION: a step that drops the setting: its noised run equals the clean one
+  step = sd.train_step
+  monkeypatch.setattr(sd, "train_step", lambda *a, noise=0.0, **k: step(*a, **k))
+  dropped = sd.train("head", hcfg, eagle.init_head(hcfg, 1), TINY, target.params, data, 30, tc,
+                     tmp_path / "dropped", progress=False, log=lambda s: None)
+  assert gap(runs[0.0], dropped) == 0
 
 
 def test_the_draft_starts_from_the_targets_principal_directions(stored):
