@@ -57,6 +57,21 @@ PROSE_ASKS = (
     "purpose of what the text describes?",
     "Rewrite the following text in plain English.\n\n{p}",
     "List the key terms in this text and explain each briefly.\n\n{p}")
+# Targeted edits that return the whole function (the kind "edit", added after
+# the first mixes): what a code-editing request asks, in wordings of our own.
+# {name} the function's name, {p} its first parameter (self / cls skipped);
+# the asks that need {p} are skipped for a function without parameters.
+EDIT_ASKS = (
+    "Add type hints to this function.",
+    "Rename the function to `{name}_v2`.",
+    "Rename the parameter `{p}` to `{p}_arg` everywhere in the function.",
+    "Add a check at the start that raises TypeError when `{p}` is None.",
+    "Remove the docstring and all comments.",
+    "Give the function a one-line docstring saying what it returns.",
+    "Make `{p}` a keyword-only parameter.",
+    "Log the call with `logging.debug` at the start of the function.")
+EDIT_REPLY = ("Reply with the edited code only.", "Show only the new code.",
+              "Return the whole edited function.")
 FOLLOWUPS = ("Can you explain that more simply?", "Give an example.", "Make it shorter.",
              "Thanks! What should I learn next?", "Can you say it as a bulleted list?",
              "Why is that?")
@@ -75,6 +90,42 @@ def _function_head(code: str) -> str:
   return "\n".join(lines[:2])
 
 
+def _first_param(code: str) -> tuple[str, str | None] | None:
+  """(name, first parameter or None) of a function's source; None if it does not parse."""
+  import ast  # pylint: disable=import-outside-toplevel
+  try:
+    fn = ast.parse(code).body[0]
+  except (SyntaxError, ValueError, IndexError):
+    return None
+  if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    return None
+  args = [a.arg for a in fn.args.posonlyargs + fn.args.args if a.arg not in ("self", "cls")]
+  return fn.name, (args[0] if args else None)
+
+
+def edit_prompts(funcs: list[str], n: int, seed: int) -> list[dict[str, Any]]:
+  """n targeted-edit requests (EDIT_ASKS) over the functions funcs, in turn;
+  a function that does not parse, or lacks the parameter an ask names, is
+  passed over. The code comes bare or fenced, in turn."""
+  rng = random.Random(seed)
+  out: list[dict[str, Any]] = []
+  for code in funcs:
+    if len(out) >= n:
+      break
+    got = _first_param(code)
+    if got is None:
+      continue
+    name, param = got
+    asks = [a for a in EDIT_ASKS if param is not None or "{p}" not in a]
+    ask = asks[len(out) % len(asks)].format(name=name, p=param)
+    body = code.rstrip()
+    if len(out) % 2:
+      body = f"```python\n{body}\n```"
+    out.append({"kind": "edit", "messages": [
+        {"role": "user", "content": f"{ask} {rng.choice(EDIT_REPLY)}\n\n{body}\n"}]})
+  return out
+
+
 def _docstring_paragraphs(text: str) -> list[str]:
   """Prose paragraphs (200-900 characters) of a module's docstring."""
   try:
@@ -89,7 +140,7 @@ def _docstring_paragraphs(text: str) -> list[str]:
 def prompt_mix(counts: dict[str, int], seed: int, heldout_every: int,
                max_files: int = 0) -> list[dict[str, Any]]:
   """The prompt mix (module docstring): counts per kind (code, prose,
-  instruct, math); each record {"messages", "kind", "heldout"}. Seeded,
+  instruct, math, edit); each record {"messages", "kind", "heldout"}. Seeded,
   built from the stdlib's training split only, never from taskbench."""
   rng = random.Random(seed)
   files, _ = corpus.list_files()
@@ -121,7 +172,12 @@ def prompt_mix(counts: dict[str, int], seed: int, heldout_every: int,
   rng.shuffle(out)
   for i, r in enumerate(out):
     r["heldout"] = i % heldout_every == 0
-  return out
+  # Edits come last, from the functions after the code kind's, with their
+  # own seed and split: a mix without them is the same mix as before.
+  edits = edit_prompts(funcs[counts.get("code", 0):], counts.get("edit", 0), seed + 2000)
+  for i, r in enumerate(edits):
+    r["heldout"] = i % heldout_every == 0
+  return out + edits
 
 
 # ---------------------------------------------------------------- the target's replies

@@ -12,6 +12,8 @@ its chat template:
   math      word problems (train/mathgen.py, the suite's generator, with another seed: the
             suite's own problems are never trained on)
   followup  a second user turn after the target's first reply (multi-turn)
+  edit      a targeted edit of a stdlib function, the whole function as the
+            reply (replies.EDIT_ASKS: types, renames, a check, a docstring, ...)
 plus raw documents of the stdlib corpus (corpus.py's training split). The
 task suite (specjax/assets/taskbench) is held out: no prompt is built from
 it. A fixed share of the prompts (every `heldout_every`-th) is held out for
@@ -257,6 +259,8 @@ def validate(c, tcfg: ModelConfig) -> None:
 
 def _check_same_data(c, work: Path) -> None:
   want = {k: (c[k].to_dict() if hasattr(c[k], "to_dict") else c[k]) for k in DATA_FIELDS}
+  # a kind at 0 is no kind: a mix from before a kind existed stays the same data
+  want["mix"] = {k: v for k, v in want["mix"].items() if int(v)}
   file = work / DATA_CONFIG_FILE
   if file.is_file():
     if wd.normalised(wd.read_json(file)) != wd.normalised(want):
@@ -293,13 +297,19 @@ def _data(c, target: steps.Runner, tok, work: Path, log) -> tuple[dict, int, lis
     return data, int(data["n_train"]), held
   log(f"data: {len(train_convs)} training prompts ({len(held)} held out); the target's "
       f"replies, {int(c.n_new)} tokens at most")
-  first = replies.generate_replies(target, tok, train_convs, int(c.n_new), int(c.gen_batch),
+  # The edits are answered in batches of their own ("edit-NNNN"), so adding
+  # them to a mix keeps the stored replies of the rest.
+  base = [r for r in train_convs if r["kind"] != "edit"]
+  edits = [r for r in train_convs if r["kind"] == "edit"]
+  first = replies.generate_replies(target, tok, base, int(c.n_new), int(c.gen_batch),
                              work / "gen", "first", log)
-  follow = replies.with_followups(train_convs, first, tok, int(c.followups), int(c.seed))
+  follow = replies.with_followups(base, first, tok, int(c.followups), int(c.seed))
   f_replies = replies.generate_replies(target, tok, follow, int(c.n_new), int(c.gen_batch),
                                work / "gen", "followup", log)
+  e_replies = replies.generate_replies(target, tok, edits, int(c.n_new), int(c.gen_batch),
+                                       work / "gen", "edit", log) if edits else []
   seqs = [tok.encode_chat(r["messages"]) + rep
-          for r, rep in zip(train_convs + follow, first + f_replies)]
+          for r, rep in zip(base + follow + edits, first + f_replies + e_replies)]
   seqs += replies.stdlib_documents(tok, int(c.stdlib_tokens), int(c.doc_len), int(c.max_files))
   random.Random(int(c.seed)).shuffle(seqs)
   n_held = max(1, int(len(seqs) * float(c.eval_share)))

@@ -60,6 +60,35 @@ def test_prompt_mix_is_seeded_split_and_never_the_suite():
   assert not suite & {m["content"] for r in a for m in r["messages"]}
 
 
+def test_edits_come_after_the_rest_of_the_mix_and_name_their_function():
+  counts = {"code": 8, "prose": 4, "instruct": 6, "math": 6}
+  base = replies.prompt_mix(counts, 5, 4, max_files=40)
+  both = replies.prompt_mix({**counts, "edit": 9}, 5, 4, max_files=40)
+  assert both[:len(base)] == base  # adding edits keeps the mix (and its stored replies)
+  edits = both[len(base):]
+  assert len(edits) == 9 and {r["kind"] for r in edits} == {"edit"}
+  assert [r["heldout"] for r in edits] == [i % 4 == 0 for i in range(9)]
+  for r in edits:
+    text = r["messages"][0]["content"]
+    name, param = replies._first_param(text.split("\n\n", 1)[1].strip().strip("`").removeprefix(
+        "python").strip())
+    named = set(text.split("\n")[0].split("`")[1::2]) - {"logging.debug"}
+    assert named <= {f"{name}_v2", param, f"{param}_arg"}, (named, name, param)
+  suite = {m["content"] for recs in taskbench.load_suite().values()
+           for r in recs for m in r["messages"]}
+  assert not suite & {r["messages"][0]["content"] for r in edits}
+  # a function without parameters gets no ask that names one; code that
+  # does not parse is passed over
+  funcs = ["def f():\n    return 1\n", "def g(self, x):\n    return x\n", "def (:\n  pass\n",
+           "def h(a):\n    return a\n"]
+  got = [r["messages"][0]["content"] for r in replies.edit_prompts(funcs, 5, 0)]
+  assert len(got) == 3
+  assert "None" not in got[0].split("\n")[0] and "def g(self, x)" in got[1]
+  assert "def h(a)" in got[2] and "def (" not in "".join(got)
+  got = [r["messages"][0]["content"] for r in replies.edit_prompts(funcs[1:2] * 3, 3, 0)]
+  assert "`x` to `x_arg`" in got[2]  # the first parameter after self
+
+
 @pytest.fixture(scope="module")
 def stored(init_params):
   """A tiny target (embedding scaled: peaked next-token laws), one
@@ -208,6 +237,7 @@ def tiny_run(tmp_path_factory):
 def test_pipeline_runs_resumes_and_exports(tiny_run):
   c, work, out, s, lines, target, tok, load_model = tiny_run
   assert any(l.startswith("replies first") for l in lines)
+  assert any(l.startswith("replies edit") for l in lines)  # the edits, in their own batches
   assert s["positions"] > s["train_positions"] > 0
   for kind in ("head", "draft"):
     assert [r["step"] for r in train_lib.read_metrics(work / kind) if "loss" in r] == [1, 2]
@@ -218,6 +248,10 @@ def test_pipeline_runs_resumes_and_exports(tiny_run):
   assert s2["alpha"] == s["alpha"]
   other = train_configs.get_config("smollm2_tiny")
   other.n_new = 9  # other data settings in the same workdir: one line, not a mix
+  with pytest.raises(ConfigError, match="data made with other settings"):
+    sd.run(other, work, None, progress=False, log=again.append)
+  other = train_configs.get_config("smollm2_tiny")
+  other.mix.edit = 3  # so is another count of edits
   with pytest.raises(ConfigError, match="data made with other settings"):
     sd.run(other, work, None, progress=False, log=again.append)
   # The exports load and keep greedy output equal to target-only.
