@@ -253,6 +253,9 @@ def validate(c, tcfg: ModelConfig) -> None:
   if not 1 <= int(c.draft.dim) <= tcfg.dim:
     raise ConfigError(f"draft.dim must be in [1, {tcfg.dim}] (the embedding starts from the "
                       f"target's top principal directions), got {c.draft.dim}")
+  bad = {k: v for k, v in c.mix.items() if int(v) < 0}
+  if bad:
+    raise ConfigError(f"mix counts must be >= 0 (prompts per kind), got {bad}")
   if int(c.n_new) < 1 or int(c.gen_batch) < 1:
     raise ConfigError(f"n_new and gen_batch must be >= 1, got {c.n_new}, {c.gen_batch}")
 

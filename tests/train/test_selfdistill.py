@@ -45,6 +45,10 @@ def test_bad_settings_are_one_line(field, value, match):
   c.draft.dim = TINY.dim + 1
   with pytest.raises(ConfigError, match="draft.dim"):
     sd.validate(c, TINY)
+  c = train_configs.get_config("smollm2_tiny")
+  c.mix.edit = -1
+  with pytest.raises(ConfigError, match="mix counts must be >= 0"):
+    sd.validate(c, TINY)
 
 
 def test_prompt_mix_is_seeded_split_and_never_the_suite():
