@@ -7,6 +7,7 @@ tokenizer, resumes without regenerating, and its exports load and keep
 greedy output equal to target-only. MUTATIONS are deliberate bugs, each
 failing a check."""
 
+import ast
 import json
 
 import jax
@@ -74,8 +75,9 @@ def test_edits_come_after_the_rest_of_the_mix_and_name_their_function():
   assert [r["heldout"] for r in edits] == [i % 4 == 0 for i in range(9)]
   for r in edits:
     text = r["messages"][0]["content"]
-    name, param = replies._first_param(text.split("\n\n", 1)[1].strip().strip("`").removeprefix(
-        "python").strip())
+    fn = ast.parse(text.split("\n\n", 1)[1].strip().strip("`").removeprefix("python")).body[0]
+    name = fn.name
+    param = ([a.arg for a in fn.args.args if a.arg not in ("self", "cls")] or [None])[0]
     named = set(text.split("\n")[0].split("`")[1::2]) - {"logging.debug"}
     assert named <= {f"{name}_v2", param, f"{param}_arg"}, (named, name, param)
   suite = {m["content"] for recs in taskbench.load_suite().values()
@@ -91,6 +93,27 @@ def test_edits_come_after_the_rest_of_the_mix_and_name_their_function():
   assert "def h(a)" in got[2] and "def (" not in "".join(got)
   got = [r["messages"][0]["content"] for r in replies.edit_prompts(funcs[1:2] * 3, 3, 0)]
   assert "`x` to `x_arg`" in got[2]  # the first parameter after self
+
+
+def test_a_kind_at_zero_keeps_the_data_settings_of_before(tmp_path):
+  """A workdir made before the edit kind existed records no `edit` in its
+  mix: the same settings with edit=0 resume it, edit > 0 is other data."""
+  c = train_configs.get_config("smollm2_tiny")
+  c.mix.edit = 0
+  sd._check_same_data(c, tmp_path)
+  recorded = json.loads((tmp_path / sd.DATA_CONFIG_FILE).read_text())
+  assert "edit" not in recorded["mix"] and recorded["mix"]["code"] == 4
+  sd._check_same_data(c, tmp_path)  # resumes
+  c.mix.edit = 1
+  with pytest.raises(ConfigError, match="data made with other settings"):
+    sd._check_same_data(c, tmp_path)
+  # a file written before the kind existed (its mix has no key for it)
+  old = tmp_path / "old"
+  old.mkdir()
+  (old / sd.DATA_CONFIG_FILE).write_text(json.dumps({**recorded, "mix": dict(
+      code=4, prose=2, instruct=4, math=2)}))
+  c.mix.edit = 0
+  sd._check_same_data(c, old)
 
 
 @pytest.fixture(scope="module")
