@@ -129,6 +129,7 @@ class Defined:
   flags: set[str]
   bools: set[str]
   configs: dict[str, str]  # config flag name -> default config file (relative to ROOT)
+  config_names: dict[str, str | None] = dataclasses.field(default_factory=dict)  # its ":NAME"
 
 
 def _named_closure(tree: ast.AST, referenced: set[str]) -> set[str]:
@@ -174,6 +175,9 @@ def _defines(tree: ast.AST, referenced: set[str] | None) -> Defined:
             paths = [n.value for n in ast.walk(child) if isinstance(n, ast.Constant)
                      and isinstance(n.value, str) and n.value.endswith(".py")]
             out.configs[name] = os.path.join("configs", os.path.basename(paths[0])) if paths else ""
+            suffix = [n.value[1:] for n in ast.walk(child) if isinstance(n, ast.Constant)
+                      and isinstance(n.value, str) and re.fullmatch(r":\w+", n.value)]
+            out.config_names[name] = suffix[0] if suffix else None  # "...py" + ":smollm2"
         elif fname == "add_argument":
           for a in args:
             if isinstance(a, str) and a.startswith("--"):
@@ -289,7 +293,7 @@ def check(cmd: Command) -> list[str]:
   d = defined(path)
   problems = []
   config_file = dict(d.configs)  # flag -> file
-  config_name = {}
+  config_name = dict(d.config_names)  # flag -> the script's default ":NAME" (None: default)
   for arg in cmd.args:
     m = re.match(r"--([\w-]+)=(configs/\w+\.py)(?::(\w+))?$", arg)
     if m and m.group(1) in d.configs:
@@ -410,6 +414,9 @@ def test_docs_commands_name_real_scripts_flags_and_configs():
      "    --config.gamas=1,2\n```", r"no field 'gamas'"),
     ("```bash\npython experiments/train_eagle.py --config=configs/train.py:eagle "
      "--config.eagle_train.stepz=9\n```", r"no field 'eagle_train.stepz'"),
+    # the script's own default config (train.py + ":smollm2") is the one checked
+    ("`python experiments/train_smollm2.py --config.mix.edti=0`",
+     r"configs/train.py:smollm2 has no field 'mix.edti'"),
     ("```bash\npython experiments/no_such_script.py --model=tiny\n```", r"no such script"),
     ("```bash\npython -m specjax.parallel.launch --num_process=2 -- experiments/generate.py\n```",
      r"no flag --num_process"),
@@ -430,11 +437,12 @@ def test_the_same_commands_spelt_right_pass():
              "python -m specjax.parallel.launch --num_processes=2 -- "
              "experiments/generate.py --model=tiny\n```\n"
              "and `python experiments/train_eagle.py --config=configs/train.py:eagle "
-             "--config.eagle_train.steps=9`.")
+             "--config.eagle_train.steps=9`, `python experiments/train_smollm2.py "
+             "--config.mix.edit=0 --config.head_train.feature_noise=0.1`.")
   commands, problems = check_text(snippet, "snippet.md")
   assert [c.target for c in commands] == [
       "experiments/speculative.py", "experiments/sweep_gamma.py", "specjax.parallel.launch",
-      "experiments/generate.py", "experiments/train_eagle.py"]
+      "experiments/generate.py", "experiments/train_eagle.py", "experiments/train_smollm2.py"]
   assert not problems, problems
 
 
