@@ -154,4 +154,7 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
   # Uniform noise in [-x, x] on the head's input features (EAGLE's
   # augmentation; 0 = off, as the shipped head was trained).
   c.head_train.feature_noise = 0.0
+  # The head also reads each pair's current token (drafters/eagle.reads_prev_token: fc 3E -> E),
+  # so that one layer can copy from the context; off: EAGLE-1's pair (the shipped head).
+  c.head_train.prev_token = False
   return c

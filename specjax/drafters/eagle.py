@@ -17,6 +17,12 @@ Indices. Sequence x_0 .. x_{n-1}; f_i = the target's feature at position i
             (the paper's "position i+1 input (f_i, t_{i+1})").
   head(pairs 0..i) -> g_i, a prediction of f_{i+1}; head_logits(g_i)
             predicts x_{i+2}.
+A head may also read each pair's current token (`reads_prev_token`, known
+from its fc's width, 3E -> E): pair i = (f_i, x_{i+1}; x_i). Drafting hands
+it the token before each pair (a chain's previous pair's token, a tree
+node's parent's, the pending pairs' x_start in Pending.prev). One layer can
+then copy from the context (match x_i, read the x_{i+1} that followed it),
+which the final features, mostly about the next token, barely allow.
 Training (teacher forcing, `eagle_loss`): a window x_0..x_T gives f_0..f_T
 from one frozen target pass; the head reads pairs 0..T-1 and g_i is
 regressed on f_{i+1} (smooth L1) and its LM-head distribution on the
@@ -115,32 +121,51 @@ def check_head(hcfg: ModelConfig, target: ModelConfig) -> None:
 
 
 class EagleHead(nn.Module):
-  """fc([embedding ; feature]) -> one decoder layer -> predicted feature."""
+  """fc([embedding ; feature (; the pair's current token's embedding)]) ->
+  one decoder layer -> predicted feature."""
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, feats, embeds, positions, k_cache, v_cache, lengths, tree_mask=None):
-    # feats, embeds [B, T, E]; positions [B, T]; k_cache, v_cache [B, K, S, D]
+  def __call__(self, feats, embeds, positions, k_cache, v_cache, lengths, tree_mask=None,
+               prev_embeds=None):
+    # feats, embeds, prev_embeds [B, T, E]; positions [B, T]; k_cache, v_cache [B, K, S, D]
     cfg = self.cfg
-    x = jnp.concatenate([embeds.astype(cfg.jnp_dtype), feats.astype(cfg.jnp_dtype)], -1)
+    parts = [embeds, feats] + ([] if prev_embeds is None else [prev_embeds])
+    x = jnp.concatenate([a.astype(cfg.jnp_dtype) for a in parts], -1)
     x = nn.Dense(cfg.dim, use_bias=True, dtype=cfg.jnp_dtype,
                  param_dtype=cfg.jnp_param_dtype, kernel_init=weight_init, name="fc")(x)
     return Block(cfg, name="block")(x, positions, k_cache, v_cache, lengths, tree_mask)
 
 
-def _init_head(hcfg: ModelConfig, key):
+def _init_head(hcfg: ModelConfig, key, prev_token: bool = False):
   cache = kvc.init_cache(hcfg, 1, 1)
   z = jnp.zeros((1, 1, hcfg.dim), hcfg.jnp_dtype)
   pos = jnp.zeros((1, 1), jnp.int32)
-  return EagleHead(hcfg).init(key, z, z, pos, cache.k[0], cache.v[0], cache.lengths)["params"]
+  return EagleHead(hcfg).init(key, z, z, pos, cache.k[0], cache.v[0], cache.lengths, None,
+                              z if prev_token else None)["params"]
 
 
-_init_head_jit = jax.jit(_init_head, static_argnums=0)
+_init_head_jit = jax.jit(_init_head, static_argnums=(0, 2))
 
 
-def init_head(hcfg: ModelConfig, seed: int = 0):
-  """Random head params (normal(0.02) kernels, zero fc bias, unit norms)."""
-  return _init_head_jit(hcfg, jax.random.PRNGKey(seed))
+def init_head(hcfg: ModelConfig, seed: int = 0, prev_token: bool = False):
+  """Random head params (normal(0.02) kernels, zero fc bias, unit norms).
+  prev_token: the head also reads each pair's current token (fc 3E -> E;
+  `reads_prev_token`)."""
+  return _init_head_jit(hcfg, jax.random.PRNGKey(seed), bool(prev_token))
+
+
+def reads_prev_token(hparams) -> bool:
+  """Whether a head's fc reads a third input, the embedding of each pair's
+  current token x_i next to (f_i, x_{i+1}) (static: from the fc's shape).
+
+  Why: a copy (an induction step, "x_i came before y once, so y follows x
+  again") needs each position's own token as its attention key; the
+  target's final feature f_i mostly holds its prediction of x_{i+1}, not
+  x_i, and a one-layer head cannot compose a previous-token step with the
+  copy, so the pair hands x_i over itself."""
+  fc = hparams["fc"]["kernel"]
+  return fc.shape[0] == 3 * fc.shape[1]
 
 
 def new_cache(hcfg: ModelConfig, batch: int, capacity: int) -> kvc.KVCache:
@@ -149,9 +174,12 @@ def new_cache(hcfg: ModelConfig, batch: int, capacity: int) -> kvc.KVCache:
 
 
 def head_forward(hparams, tparams, feats, tokens, hcache: kvc.KVCache, hcfg: ModelConfig,
-                 tcfg: ModelConfig, tree_mask=None):
+                 tcfg: ModelConfig, tree_mask=None, prev_tokens=None):
   """T pairs (feats [B, T, E], tokens [B, T]) at hcache.lengths ->
   (predicted next features [B, T, E], hcache with lengths + T).
+
+  prev_tokens [B, T]: each pair's current token (x_i of pair (f_i, x_{i+1}));
+  read by a head that `reads_prev_token`, ignored by one that does not.
 
   tree_mask [T, W] (optional): the pairs are the last T of a W-wide token
   tree block begun W - T slots back, as in llama.forward (each attends to
@@ -163,8 +191,13 @@ def head_forward(hparams, tparams, feats, tokens, hcache: kvc.KVCache, hcfg: Mod
     prior = jnp.shape(tree_mask)[-1] - tokens.shape[1]
     positions = hcache.lengths[:, None] - prior + model_lib.tree_depths(tree_mask)
   embeds = model_lib.embed_tokens(tparams, tokens, tcfg)
+  prev = None
+  if reads_prev_token(hparams):
+    if prev_tokens is None:
+      raise ConfigError("this EAGLE head reads each pair's current token: pass prev_tokens")
+    prev = model_lib.embed_tokens(tparams, prev_tokens, tcfg)
   out, k, v = EagleHead(hcfg).apply({"params": hparams}, feats, embeds, positions,
-                                    hcache.k[0], hcache.v[0], hcache.lengths, tree_mask)
+                                    hcache.k[0], hcache.v[0], hcache.lengths, tree_mask, prev)
   return out, kvc.KVCache(k=(k,), v=(v,), lengths=hcache.lengths + tokens.shape[1])
 
 
@@ -212,7 +245,9 @@ def load_eagle(path: str | os.PathLike = "stdlib-eagle") -> tuple[ModelConfig, A
     flat = load_file(str(d / WEIGHTS_FILE))
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(f"cannot read {d / WEIGHTS_FILE}: {str(e)[:300]}") from e
-  want = _flat(jax.eval_shape(lambda: init_head(hcfg)))
+  kernel = flat.get("fc/kernel")
+  prev = kernel is not None and kernel.shape[0] == 3 * hcfg.dim
+  want = _flat(jax.eval_shape(lambda: init_head(hcfg, prev_token=prev)))
   if set(flat) != set(want) or any(flat[k].shape != want[k].shape for k in want):
     raise CheckpointError(f"{d / WEIGHTS_FILE}: tensors do not match the head of {file}")
   params: dict = {}
@@ -234,6 +269,12 @@ class Pending:
   feats: jax.Array   # [B, gamma+1, E] features of the last verify (or the prompt's last)
   tokens: jax.Array  # [B, gamma+1] the tokens paired with them (real up to k+1)
   start: jax.Array   # [B] head-cache slot of the first pair
+  prev: jax.Array    # [B] the first pair's current token x_start (reads_prev_token)
+
+  def prev_tokens(self):
+    """[B, gamma+1]: each pending pair's current token (x_start, then the
+    tokens of the pairs before it)."""
+    return jnp.concatenate([self.prev[:, None], self.tokens[:, :-1]], 1)
 
 
 @struct.dataclass
@@ -250,7 +291,7 @@ def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
   g1 = pending.tokens.shape[1]
   hcache = kvc.rollback(hcache, pending.start)
   pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
-                              hcfg, tcfg)  # T = gamma+1
+                              hcfg, tcfg, prev_tokens=pending.prev_tokens())  # T = gamma+1
   hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
   idx = jnp.clip(n - 2 - pending.start, 0, g1 - 1)
   feat = jnp.take_along_axis(pred, idx[:, None, None], 1)[:, 0]  # [B, E]: g_{n-2}
@@ -263,14 +304,16 @@ def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
 
   keys = jax.random.split(key, sc.gamma)
   tok, q = draw(feat, keys[0])
+  last = jnp.take_along_axis(pending.tokens, idx[:, None], 1)[:, 0]  # x_{n-1}
 
   def body(carry, k):
-    f, t, c = carry
-    g, c = head_forward(hparams, tparams, f[:, None], t[:, None], c, hcfg, tcfg)
+    f, t, p, c = carry  # pair (f, t) whose current token is p
+    g, c = head_forward(hparams, tparams, f[:, None], t[:, None], c, hcfg, tcfg,
+                        prev_tokens=p[:, None])
     nt, nq = draw(g[:, 0], k)
-    return (g[:, 0], nt, c), (nt, nq)
+    return (g[:, 0], nt, t, c), (nt, nq)
 
-  (_, _, hcache), (toks, qs) = jax.lax.scan(body, (feat, tok, hcache), keys[1:])
+  (_, _, _, hcache), (toks, qs) = jax.lax.scan(body, (feat, tok, last, hcache), keys[1:])
   tokens = jnp.concatenate([tok[:, None], toks.T], 1)  # [B, gamma]
   q = jnp.concatenate([q[:, None], jnp.swapaxes(qs, 0, 1)], 1)
   b = tokens.shape[0]
@@ -295,14 +338,16 @@ def draft_tree_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
   hcfg, tcfg, sp, tree = sc.draft, sc.target, sc.sp, sc.tree
   hcache = kvc.rollback(hcache, pending.start)
   pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
-                              hcfg, tcfg)  # T = gamma+1
+                              hcfg, tcfg, prev_tokens=pending.prev_tokens())  # T = gamma+1
   hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
   idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
   root = jnp.take_along_axis(pred, idx[:, None, None], 1)  # [B, 1, E]: g_{n-2}
   mask, depths, kids = tree.mask(), tree.block_depths(), tree.child_table()  # static numpy
   parents = tree.block_parents()
   b, t = n.shape[0], tree.block_size
-  block = jnp.zeros((b, t), jnp.int32)
+  # block index 0 is the root, x_{n-1}: its children's pairs' current token
+  block = jnp.zeros((b, t), jnp.int32).at[:, 0].set(
+      jnp.take_along_axis(pending.tokens, idx[:, None], 1)[:, 0])
   feats = jnp.zeros((b, t, root.shape[-1]), pred.dtype).at[:, :1].set(root)
   q_all = jnp.zeros((b, t, tcfg.padded_vocab if sc.needs_q else 0), jnp.float32)
   for d, k in enumerate(jax.random.split(key, tree.max_depth)):
@@ -311,7 +356,7 @@ def draft_tree_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
       par = parents[lo:hi]
       g, hcache = head_forward(hparams, tparams, feats[:, par], block[:, lo:hi],
                                kvc.rollback(hcache, n - 2 + lo), hcfg, tcfg,
-                               tree_mask=mask[lo:hi, 1:hi])
+                               tree_mask=mask[lo:hi, 1:hi], prev_tokens=block[:, par])
       feats = feats.at[:, lo:hi].set(g)
     logits = model_lib.head_logits(tparams, feats[:, lo:hi], tcfg)  # [B, w, V]
     q = sampling.probs(logits, sp)
@@ -334,7 +379,7 @@ def _refresh(tparams, hparams, hcache, pending: Pending, n, sc):
   the root's feature g_{n-2} [B, 1, E])."""
   hcache = kvc.rollback(hcache, pending.start)
   pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
-                              sc.draft, sc.target)  # T = gamma+1
+                              sc.draft, sc.target, prev_tokens=pending.prev_tokens())  # T = gamma+1
   hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
   idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
   return hcache, jnp.take_along_axis(pred, idx[:, None, None], 1)
@@ -359,17 +404,21 @@ def draft_dynamic_phase(tparams, hparams, hcache, pending: Pending, n, root_toke
   hcfg, tcfg = sc.draft, sc.target
   hcache, root = _refresh(tparams, hparams, hcache, pending, n, sc)
   feats = jnp.zeros((n.shape[0], sc.tree.n_fed, root.shape[-1]), root.dtype).at[:, :1].set(root)
+  # the fed nodes' tokens (fed index 0: the root, x_{n-1}): a pair's current token is its parent's
+  fed_tokens = jnp.zeros((n.shape[0], sc.tree.n_fed), jnp.int32).at[:, 0].set(root_token)
 
   def feed(tokens, anc, parent):  # fed indices lo .. hi-1 -> their children's logits
-    nonlocal hcache, feats
+    nonlocal hcache, feats, fed_tokens
     hi = anc.shape[-1]
     lo = hi - tokens.shape[1]
     if lo == 0:  # the root: its pair is cached, its feature is g_{n-2}
       return model_lib.head_logits(tparams, feats[:, :1], tcfg)
     par = jnp.take_along_axis(feats, parent[:, :, None], 1)  # [B, w, E]
     g, hcache = head_forward(hparams, tparams, par, tokens, kvc.rollback(hcache, n - 2 + lo),
-                             hcfg, tcfg, tree_mask=anc[:, :, 1:])
+                             hcfg, tcfg, tree_mask=anc[:, :, 1:],
+                             prev_tokens=jnp.take_along_axis(fed_tokens, parent, 1))
     feats = feats.at[:, lo:hi].set(g)
+    fed_tokens = fed_tokens.at[:, lo:hi].set(tokens)
     return model_lib.head_logits(tparams, g, tcfg)
 
   return dynamic.select(feed, root_token, sc.tree), kvc.rollback(hcache, n - 1)
@@ -383,12 +432,15 @@ def _prefill_head(hparams, tparams, hidden, tokens, lens, first, hcache, *, hcfg
   # pair i = (f_i, x_{i+1}): the prompt shifted left, x_P (the first token) at P-1
   nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
   nxt = jnp.where(jnp.arange(tb)[None] == (lens - 1)[:, None], first[:, None], nxt)
-  _, hcache = head_forward(hparams, tparams, hidden, nxt, hcache, hcfg, tcfg)
+  _, hcache = head_forward(hparams, tparams, hidden, nxt, hcache, hcfg, tcfg,
+                           prev_tokens=tokens)
   hcache = kvc.rollback(hcache, lens - 1)
   last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], 1)  # [B, 1, E]
   feats = jnp.concatenate([last, jnp.zeros((b, gamma, hidden.shape[-1]), hidden.dtype)], 1)
   toks = jnp.concatenate([first[:, None], jnp.zeros((b, gamma), jnp.int32)], 1)
-  return HeadState(hcache=hcache, pending=Pending(feats=feats, tokens=toks, start=lens - 1))
+  prev = jnp.take_along_axis(tokens, (lens - 1)[:, None], 1)[:, 0]  # x_{P-1}
+  return HeadState(hcache=hcache, pending=Pending(feats=feats, tokens=toks, start=lens - 1,
+                                                  prev=prev))
 
 
 @functools.lru_cache(maxsize=4)
@@ -456,6 +508,10 @@ class EagleDrafter(drafters.Drafter):
     # The next draft phase feeds the verified features with the kept tokens
     # from the old length's slot. A row that was not live keeps its pending
     # pairs: its state stays that of its output.
-    new = Pending(feats=c.features, tokens=c.emitted, start=c.n_prev - 1)
+    # the first new pair's current token x_{n_prev-1}: the old pending's last real pair's token
+    old = dstate.pending
+    prev = jnp.take_along_axis(old.tokens, jnp.clip(c.n_prev - 2 - old.start, 0,
+                                                    old.tokens.shape[1] - 1)[:, None], 1)[:, 0]
+    new = Pending(feats=c.features, tokens=c.emitted, start=c.n_prev - 1, prev=prev)
     pick = lambda a, b: jnp.where(c.live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
     return dstate.replace(pending=jax.tree_util.tree_map(pick, new, dstate.pending))

@@ -65,7 +65,8 @@ import optax
 
 from specjax import workdir as wd
 from specjax.decode import speculative
-from specjax.drafters.eagle import EagleDrafter, head_config, head_forward, init_head, load_eagle
+from specjax.drafters.eagle import (EagleDrafter, head_config, head_forward, init_head, load_eagle,
+                                    reads_prev_token)
 from specjax.drafters.eagle import new_cache as new_head_cache
 from specjax.drafters.eagle import save_head
 from specjax.errors import ConfigError
@@ -113,7 +114,8 @@ def head_loss(hparams, hcfg: ModelConfig, tparams, tcfg: ModelConfig, w, ce_weig
   if noise > 0:
     inp = inp + jax.random.uniform(key, inp.shape, jnp.float32, -noise, noise)
   pred, _ = head_forward(hparams, tparams, inp, w["tokens"][:, 1:],
-                         new_head_cache(hcfg, feats.shape[0], t), hcfg, tcfg)
+                         new_head_cache(hcfg, feats.shape[0], t), hcfg, tcfg,
+                         prev_tokens=w["tokens"][:, :-1])
   pred = pred.astype(jnp.float32)
   vloss = optax.huber_loss(pred, feats[:, 1:], delta=1.0).mean()
   logits = model_lib.head_logits(tparams, pred, tcfg)
@@ -185,6 +187,8 @@ def train(kind: str, cfg: ModelConfig, init, tcfg: ModelConfig, tparams, data, n
           "n_train": int(n_train), "n_data": int(len(data["tokens"]))}
   if noise:  # only then: runs from before the setting stay the same run
     want["feature_noise"] = noise
+  if kind == "head" and reads_prev_token(init):  # likewise
+    want["prev_token"] = True
   train_lib.check_same_run(workdir, want)
   opt, schedule = train_lib.make_optimizer(tc)
   state = {"step": jnp.zeros((), jnp.int32), "params": init, "opt_state": opt.init(init)}
@@ -392,7 +396,8 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   head_dir = draft_runner = None
   if "head" in stages:
     hcfg = head_config(tcfg)
-    hparams = train("head", hcfg, init_head(hcfg, int(c.head_train.seed)), tcfg, tparams, data,
+    init = init_head(hcfg, int(c.head_train.seed), bool(c.head_train.get("prev_token", False)))
+    hparams = train("head", hcfg, init, tcfg, tparams, data,
                     n_train, c.head_train, work / "head", progress=progress, log=log)
     head_dir = save_head(work / str(c.head_name), hcfg, hparams, tcfg, str(c.target), dt)
     summary["head"] = {"params": model_lib.param_count(hparams),

@@ -311,7 +311,7 @@ HEAD_MUTATIONS = {
     "pending tokens not shifted (pair (f_i, x_i), not (f_i, x_{i+1}))": (
         eagle.EagleDrafter, "commit", "tokens=c.emitted,", "tokens=jnp.roll(c.emitted, 1, 1),"),
     "pending start one slot late (the drafted pair (g, d_1) stays)": (
-        eagle.EagleDrafter, "commit", "start=c.n_prev - 1)", "start=c.n_prev)"),
+        eagle.EagleDrafter, "commit", "start=c.n_prev - 1,", "start=c.n_prev,"),
 }
 
 

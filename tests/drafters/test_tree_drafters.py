@@ -51,12 +51,13 @@ def peaked(init_params):
   return target, generation.generate(target, NGRAM_PROMPTS, N).tokens
 
 
-@pytest.fixture(scope="module")
-def v6_head(tmp_path_factory):
+def _v6(tmp_path_factory, prev_token: bool):
   """(target, drafter): lawcheck's V = 6 target made feature-sensitive and a
   head that drafts it, built as tests/drafters/test_eagle.py's v6_head (the
   target's own layer over fc = embedding + feature, attention sharpened), so
-  that q moves with every feature and token the bookkeeping hands it."""
+  that q moves with every feature and token the bookkeeping hands it;
+  prev_token: the head also reads each pair's current token (fc + 2 x its
+  embedding), so q moves with that token too."""
   cfg = config.ModelConfig(name="v6", vocab_size=lawcheck.V, dim=32, n_layers=1, n_heads=2,
                            n_kv_heads=1, ffn_dim=64, max_seq_len=32)
   params = dict(model.init_params(cfg, 11))
@@ -68,11 +69,25 @@ def v6_head(tmp_path_factory):
   scale = {"wq": 2, "wk": 2, "wo": 4}
   block["attn"] = {k: {"kernel": v["kernel"] * scale.get(k, 1)} for k, v in block["attn"].items()}
   eye = jnp.eye(cfg.dim)
-  hp = {"fc": {"kernel": jnp.concatenate([eye, eye], 0), "bias": jnp.zeros(cfg.dim)},
+  kernel = [eye, eye] + ([2 * eye] if prev_token else [])
+  hp = {"fc": {"kernel": jnp.concatenate(kernel, 0), "bias": jnp.zeros(cfg.dim)},
         "block": block}
   path = eagle.save_head(tmp_path_factory.mktemp("v6") / "v6-eagle", eagle.head_config(cfg),
                          hp, cfg, "v6")
   return target, eagle.EagleDrafter(str(path))
+
+
+@pytest.fixture(scope="module")
+def v6_head(tmp_path_factory):
+  return _v6(tmp_path_factory, prev_token=False)
+
+
+@pytest.fixture(scope="module")
+def v6_prev(tmp_path_factory):
+  """The v6 head that reads each pair's current token (eagle.reads_prev_token)."""
+  out = _v6(tmp_path_factory, prev_token=True)
+  assert eagle.reads_prev_token(out[1].draft_params(out[0].params, None)["head"])
+  return out
 
 
 def run_ngram(peaked_, tree, gamma=3, **kw):
@@ -204,11 +219,15 @@ def test_ngram_branches_are_distinct_continuations():
 
 
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg"))
-def _head_chain(hparams, tparams, feats, tokens, *, hcfg, tcfg):
+def _head_chain(hparams, tparams, feats, tokens, first, *, hcfg, tcfg):
   """The head over pairs [R, L] from an empty cache (causal: padding past
-  the real pairs changes nothing before it): (outputs, cache)."""
+  the real pairs changes nothing before it): (outputs, cache). A chain's
+  pair i has current token x_i: first [R] (x_0), then the pairs' own tokens
+  shifted (read by a head that reads_prev_token)."""
+  prev = jnp.concatenate([first[:, None], tokens[:, :-1]], 1)
   return eagle.head_forward(hparams, tparams, feats, tokens,
-                            eagle.new_cache(hcfg, tokens.shape[0], tokens.shape[1]), hcfg, tcfg)
+                            eagle.new_cache(hcfg, tokens.shape[0], tokens.shape[1]), hcfg, tcfg,
+                            prev_tokens=prev)
 
 
 _features = jax.jit(eagle_train.target_features, static_argnums=1)
@@ -251,9 +270,9 @@ def head_mismatches(v6, tree=HEAD_TREE) -> list[str]:
   toks = np.concatenate([padded[:, 1:], np.zeros_like(padded[:, :1])], 1)  # x_1 ..
   depths, parents = tree.block_depths(), tree.block_parents()
   batch = len(seqs) * max(tree.level_widths())  # one shape for every head pass (one compile)
-  head = lambda f, t: _head_chain(hparams, target.params, _rows(f, batch), _rows(t, batch),
-                                  hcfg=hcfg, tcfg=tcfg)
-  g, ref = head(feats, toks)
+  head = lambda f, t, x0: _head_chain(hparams, target.params, _rows(f, batch), _rows(t, batch),
+                                      _rows(x0, batch), hcfg=hcfg, tcfg=tcfg)
+  g, ref = head(feats, toks, padded[:, 0])
   rows = np.arange(len(seqs))
   for name, got, want in (("k", hcache.k[0], ref.k[0]), ("v", hcache.v[0], ref.v[0])):
     for b in rows:  # [B, K, S, D]
@@ -274,7 +293,7 @@ def head_mismatches(v6, tree=HEAD_TREE) -> list[str]:
       for i, a in enumerate(path):  # pair n - 1 + i: (its parent's feature, its token)
         f[r, n[b] - 1 + i] = node_feat[b, parents[a]]
         t[r, n[b] - 1 + i] = tokens[b, a - 1]
-    out = np.asarray(head(f, t)[0])
+    out = np.asarray(head(f, t, np.repeat(padded[:, 0], len(nodes), 0))[0])
     for r, (b, j) in enumerate((b, j) for b in rows for j in nodes):
       node_feat[b, j] = out[r, n[b] - 2 + depth]
   want = np.asarray(jax.nn.softmax(model.head_logits(target.params, jnp.asarray(node_feat),
@@ -290,8 +309,9 @@ def _rows(x, batch):
   return jnp.asarray(np.concatenate([x, np.zeros((batch - len(x),) + x.shape[1:], x.dtype)]))
 
 
-def test_head_drafts_every_node_as_a_chain_along_its_path(v6_head):
+def test_head_drafts_every_node_as_a_chain_along_its_path(v6_head, v6_prev):
   assert head_mismatches(v6_head) == []
+  assert head_mismatches(v6_prev) == []  # each pair's current token too
 
 
 # ---------------------------------------------------------------- dynamic trees (EAGLE-2)
@@ -311,9 +331,13 @@ def test_greedy_eagle_dynamic_tree_equals_target_only(v6_head, name):
   assert res.stats.n_accept > 0
 
 
-def test_eagle_dynamic_tree_of_one_child_is_the_chain(v6_head):
-  """dynamic:1,D,D keeps the head's greedy chain: the chain step for step."""
-  chain, tree = run_eagle(v6_head, None), run_eagle(v6_head, trees.DynamicTree(1, 3, 3))
+@pytest.mark.parametrize("head", ["v6_head", "v6_prev"])
+def test_eagle_dynamic_tree_of_one_child_is_the_chain(request, head):
+  """dynamic:1,D,D keeps the head's greedy chain: the chain step for step
+  (for the head that reads each pair's current token too: the chain's
+  draft phase hands it the same tokens as the brute-forced dynamic tree)."""
+  v6 = request.getfixturevalue(head)
+  chain, tree = run_eagle(v6, None), run_eagle(v6, trees.DynamicTree(1, 3, 3))
   assert chain.tokens == tree.tokens
   np.testing.assert_array_equal(chain.records.n_acc, tree.records.n_acc)
   assert chain.stats.n_accept > 0
@@ -357,10 +381,10 @@ def dynamic_head_mismatches(v6, tree=DYN_TREE) -> list[str]:
   depth = np.asarray(jnp.sum(d.mask, -1)) - 1  # [B, 1+N]
   b_rows = len(seqs)
   batch = b_rows * tree.n_nodes
-  head = lambda f, t: _head_chain(hparams, target.params, _rows(f, batch), _rows(t, batch),
-                                  hcfg=hcfg, tcfg=tcfg)
+  head = lambda f, t, x0: _head_chain(hparams, target.params, _rows(f, batch), _rows(t, batch),
+                                      _rows(x0, batch), hcfg=hcfg, tcfg=tcfg)
   node_feat = np.zeros((b_rows, tree.block_size, feats.shape[-1]), np.float32)
-  node_feat[:, 0] = np.asarray(head(feats, toks)[0])[np.arange(b_rows), n - 2]
+  node_feat[:, 0] = np.asarray(head(feats, toks, padded[:, 0])[0])[np.arange(b_rows), n - 2]
   got_k, got_v = np.asarray(hcache.k[0]), np.asarray(hcache.v[0])  # [B, K, S, D]
   bad = []
   for lev in range(1, tree.max_depth):  # the features of nodes at depth lev
@@ -375,7 +399,7 @@ def dynamic_head_mismatches(v6, tree=DYN_TREE) -> list[str]:
       for i, a in enumerate(path):  # pair n - 1 + i: (its parent's feature, its token)
         f[r, n[b] - 1 + i] = node_feat[b, parents[b, a - 1]]
         t[r, n[b] - 1 + i] = tokens[b, a - 1]
-    out, ref = head(f, t)
+    out, ref = head(f, t, padded[[b for b, _ in at], 0])
     out, ref_k, ref_v = np.asarray(out), np.asarray(ref.k[0]), np.asarray(ref.v[0])
     for r, (b, j) in enumerate(at):
       node_feat[b, j] = out[r, n[b] - 2 + lev]
@@ -407,8 +431,18 @@ def dynamic_head_mismatches(v6, tree=DYN_TREE) -> list[str]:
   return bad
 
 
-def test_eagle_dynamic_tree_is_the_heads_top_k_along_each_path(v6_head):
+def test_eagle_dynamic_tree_is_the_heads_top_k_along_each_path(v6_head, v6_prev):
   assert dynamic_head_mismatches(v6_head) == []
+  assert dynamic_head_mismatches(v6_prev) == []  # each pair's current token too
+
+
+def test_greedy_eagle_trees_of_a_prev_token_head_equal_target_only(v6_prev):
+  """The head that reads each pair's current token, on a chain, a static
+  and a dynamic tree: greedy output is target-only's."""
+  want = generation.generate(v6_prev[0], lawcheck.PROMPTS, 16).tokens
+  for tree in (None, HEAD_TREE, DYNAMIC["2,3,5"]):
+    res = run_eagle(v6_prev, tree, gamma=3 if tree is None else tree.max_depth)
+    assert res.tokens == want and res.stats.n_accept > 0
 
 
 # ---------------------------------------------------------------- exactness
@@ -495,9 +529,73 @@ MUTATIONS = {
 }
 
 
-@pytest.mark.parametrize("bug", list(MUTATIONS))
-def test_each_deliberate_bug_fails(v6_head, monkeypatch, bug):
-  module, name, change, check = MUTATIONS[bug]
+def chain_mismatches(v6, gamma: int = 3) -> list[str]:
+  """A sampled chain run, then one more draft phase from its final state,
+  against the brute force: draft j's q is softmax of the head's logits at
+  pair n - 2 + j - 1 of the chain over the teacher-forced pairs (f_i,
+  x_{i+1}), i = 0..n-2, then (g_{n-2}, d_1) .. (g_{n-4+j}, d_{j-1}); every
+  pair's current token the one before it."""
+  target, drafter = v6
+  prompts = [p for p in lawcheck.PROMPTS for _ in range(4)]
+  sp = SamplingParams(1.0)
+  res = run_eagle(v6, None, gamma=gamma, prompts=prompts, n=12, sp=sp, keep_state=True, seed=3)
+  st = res.state
+  sc = speculative.SpecConfig(target.cfg, None, gamma, sp, drafter=drafter)
+  hparams = drafter.draft_params(target.params, None)["head"]
+  d, _ = jax.jit(eagle.draft_phase, static_argnames="sc")(
+      target.params, hparams, st.dcache.hcache, st.dcache.pending, st.n, jax.random.PRNGKey(5),
+      sc=sc)
+  hcfg, tcfg = sc.draft.replace(attn_block=0), target.cfg
+  seqs = [p + out for p, out in zip(prompts, res.tokens)]
+  n = np.array([len(x) for x in seqs])
+  padded = np.array([x + [0] * (WIDTH - len(x)) for x in seqs], np.int32)
+  feats = np.array(_features(target.params, tcfg, jnp.asarray(padded))[1])
+  feats[np.arange(WIDTH)[None] >= (n - 1)[:, None]] = 0
+  toks = np.concatenate([padded[:, 1:], np.zeros_like(padded[:, :1])], 1)
+  rows, bad = np.arange(len(seqs)), []
+  tokens, q = np.asarray(d.tokens), np.asarray(d.q)
+  for j in range(gamma):
+    g = np.asarray(_head_chain(hparams, target.params, jnp.asarray(feats), jnp.asarray(toks),
+                               jnp.asarray(padded[:, 0]), hcfg=hcfg, tcfg=tcfg)[0])
+    at = g[rows, n - 2 + j]
+    want = np.asarray(jax.nn.softmax(model.head_logits(target.params, jnp.asarray(at), tcfg)))
+    err = np.max(np.abs(q[:, j] - want[:, :q.shape[-1]]), -1)
+    bad += [f"row {b} draft {j + 1}: q off by {err[b]:.2g}" for b in np.nonzero(err > 1e-4)[0]]
+    feats[rows, n - 1 + j], toks[rows, n - 1 + j] = at, tokens[:, j]
+  return bad
+
+
+def test_head_drafts_a_chain_as_the_teacher_forced_head(v6_head, v6_prev):
+  assert chain_mismatches(v6_head) == []
+  assert chain_mismatches(v6_prev) == []  # each pair's current token too
+
+
+# on the head that reads each pair's current token (v6_prev)
+PREV_MUTATIONS = {
+    "a static tree's node paired with its own token as the current one": (
+        eagle, "draft_tree_phase", ("prev_tokens=block[:, par])", "prev_tokens=block[:, lo:hi])"),
+        head_mismatches),
+    "a dynamic tree's node paired with the root's token as the current one": (
+        eagle, "draft_dynamic_phase", ("take_along_axis(fed_tokens, parent, 1)",
+                                       "take_along_axis(fed_tokens, 0 * parent, 1)"),
+        dynamic_head_mismatches),
+    "commit takes the first pending pair's current token one pair late": (
+        eagle.EagleDrafter, "commit", ("c.n_prev - 2 - old.start", "c.n_prev - 1 - old.start"),
+        head_mismatches),
+    "a chain's T=1 steps read the drafted token as its own current token": (
+        eagle, "draft_phase", ("return (g[:, 0], nt, t, c)", "return (g[:, 0], nt, nt, c)"),
+        chain_mismatches),
+    "the prompt's pairs read x_{i+1} as their current token": (
+        eagle, "_prefill_head",  # jitted: its Python function mutated and jitted again
+        lambda orig: lawcheck.mutant(orig.__wrapped__, "prev_tokens=tokens)", "prev_tokens=nxt)"),
+        head_mismatches),
+}
+
+
+@pytest.mark.parametrize("bug", list(MUTATIONS) + list(PREV_MUTATIONS))
+def test_each_deliberate_bug_fails(v6_head, v6_prev, monkeypatch, bug):
+  module, name, change, check = {**MUTATIONS, **PREV_MUTATIONS}[bug]
+  v6_head = v6_prev if bug in PREV_MUTATIONS else v6_head
   orig = getattr(module, name)
   bugged = lawcheck.mutant(orig, *change) if isinstance(change, tuple) else change(orig)
   jax.clear_caches()

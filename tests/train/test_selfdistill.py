@@ -220,6 +220,39 @@ def test_feature_noise_is_on_the_inputs_only(stored, tmp_path, monkeypatch):
   assert gap(runs[0.0], dropped) == 0
 
 
+def test_a_prev_token_head_trains_on_each_pairs_current_token(stored, tmp_path):
+  """head_train.prev_token: the head's fc reads a third input, each pair's
+  current token x_i next to (f_i, x_{i+1}); the loss feeds it the window's
+  tokens x_0..x_{T-1}, and the run records the setting."""
+  target, _, data = stored
+  window = np.arange(0, 33)[None]
+  w = {k: jnp.asarray(data[k][window]) for k in ("tokens", "feats", "top_i", "top_p")}
+  hcfg = eagle.head_config(TINY)
+  hparams = eagle.init_head(hcfg, 1, prev_token=True)
+  assert eagle.reads_prev_token(hparams) and not eagle.reads_prev_token(eagle.init_head(hcfg, 1))
+  _, aux = sd.head_loss(hparams, hcfg, target.params, TINY, w, 0.1)
+  feats, plain = w["feats"].astype(jnp.float32), hcfg.replace(attn_block=0)
+  ref = lambda prev: eagle.head_forward(hparams, target.params, feats[:, :-1], w["tokens"][:, 1:],
+                                        eagle.new_cache(plain, 1, 32), plain, TINY,
+                                        prev_tokens=prev)[0]
+  vloss = lambda pred: float(jnp.mean(optax.huber_loss(pred, feats[:, 1:], delta=1.0)))
+  want = vloss(ref(w["tokens"][:, :-1]))
+  np.testing.assert_allclose(float(aux["vloss"]), want, rtol=1e-5)
+  # MUTATION: the next token handed over as the current one: the loss parts
+  assert abs(vloss(ref(w["tokens"][:, 1:])) - want) > 1e-4 * abs(want)
+  with pytest.raises(ConfigError, match="prev_tokens"):
+    eagle.head_forward(hparams, target.params, feats[:, :-1], w["tokens"][:, 1:],
+                       eagle.new_cache(plain, 1, 32), plain, TINY)
+  tc = train_configs.get_config("smollm2_tiny").head_train
+  out = sd.train("head", hcfg, hparams, TINY, target.params, data, 30, tc, tmp_path / "p",
+                 progress=False, log=lambda s: None)
+  assert eagle.reads_prev_token(out)
+  assert json.loads((tmp_path / "p" / train_lib.CONFIG_FILE).read_text())["prev_token"] is True
+  # saved and loaded: the loader reads the fc's width
+  path = eagle.save_head(tmp_path / "h", hcfg, out, TINY, "tiny")
+  assert eagle.reads_prev_token(eagle.load_eagle(path)[1])
+
+
 def test_the_draft_starts_from_the_targets_principal_directions(stored):
   target, _, _ = stored
   dcfg = sd.draft_config(TINY, train_configs.get_config("smollm2_tiny").draft).replace(dim=8)
