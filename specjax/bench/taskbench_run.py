@@ -280,6 +280,10 @@ def goals_lines(g: dict) -> list[str]:
                    f"{o['temperature']:g} | {o['gamma']} | {o['speedup']:.2f}x | "
                    f"{o['predicted']:.2f}x | {o['ratio']:.2f} |")
     lines.append("")
+  if not g["beats_target"]:
+    lines.append("- Best drafter per category at T=0 against target-only: no T=0 rows in "
+                 "this run.")
+    return lines
   lines.append("- Best drafter per category at T=0 against target-only (a step costs "
                "step/T(1) target decode steps and keeps MAT tokens: it wins when MAT > "
                "step/T(1)):")

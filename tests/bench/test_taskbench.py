@@ -339,6 +339,10 @@ def test_goals_come_from_the_records():
   # an EAGLE dynamic tree short of its goals says so
   low = [dict(r, tokens_per_step=2.0) if r["drafter"] == LABEL else r for r in _goal_records()]
   assert "NOT met" in "\n".join(taskbench_run.goals_lines(taskbench_run.goals(low)))
+  # a run with T=1 rows only: one line, not an empty table
+  t1 = "\n".join(taskbench_run.goals_lines(taskbench_run.goals(
+      [r for r in _goal_records() if r["temperature"] == 1.0])))
+  assert "against target-only: no T=0 rows in this run." in t1 and "| Category |" not in t1
 
 
 GOAL_MUTATIONS = {
