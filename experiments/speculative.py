@@ -268,8 +268,13 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
   if len(prompts) > 1 or getattr(res, "gammas_used", None) or getattr(res, "trees_used", None):
     print("\n".join(row_lines(res)))
     print()
-  draft = (f"draft: {dcfg.name} ({dcfg.num_params() / 1e6:.1f} M params)" if dcfg is not None
-           else "no draft model")
+  if drafter.kind == "eagle":  # its config counts the target's embedding, which it only reads
+    draft = (f"draft: {dcfg.name} ({eagle.own_param_count(drafter.path) / 1e6:.1f} M params "
+             f"of its own; embedding and LM head: the target's)")
+  elif dcfg is not None:
+    draft = f"draft: {dcfg.name} ({dcfg.num_params() / 1e6:.1f} M params)"
+  else:
+    draft = "no draft model"
   print(f"target: {tcfg.name} ({tcfg.num_params() / 1e6:.1f} M params), drafter {drafter}, "
         f"{draft}, {tcfg.precision}, accept rule {rule}, loop={_LOOP.value}, cache capacity "
         f"{capacity}")

@@ -448,6 +448,12 @@ def _load_cached(path: str):
   return load_eagle(path)
 
 
+def own_param_count(path: str = "stdlib-eagle") -> int:
+  """The head's own parameters (its fc and its layer; the embedding and the
+  LM head it reads are the target's)."""
+  return int(sum(np.size(x) for x in jax.tree_util.tree_leaves(_load_cached(path)[1])))
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(drafters.Drafter):
   """The EAGLE head at `path` as a drafter (spec 'eagle' or 'eagle:PATH';

@@ -343,3 +343,12 @@ def test_eagle_specs_and_errors(tmp_path):
   with pytest.raises(ConfigError, match="does not fit"):  # a tiny head on a wider target
     speculative.SpecConfig(get_preset("tiny-draft").replace(vocab_size=256, dim=128), None, 2,
                            drafter=f"eagle:{tmp_path / 'h'}")
+
+
+def test_own_param_count_is_the_layer_and_fc_not_the_shared_vocabulary():
+  """speculative.py prints it for an EAGLE draft: the head's config counts
+  the target's embedding (which the head only reads), its own count does not."""
+  hcfg, _, _ = eagle.load_eagle("stdlib-eagle")
+  e = hcfg.dim
+  want = hcfg.num_params() - hcfg.vocab_size * e - e + (2 * e * e + e)  # no final norm; the fc
+  assert eagle.own_param_count("stdlib-eagle") == want == 856_832
