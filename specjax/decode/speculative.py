@@ -95,6 +95,10 @@ class SpecConfig:
     object.__setattr__(self, "drafter", registry.parse(self.drafter))
     if self.tree is not None:
       self.drafter.check_tree(self.tree)
+    if getattr(self.tree, "ngram", 0) and self.drafter.kind != "eagle":
+      raise ConfigError(f"--tree={self.tree.spec} grafts a prompt-lookup chain onto an EAGLE "
+                        f"head's tree; drafter {self.drafter.spec} cannot (use --drafter=eagle"
+                        "[:PATH])")
     object.__setattr__(self, "draft", self.drafter.draft_config(self.target, self.draft))
     if self.draft is not None:
       check_vocabularies(self.target, self.draft)

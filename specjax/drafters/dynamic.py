@@ -95,3 +95,47 @@ def select(feed: Feed, root_token, tree: DynamicTree) -> DraftedTree:
   return DraftedTree(tokens=jnp.take_along_axis(tok, keep, 1),
                      q=jnp.zeros((b, t, 0), jnp.float32), caught_up=jnp.zeros((b,), bool),
                      parents=parents, mask=mask, fed=fed)
+
+
+def graft_chain(d: DraftedTree, chain, n_chain) -> DraftedTree:
+  """Each row's tree with a chain of tokens grafted on from the root
+  (DynamicTree.ngram): chain [B, L], its first n_chain [B] real.
+
+  The chain follows the tree's drafted nodes while one of the reached
+  node's children has its next token, then goes on as new nodes N + j
+  below the last node reached (node N + j for chain token j), so no node
+  has two children of one token and a chain node's depth is j + 1 <= L.
+  The L slots a row does not use (merged or past n_chain) are undrafted
+  (never tried) children of the root, attending to the root and themselves.
+  BFS order is kept where it matters: every parent is an earlier node."""
+  b, n = d.tokens.shape
+  length = chain.shape[1]
+  t = 1 + n + length
+  rows = jnp.arange(b)
+  parents = jnp.concatenate([d.parents, jnp.full((b, length), -1, jnp.int32)], 1)
+  tokens = jnp.concatenate([d.tokens, jnp.zeros((b, length), jnp.int32)], 1)
+  old = jnp.ones((b, n), bool) if d.drafted is None else d.drafted
+  drafted = jnp.concatenate([old, jnp.zeros((b, length), bool)], 1)
+  mask = jnp.zeros((b, t, t), bool).at[:, :1 + n, :1 + n].set(d.mask)
+  new = jnp.arange(1 + n, t)
+  mask = mask.at[:, new, 0].set(True).at[:, new, new].set(True)
+  cur = jnp.full((b,), -1, jnp.int32)  # the node the chain has reached (-1: the root)
+  merging = jnp.ones((b,), bool)
+  for j in range(length):
+    tok = chain[:, j].astype(jnp.int32)
+    real = j < n_chain
+    match = (parents == cur[:, None]) & (tokens == tok[:, None]) & drafted  # [B, N + L]
+    found = merging & real & jnp.any(match, -1)
+    add = real & ~found
+    i = n + j
+    parents = parents.at[:, i].set(jnp.where(add, cur, -1))
+    tokens = tokens.at[:, i].set(jnp.where(add, tok, 0))
+    drafted = drafted.at[:, i].set(add)
+    row = mask[rows, cur + 1] | jax.nn.one_hot(1 + i, t, dtype=bool)[None]  # parent's row + self
+    mask = mask.at[:, 1 + i].set(jnp.where(add[:, None], row, mask[:, 1 + i]))
+    cur = jnp.where(found, jnp.argmax(match, -1).astype(jnp.int32), jnp.where(add, i, cur))
+    merging = found
+  fed = None if d.fed is None else jnp.concatenate(
+      [d.fed, jnp.full((b, length), -1, jnp.int32)], 1)
+  q = jnp.concatenate([d.q, jnp.zeros((b, length) + d.q.shape[2:], d.q.dtype)], 1)
+  return d.replace(tokens=tokens, q=q, parents=parents, mask=mask, fed=fed, drafted=drafted)

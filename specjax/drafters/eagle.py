@@ -83,6 +83,7 @@ from flax import struct
 from specjax.formats import safetensors_io
 from specjax.drafters import base as drafters
 from specjax.drafters import dynamic
+from specjax.drafters import ngram
 from specjax.model import sampling
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model_lib
@@ -279,9 +280,13 @@ class Pending:
 
 @struct.dataclass
 class HeadState:
-  """The drafter's state (SpecState.dcache): the head's cache and the pending pairs."""
+  """The drafter's state (SpecState.dcache): the head's cache and the pending
+  pairs; for a dynamic tree with a grafted prompt-lookup chain
+  (DynamicTree.ngram), the token history the lookup reads (ngram.py's
+  state), else None."""
   hcache: kvc.KVCache
   pending: Pending
+  hist: Any = None
 
 
 def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
@@ -443,6 +448,10 @@ def _prefill_head(hparams, tparams, hidden, tokens, lens, first, hcache, *, hcfg
                                                   prev=prev))
 
 
+# the grafted chain's lookup (DynamicTree.ngram): llama.cpp's default sizes, 1-4
+_LOOKUP = ngram.NgramDrafter(1, 4)
+
+
 @functools.lru_cache(maxsize=4)
 def _load_cached(path: str):
   return load_eagle(path)
@@ -488,10 +497,13 @@ class EagleDrafter(drafters.Drafter):
     for b, p in enumerate(prompts):
       tokens[b, :len(p)] = p
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    return _prefill_head(dparams["head"], dparams["target"], hidden, jnp.asarray(tokens),
-                         lens, jnp.asarray(first, jnp.int32),
-                         new_cache(sc.draft, len(prompts), capacity), hcfg=sc.draft,
-                         tcfg=sc.target, gamma=sc.gamma)
+    state = _prefill_head(dparams["head"], dparams["target"], hidden, jnp.asarray(tokens),
+                          lens, jnp.asarray(first, jnp.int32),
+                          new_cache(sc.draft, len(prompts), capacity), hcfg=sc.draft,
+                          tcfg=sc.target, gamma=sc.gamma)
+    if getattr(sc.tree, "ngram", 0):
+      state = state.replace(hist=_LOOKUP.init(sc, target, None, prompts, capacity, first))
+    return state
 
   def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
     d, hcache = draft_phase(dparams["target"], dparams["head"], dstate.hcache,
@@ -502,6 +514,10 @@ class EagleDrafter(drafters.Drafter):
     if isinstance(sc.tree, DynamicTree):
       d, hcache = draft_dynamic_phase(dparams["target"], dparams["head"], dstate.hcache,
                                       dstate.pending, n, tail[:, 1], sc)
+      if sc.tree.ngram:  # the prompt-lookup chain, grafted on
+        chain, n_chain = ngram.ngram_propose(dstate.hist, n, sc.tree.ngram, _LOOKUP.n_min,
+                                             _LOOKUP.n_max)
+        d = dynamic.graft_chain(d, chain, jnp.where(live, n_chain, 0))
     else:
       d, hcache = draft_tree_phase(dparams["target"], dparams["head"], dstate.hcache,
                                    dstate.pending, n, key, sc)
@@ -520,4 +536,5 @@ class EagleDrafter(drafters.Drafter):
                                                     old.tokens.shape[1] - 1)[:, None], 1)[:, 0]
     new = Pending(feats=c.features, tokens=c.emitted, start=c.n_prev - 1, prev=prev)
     pick = lambda a, b: jnp.where(c.live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-    return dstate.replace(pending=jax.tree_util.tree_map(pick, new, dstate.pending))
+    hist = None if dstate.hist is None else _LOOKUP.commit(dstate.hist, c)
+    return dstate.replace(pending=jax.tree_util.tree_map(pick, new, dstate.pending), hist=hist)

@@ -25,6 +25,8 @@ Specs (`parse`), one line of error for each bad one:
                              positional acceptance p (default SEQUOIA_P)
   dynamic:K,D,N              EAGLE-2: top-K children per frontier node, D
                              levels, the N best nodes kept (per row)
+  dynamic:K,D,N+ngram:L      that tree with a prompt-lookup chain of up to L
+                             tokens grafted on (EAGLE drafter; DynamicTree)
   auto | auto:N1,N2,..       chosen at run time from measured costs (the loop
                              resolves it; `AutoTree` holds the sizes)
 """
@@ -200,36 +202,49 @@ class DynamicTree:
   of each frontier node for `depth` levels, keep the n_nodes with the highest
   cumulative draft log-probability. The verify block is 1 + n_nodes tokens
   of depth <= `depth`; with EAGLE-2's beam (the top k of each level are its
-  frontier) there are n_candidates = k + (depth - 1) k^2 to choose from."""
+  frontier) there are n_candidates = k + (depth - 1) k^2 to choose from.
+
+  ngram = L > 0 (`dynamic:K,D,N+ngram:L`): the block has L more slots, for
+  the prompt-lookup continuation of the row's history (up to L tokens,
+  drafters/ngram.py's chain) grafted onto the tree from the root: it
+  follows the head's nodes while their tokens agree and goes on as new
+  nodes below the last one (drafters/dynamic.py `graft_chain`), so a copy
+  from the prompt and the head's guesses are verified in one block."""
   k: int
   depth: int
   n_nodes: int
+  ngram: int = 0
 
   def __post_init__(self):
     if self.k < 1 or self.depth < 1 or self.n_nodes < 1:
       raise ConfigError(f"dynamic:K,D,N needs K, D, N >= 1, got {self.k},{self.depth},{self.n_nodes}")
-    if self.n_nodes > MAX_NODES:
-      raise ConfigError(f"dynamic:K,D,N keeps {self.n_nodes} nodes, over the limit of {MAX_NODES}")
+    if self.n_nodes + self.ngram > MAX_NODES:
+      raise ConfigError(f"{self.spec} keeps {self.n_nodes + self.ngram} nodes, over the limit "
+                        f"of {MAX_NODES}")
     if self.n_nodes > self.n_candidates:
       raise ConfigError(f"dynamic:{self.k},{self.depth},{self.n_nodes} keeps more nodes than the "
                         f"{self.n_candidates} candidates of K={self.k}, D={self.depth}")
+    if not 0 <= self.ngram <= 64:
+      raise ConfigError(f"{self.spec}: the grafted prompt-lookup chain takes 1 to 64 tokens, "
+                        f"got {self.ngram}")
 
   @property
   def n(self) -> int:
-    return self.n_nodes
+    return self.n_nodes + self.ngram
 
   @property
   def max_depth(self) -> int:
-    return self.depth
+    return max(self.depth, self.ngram)
 
   @property
   def block_size(self) -> int:
-    return 1 + self.n_nodes
+    return 1 + self.n_nodes + self.ngram
 
   @property
   def width(self) -> int:
-    """Most children of one node (the acceptance's sibling bound)."""
-    return self.k
+    """Most children of one node (the acceptance's sibling bound): the
+    grafted chain adds at most one child to one node."""
+    return self.k + (1 if self.ngram else 0)
 
   @property
   def n_fed(self) -> int:
@@ -242,7 +257,8 @@ class DynamicTree:
 
   @property
   def spec(self) -> str:
-    return f"dynamic:{self.k},{self.depth},{self.n_nodes}"
+    graft = f"+ngram:{self.ngram}" if self.ngram else ""
+    return f"dynamic:{self.k},{self.depth},{self.n_nodes}{graft}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +341,18 @@ def parse(spec: str, gamma: int, p: Sequence[float] | None = None):
       raise ConfigError(f"--tree={s}: p must be probabilities in [0, 1], got {list(p)}")
     return sequoia(n, d, p)
   if head == "dynamic":
-    return DynamicTree(*_ints(s, body, 3))
+    base, plus, graft = body.partition("+")
+    if not plus:
+      return DynamicTree(*_ints(s, base, 3))
+    kind, _, length = graft.partition(":")
+    if kind.strip() != "ngram" or not length.strip():
+      raise ConfigError(f"--tree={s}: after '+' expected ngram:L (a prompt-lookup chain of up "
+                        "to L tokens), e.g. dynamic:10,6,60+ngram:8")
+    (n_chain,) = _ints(s, length, 1)
+    if n_chain < 1:
+      raise ConfigError(f"--tree={s}: the grafted prompt-lookup chain takes 1 to 64 tokens, "
+                        f"got {n_chain}")
+    return DynamicTree(*_ints(s, base, 3), n_chain)
   if s == "auto":
     return AutoTree()
   if head == "auto":
@@ -334,4 +361,4 @@ def parse(spec: str, gamma: int, p: Sequence[float] | None = None):
       raise ConfigError(f"--tree={s}: sizes must be >= 1")
     return AutoTree(tuple(sorted(set(sizes))))
   raise ConfigError(f"--tree={s}: unknown spec; use chain, chain:G, a JSON list of rank paths, "
-                    "FILE.json, kary:K,D, sequoia:N,D[:p1,..], dynamic:K,D,N or auto")
+                    "FILE.json, kary:K,D, sequoia:N,D[:p1,..], dynamic:K,D,N[+ngram:L] or auto")

@@ -19,6 +19,7 @@ import pytest
 from specjax.decode import generation
 from specjax.decode import speculative
 from specjax.decode import tree_step
+from specjax.drafters import dynamic
 from specjax.drafters import eagle
 from specjax.drafters import ngram
 from specjax.errors import ConfigError
@@ -445,6 +446,121 @@ def test_greedy_eagle_trees_of_a_prev_token_head_equal_target_only(v6_prev):
     assert res.tokens == want and res.stats.n_accept > 0
 
 
+# ---------------------------------------------------------------- a grafted prompt-lookup chain
+
+GRAFT = trees.DynamicTree(2, 3, 5, ngram=4)  # deeper than the head's tree
+
+
+def _graft_reference(par, tok, chain, n_chain):
+  """graft_chain by hand: follow the drafted nodes while a child of the
+  reached node has the chain's token, then append the rest below it."""
+  n, length = len(par), len(chain)
+  par, tok, drafted = list(par) + [-1] * length, list(tok) + [0] * length, [True] * n + [False] * length
+  cur, merging = -1, True
+  for j in range(min(n_chain, length)):
+    kids = [i for i in range(n + j) if par[i] == cur and drafted[i] and tok[i] == chain[j]]
+    if merging and kids:
+      cur = kids[0]
+      continue
+    merging = False
+    par[n + j], tok[n + j], drafted[n + j], cur = cur, chain[j], True, n + j
+  return par, tok, drafted
+
+
+def _random_tree(rng, n, vocab):
+  """BFS-valid parents, distinct sibling tokens (as the head's top-k are)."""
+  par, tok = [], []
+  for i in range(n):
+    p = int(rng.randint(-1, i))
+    taken = {t for q, t in zip(par, tok) if q == p}
+    if len(taken) == vocab:  # p is full; node i - 1 has no children yet
+      p, taken = i - 1, set()
+    par.append(p)
+    tok.append(int(rng.choice([t for t in range(vocab) if t not in taken])))
+  return par, tok
+
+
+def graft_mismatches(v6=None, cases: int = 60) -> list[str]:
+  """graft_chain against the reference on random trees and chains over 4
+  tokens (so chains merge into the tree), each node's mask row its
+  ancestors-or-self (undrafted slots: the root and themselves); then greedy
+  speculation with the grafted tree equals target-only (v6 given)."""
+  from specjax.drafters import base, dynamic  # pylint: disable=import-outside-toplevel
+  rng, bad = np.random.RandomState(0), []
+  for case in range(cases):
+    n, length = int(rng.randint(1, 7)), int(rng.randint(1, 5))
+    rows = [_random_tree(rng, n, 4) for _ in range(3)]
+    chain = rng.randint(0, 4, (3, length))
+    n_chain = rng.randint(0, length + 1, 3)
+    par = jnp.asarray([r[0] for r in rows], jnp.int32)
+    mask = np.zeros((3, n + 1, n + 1), bool)
+    for b, (pb, _) in enumerate(rows):
+      for i in range(n + 1):
+        j = i
+        while j > 0:
+          mask[b, i, j] = True
+          j = pb[j - 1] + 1
+        mask[b, i, 0] = True
+    d = base.DraftedTree(tokens=jnp.asarray([r[1] for r in rows], jnp.int32),
+                         q=jnp.zeros((3, n + 1, 0)), caught_up=jnp.zeros((3,), bool),
+                         parents=par, mask=jnp.asarray(mask), fed=jnp.zeros((3, n + 1), jnp.int32))
+    g = dynamic.graft_chain(d, jnp.asarray(chain), jnp.asarray(n_chain))
+    for b in range(3):
+      want = _graft_reference(rows[b][0], rows[b][1], chain[b].tolist(), int(n_chain[b]))
+      got = (np.asarray(g.parents[b]).tolist(), np.asarray(g.tokens[b]).tolist(),
+             np.asarray(g.drafted[b]).tolist())
+      if got != want:
+        bad.append(f"case {case} row {b}: {got} != {want}")
+        continue
+      for i in range(n + length):
+        row = {0, i + 1}
+        j = want[0][i] if want[2][i] else -1
+        while j >= 0:
+          row.add(j + 1)
+          j = want[0][j]
+        if set(np.nonzero(np.asarray(g.mask[b, i + 1]))[0].tolist()) != row:
+          bad.append(f"case {case} row {b} node {i}: mask row != {sorted(row)}")
+  if v6 is not None:
+    want = generation.generate(v6[0], lawcheck.PROMPTS, 16).tokens
+    res = run_eagle(v6, GRAFT, gamma=GRAFT.max_depth)
+    if res.tokens != want:
+      bad.append(f"greedy with {GRAFT.spec}: {res.tokens} != target-only {want}")
+  return bad
+
+
+def test_a_grafted_chain_is_the_reference_graft_and_stays_greedy_exact(v6_head):
+  assert graft_mismatches(v6_head) == []
+
+
+def test_a_grafted_chain_keeps_more_per_step(v6_head, tmp_path):
+  """The copy the chain adds is kept: with a random head (which guesses
+  little) the target's repetitive greedy output is found by the lookup, so
+  the grafted tree keeps more tokens per step than the tree alone, with the
+  same output."""
+  target = v6_head[0]
+  hcfg = eagle.head_config(target.cfg)
+  path = eagle.save_head(tmp_path / "random-eagle", hcfg, eagle.init_head(hcfg, 5), target.cfg,
+                         "random")
+  weak = (target, eagle.EagleDrafter(str(path)))
+  plain = trees.DynamicTree(GRAFT.k, GRAFT.depth, GRAFT.n_nodes)
+  a = run_eagle(weak, plain, gamma=plain.max_depth)
+  b = run_eagle(weak, GRAFT, gamma=GRAFT.max_depth)
+  assert a.tokens == b.tokens == generation.generate(target, lawcheck.PROMPTS, 16).tokens
+  assert b.stats.tokens_per_step > a.stats.tokens_per_step + 0.5, (a.stats.tokens_per_step,
+                                                                   b.stats.tokens_per_step)
+
+
+def test_only_eagle_grafts_a_chain_with_one_line():
+  msg = (r"^--tree=dynamic:2,3,5\+ngram:4 grafts a prompt-lookup chain onto an EAGLE head's "
+         r"tree; drafter layerskip:1 cannot \(use --drafter=eagle\[:PATH\]\)$")
+  with pytest.raises(ConfigError, match=msg):
+    speculative.SpecConfig(CFG3, None, GRAFT.max_depth, drafter="layerskip:1", tree=GRAFT)
+  assert trees.parse("dynamic:2,3,5+ngram:4", 3) == GRAFT
+  for bad in ("dynamic:2,3,5+ngram:0", "dynamic:2,3,5+ngram", "dynamic:2,3,5+lookup:4"):
+    with pytest.raises(ConfigError, match=r"^--tree=dynamic:2,3,5\+"):
+      trees.parse(bad, 3)
+
+
 # ---------------------------------------------------------------- exactness
 
 ROWS = 1500
@@ -475,6 +591,15 @@ def adjusted(ps: dict[str, float]) -> float:
 @pytest.mark.parametrize("siblings", ["topk", "stochastic"])
 def test_sampled_eagle_tree_follows_the_target(v6_head, siblings):
   ps = output_pvalues(v6_head[0], v6_head[1], SamplingParams(1.0), siblings)
+  assert adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items()
+                                         if v * len(ps) <= lawcheck.ALPHA}
+
+
+def test_sampled_eagle_tree_with_a_grafted_chain_follows_the_target(v6_head):
+  """Top-k siblings and the chain's nodes, all deterministic, merged so that
+  no node has two children of one token."""
+  ps = output_pvalues(v6_head[0], v6_head[1], SamplingParams(1.0), "topk",
+                      tree=trees.DynamicTree(2, 2, 3, ngram=3))
   assert adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items()
                                          if v * len(ps) <= lawcheck.ALPHA}
 
@@ -523,6 +648,15 @@ MUTATIONS = {
     "eagle's dynamic tree feeds every node the root's feature": (
         eagle, "draft_dynamic_phase", ("feats, parent[:, :, None], 1)", "feats, 0 * parent[:, :, None], 1)"),
         dynamic_head_mismatches),
+    "a grafted chain's continuation hangs from the root, not the node it reached": (
+        dynamic, "graft_chain", ("jnp.where(add, cur, -1))", "jnp.where(add, -1, -1))"),
+        graft_mismatches),
+    "a grafted chain's node attends to the root only, not its ancestors": (
+        dynamic, "graft_chain", ("row = mask[rows, cur + 1]", "row = mask[rows, 0 * cur]"),
+        graft_mismatches),
+    "a grafted chain never merges into the tree (duplicate siblings)": (
+        dynamic, "graft_chain", ("found = merging & real", "found = False & real"),
+        graft_mismatches),
     "eagle's dynamic tree feeds each level one head slot late": (
         eagle, "draft_dynamic_phase", ("rollback(hcache, n - 2 + lo)", "rollback(hcache, n - 1 + lo)"),
         dynamic_head_mismatches),
