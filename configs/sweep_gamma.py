@@ -175,9 +175,11 @@ def taskbench_config(arg: str) -> ml_collections.ConfigDict:
   # Token trees, DRAFTER@TREE, each a leaderboard row of its own (bench/tree_sweep.py per
   # category): the EAGLE head drafting EAGLE-2's dynamic tree, sized for this CPU (top 4
   # per node, 4 levels, the 16 best nodes verified) and at EAGLE-2's published setting
-  # (top 10, 6 levels, 60 nodes: the MAT to set beside the paper's).
+  # (top 10, 6 levels, 60 nodes: the MAT to set beside the paper's), then that tree with the
+  # prompt-lookup chain (8 deep) grafted on (drafters/dynamic.py graft_chain).
   c.taskbench_trees = ("eagle:smollm2-eagle@dynamic:4,4,16",
-                       "eagle:smollm2-eagle@dynamic:10,6,60")
+                       "eagle:smollm2-eagle@dynamic:10,6,60",
+                       "eagle:smollm2-eagle@dynamic:10,6,60+ngram:8")
   c.gammas = (2, 4)
   c.accepts = ("real",)
   c.temps = (0.0, 1.0)

@@ -162,7 +162,8 @@ def test_tree_rows_are_checked():
   from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
   c = sweep_gamma.get_config("taskbench")
   assert taskbench_run.tree_rows(c) == [("eagle:smollm2-eagle", "dynamic:4,4,16"),
-                                        ("eagle:smollm2-eagle", "dynamic:10,6,60")]
+                                        ("eagle:smollm2-eagle", "dynamic:10,6,60"),
+                                        ("eagle:smollm2-eagle", "dynamic:10,6,60+ngram:8")]
   assert c.draft == "smollm2-draft" and "model" in c.drafters and "eagle:smollm2-eagle" in c.drafters
   for bad, msg in (("dynamic:2,2,3", "not DRAFTER@TREE"), ("eagle@auto", "not a fixed tree"),
                    ("eagle@dynamic:2,2,30", "more nodes"), ("bogus@chain:2", "unknown drafter")):
