@@ -60,6 +60,7 @@ from specjax.decode import generation
 from specjax.metrics import divergence
 from specjax.metrics import schema
 from specjax.decode import speculative
+from specjax.model import llama as model_lib
 from specjax.model import steps
 from specjax.model import tree as trees
 from specjax.formats import tokenizer
@@ -269,7 +270,7 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
     print("\n".join(row_lines(res)))
     print()
   if drafter.kind == "eagle":  # its config counts the target's embedding, which it only reads
-    draft = (f"draft: {dcfg.name} ({eagle.own_param_count(drafter.path) / 1e6:.1f} M params "
+    draft = (f"draft: {dcfg.name} ({model_lib.param_count(eagle.load_eagle(drafter.path)[1]) / 1e6:.1f} M params "
              f"of its own; embedding and LM head: the target's)")
   elif dcfg is not None:
     draft = f"draft: {dcfg.name} ({dcfg.num_params() / 1e6:.1f} M params)"

@@ -1,38 +1,31 @@
-"""An EAGLE-1 draft head (Li et al. 2024) for a specjax target: the model,
-its files, and the drafter that drafts with it (its training:
-specjax/train/eagle.py).
+"""An EAGLE-1 draft head (Li et al. 2024) for a specjax target: the model, its files, and the
+drafter that drafts with it (its training: specjax/train/eagle.py).
 
-The head is one LLaMA decoder layer (layers.Block, the target's shapes) over
-fc([embedding of a token ; target feature]) (2E -> E, with bias). A
-"feature" is the target's final-normed hidden state at a position, the
-input of its LM head (model.forward(..., return_hidden=True)). The head
-predicts the next feature; the drafted token comes from the target's own LM
-head on that prediction, and the token embedding from the target's own
-embedding table (both read from the target's params, never copied: the
-head's params hold only `fc` and `block`).
+The head is one LLaMA decoder layer (layers.Block, the target's shapes) over fc([embedding of a
+token ; target feature]) (2E -> E, with bias). A "feature" is the target's final-normed hidden
+state at a position, the input of its LM head (model.forward(..., return_hidden=True)). The head
+predicts the next feature; the drafted token comes from the target's own LM head on that
+prediction, and the token embedding from the target's own embedding table (both read from the
+target's params, never copied: the head's params hold only `fc` and `block`).
 
-Indices. Sequence x_0 .. x_{n-1}; f_i = the target's feature at position i
-(after reading x_0..x_i; its logits predict x_{i+1}).
+Indices. Sequence x_0 .. x_{n-1}; f_i = the target's feature at position i (after reading
+x_0..x_i; its logits predict x_{i+1}).
   pair i  = (f_i, x_{i+1}), written at head-cache slot i with RoPE position i
             (the paper's "position i+1 input (f_i, t_{i+1})").
-  head(pairs 0..i) -> g_i, a prediction of f_{i+1}; head_logits(g_i)
-            predicts x_{i+2}.
-A head may also read each pair's current token (`reads_prev_token`, known
-from its fc's width, 3E -> E): pair i = (f_i, x_{i+1}; x_i). Drafting hands
-it the token before each pair (a chain's previous pair's token, a tree
-node's parent's, the pending pairs' x_start in Pending.prev). One layer can
-then copy from the context (match x_i, read the x_{i+1} that followed it),
-which the final features, mostly about the next token, barely allow.
-Training (teacher forcing, `eagle_loss`): a window x_0..x_T gives f_0..f_T
-from one frozen target pass; the head reads pairs 0..T-1 and g_i is
-regressed on f_{i+1} (smooth L1) and its LM-head distribution on the
-target's softmax(head_logits(f_{i+1})) (cross-entropy to soft labels,
-weight `ce_weight`, paper 0.1), i = 0..T-1.
+  head(pairs 0..i) -> g_i, a prediction of f_{i+1}; head_logits(g_i) predicts x_{i+2}.
+A head may also read each pair's current token (`reads_prev_token`, known from its fc's width,
+3E -> E): pair i = (f_i, x_{i+1}; x_i). Drafting hands it the token before each pair (a chain's
+previous pair's token, a tree node's parent's, the pending pairs' x_start in Pending.prev). One
+layer can then copy from the context (match x_i, read the x_{i+1} that followed it), which the
+final features, mostly about the next token, barely allow.
+Training (teacher forcing, `eagle_loss`): a window x_0..x_T gives f_0..f_T from one frozen
+target pass; the head reads pairs 0..T-1 and g_i is regressed on f_{i+1} (smooth L1) and its
+LM-head distribution on the target's softmax(head_logits(f_{i+1})) (cross-entropy to soft
+labels, weight `ce_weight`, paper 0.1), i = 0..T-1.
 
-Speculative step (n tokens so far; the target cache holds x_0..x_{n-2}, its
-length n-1; `last` = x_{n-1}). Between steps the state keeps `pending`: the
-previous verify's gamma+1 features, the tokens to pair them with, and
-`start`, the head-cache slot of the first of those pairs.
+Speculative step (n tokens so far; the target cache holds x_0..x_{n-2}, its length n-1; `last` =
+x_{n-1}). Between steps the state keeps `pending`: the previous verify's gamma+1 features, the
+tokens to pair them with, and `start`, the head-cache slot of the first of those pairs.
   draft:  1. roll the head cache back to `start` and run the head over the
              gamma+1 pending pairs (one T = gamma+1 step), then roll it back
              to n-1: only the k+1 real pairs stay, the padding pairs past
@@ -49,21 +42,18 @@ previous verify's gamma+1 features, the tokens to pair them with, and
           (f_{n-1}..f_{n-1+gamma}, [d_1..d_k, y, padding]) with start = n-1:
           pairs n-1..n-1+k = (f_{n-1}, d_1) .. (f_{n-1+k}, y) are real, and
           the next draft phase takes output k = n'-2-start.
-After the prefill of a P-token prompt and the first token x_P, the head
-cache holds pairs 0..P-2 and pending is the single real pair
-(f_{P-1}, x_P) at start = P-1 (k = 0): every draft phase has the same shape.
-Invariant: after a draft phase's first part the head cache holds pairs
-0..n-2 (length n-1, the target cache's length).
+After the prefill of a P-token prompt and the first token x_P, the head cache holds pairs 0..P-2
+and pending is the single real pair (f_{P-1}, x_P) at start = P-1 (k = 0): every draft phase has
+the same shape. Invariant: after a draft phase's first part the head cache holds pairs 0..n-2
+(length n-1, the target cache's length).
 
-A row that finished rides along and keeps its pending pairs (so its state
-stays that of its output: the next draft phase would still take the right
-index); its writes start at `start` <= n-1 and stay inside the capacity the
-engine plans (prompt + n_predict + gamma), as a draft model's do.
+A row that finished rides along and keeps its pending pairs (so its state stays that of its output:
+the next draft phase would still take the right index); its writes start at `start` <= n-1 and stay
+inside the capacity the engine plans (prompt + n_predict + gamma), as a draft model's do.
 
-Files: <dir>/eagle_config.json (the head's layer config, the target's
-config and name, provenance) and <dir>/model.safetensors (fc/*, block/*);
-`load_eagle(path)` reads them ("stdlib-eagle": the shipped head of
-stdlib-target, specjax/assets/stdlib-eagle).
+Files: <dir>/eagle_config.json (the head's layer config, the target's config and name, provenance)
+and <dir>/model.safetensors (fc/*, block/*); `load_eagle(path)` reads them ("stdlib-eagle": the
+shipped head of stdlib-target, specjax/assets/stdlib-eagle).
 """
 
 from __future__ import annotations
@@ -280,18 +270,15 @@ class Pending:
 
 @struct.dataclass
 class HeadState:
-  """The drafter's state (SpecState.dcache): the head's cache and the pending
-  pairs; for a dynamic tree with a grafted prompt-lookup chain
-  (DynamicTree.ngram), the token history the lookup reads (ngram.py's
-  state), else None."""
+  """The drafter's state (SpecState.dcache): the head's cache, the pending pairs and, for a
+  tree with a grafted prompt-lookup chain (DynamicTree.ngram), ngram.py's history (else None)."""
   hcache: kvc.KVCache
   pending: Pending
   hist: Any = None
 
 
 def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
-  """gamma drafts from the head (sc.draft is the head's layer config).
-  Returns (Drafted, hcache of length n-1+gamma-1)."""
+  """gamma drafts from the head (sc.draft its layer): (Drafted, hcache of length n+gamma-2)."""
   hcfg, tcfg, sp = sc.draft, sc.target, sc.sp
   g1 = pending.tokens.shape[1]
   hcache = kvc.rollback(hcache, pending.start)
@@ -448,19 +435,12 @@ def _prefill_head(hparams, tparams, hidden, tokens, lens, first, hcache, *, hcfg
                                                   prev=prev))
 
 
-# the grafted chain's lookup (DynamicTree.ngram): llama.cpp's default sizes, 1-4
-_LOOKUP = ngram.NgramDrafter(1, 4)
+_LOOKUP = ngram.NgramDrafter(1, 4)  # a grafted chain's lookup (DynamicTree.ngram)
 
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(path: str):
   return load_eagle(path)
-
-
-def own_param_count(path: str = "stdlib-eagle") -> int:
-  """The head's own parameters (its fc and its layer; the embedding and the
-  LM head it reads are the target's)."""
-  return int(sum(np.size(x) for x in jax.tree_util.tree_leaves(_load_cached(path)[1])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,9 +481,9 @@ class EagleDrafter(drafters.Drafter):
                           lens, jnp.asarray(first, jnp.int32),
                           new_cache(sc.draft, len(prompts), capacity), hcfg=sc.draft,
                           tcfg=sc.target, gamma=sc.gamma)
-    if getattr(sc.tree, "ngram", 0):
-      state = state.replace(hist=_LOOKUP.init(sc, target, None, prompts, capacity, first))
-    return state
+    graft = getattr(sc.tree, "ngram", 0)  # the lookup's history: ngram.py's state
+    return state.replace(hist=_LOOKUP.init(sc, target, None, prompts, capacity, first) if graft
+                         else None)
 
   def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
     d, hcache = draft_phase(dparams["target"], dparams["head"], dstate.hcache,

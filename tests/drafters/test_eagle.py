@@ -351,4 +351,4 @@ def test_own_param_count_is_the_layer_and_fc_not_the_shared_vocabulary():
   hcfg, _, _ = eagle.load_eagle("stdlib-eagle")
   e = hcfg.dim
   want = hcfg.num_params() - hcfg.vocab_size * e - e + (2 * e * e + e)  # no final norm; the fc
-  assert eagle.own_param_count("stdlib-eagle") == want == 856_832
+  assert model.param_count(eagle.load_eagle("stdlib-eagle")[1]) == want == 856_832
