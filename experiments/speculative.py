@@ -270,8 +270,9 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
     print("\n".join(row_lines(res)))
     print()
   if drafter.kind == "eagle":  # its config counts the target's embedding, which it only reads
-    draft = (f"draft: {dcfg.name} ({model_lib.param_count(eagle.load_eagle(drafter.path)[1]) / 1e6:.1f} M params "
-             f"of its own; embedding and LM head: the target's)")
+    own = model_lib.param_count(eagle.load_eagle(drafter.path)[1])
+    draft = (f"draft: {dcfg.name} ({own / 1e6:.1f} M params of its own; embedding and LM head: "
+             "the target's)")
   elif dcfg is not None:
     draft = f"draft: {dcfg.name} ({dcfg.num_params() / 1e6:.1f} M params)"
   else:

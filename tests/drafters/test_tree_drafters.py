@@ -19,6 +19,7 @@ import pytest
 from specjax.decode import generation
 from specjax.decode import speculative
 from specjax.decode import tree_step
+from specjax.drafters import base
 from specjax.drafters import dynamic
 from specjax.drafters import eagle
 from specjax.drafters import ngram
@@ -485,7 +486,6 @@ def graft_mismatches(v6=None, cases: int = 60) -> list[str]:
   tokens (so chains merge into the tree), each node's mask row its
   ancestors-or-self (undrafted slots: the root and themselves); then greedy
   speculation with the grafted tree equals target-only (v6 given)."""
-  from specjax.drafters import base, dynamic  # pylint: disable=import-outside-toplevel
   rng, bad = np.random.RandomState(0), []
   for case in range(cases):
     n, length = int(rng.randint(1, 7)), int(rng.randint(1, 5))

@@ -105,6 +105,16 @@ def _rows_hold_every_prompt(rows, n_predict, baseline):
   assert rows[0]["tokens"] == rows[1]["tokens"] != rows[2]["tokens"]  # rows not mixed up
 
 
+def test_speculative_eagle_graft_reports_the_heads_own_params():
+  """The head's own parameters (fc and layer), not its config's count with the
+  target's embedding (1.8 M); a grafted tree from the command line, greedy-exact."""
+  proc = run("speculative.py", "--model=stdlib-target", "--dtype=float32", "--drafter=eagle",
+             "--tree=dynamic:2,3,5+ngram:4", "--prompt=def main(", "--n_predict=8", "--reps=1")
+  assert proc.returncode == 0, proc.stderr
+  assert "draft: stdlib-target-eagle (0.9 M params of its own;" in proc.stdout, proc.stdout[-800:]
+  assert "greedy equality: the speculative tokens equal the target-only tokens" in proc.stdout
+
+
 @pytest.mark.parametrize("gamma", ["3", "auto"])
 def test_speculative_prompt_file_json_keeps_every_row(tmp_path, prompt_file, gamma):
   """A batched run's record holds every row's prompt ids, tokens and
