@@ -68,6 +68,18 @@ class TreeVerdict(NamedTuple):
   accepts: jax.Array     # [B, K] int32 children accepted at each rank
 
 
+def _traced(x) -> bool:
+  """Whether `x` is a tracer (inside jit: no concrete tree shape to read)."""
+  tracer = getattr(getattr(jax, "core", None), "Tracer", None)
+  if tracer is not None:
+    return isinstance(x, tracer)
+  try:  # a jax without the public jax.core.Tracer
+    np.asarray(x)
+  except jax.errors.TracerArrayConversionError:
+    return True
+  return False
+
+
 def tree_shape(parents) -> tuple[int, int]:
   """(max_depth, max_children) of concrete parents [N] or [B, N] (over rows).
 
@@ -287,12 +299,12 @@ def judge_tree(key, parents, drafts, p, q=None, *, greedy: bool = False,
   if siblings not in SIBLINGS:
     raise ConfigError(f"siblings must be one of {', '.join(SIBLINGS)}, got {siblings!r}")
   if max_depth is None or max_children is None:
-    if isinstance(parents, jax.core.Tracer):
+    if _traced(parents):
       raise ConfigError("judge_tree needs max_depth and max_children for traced parents")
     depth, kids = tree_shape(parents)
     max_depth = depth if max_depth is None else max_depth
     max_children = kids if max_children is None else max_children
-  elif not isinstance(parents, jax.core.Tracer):
+  elif not _traced(parents):
     depth, kids = tree_shape(parents)
     if depth > max_depth or kids > max_children:
       raise ConfigError(f"tree of depth {depth} with {kids} children per node exceeds "

@@ -60,7 +60,11 @@ DRAFT_MODES = ("auto", "model", "replicated")
 
 # Sampling draws the same bits whatever the sharding (and a prefix of the
 # rows draws the same bits as the whole batch): the partitionable threefry.
-jax.config.update("jax_threefry_partitionable", True)
+# The default since jax 0.5; a jax that dropped the flag has it on for good.
+try:
+  jax.config.update("jax_threefry_partitionable", True)
+except (AttributeError, KeyError):  # pragma: no cover - newer jax only
+  pass
 
 # (regex on the param path, spec). First match wins; every param must match.
 PARAM_SPECS: tuple[tuple[str, P], ...] = (

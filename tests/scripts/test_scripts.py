@@ -208,6 +208,7 @@ def test_gpu_check_smoke(tmp_path):
                   + " --xla_force_host_platform_device_count=2"})
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = (tmp_path / "gpu_summary.md").read_text()
+  assert "FAILED" not in summary  # a part's error is caught on the GPU, never here
   assert "T(2)/T(1)" in summary and "| tiny |" in summary and "efficiency" in summary
   assert "| data:1,model:2 |" in summary and "Crossover, gamma 2" in summary
   assert "## Measured ceilings" in summary and "Ridge point" in summary
