@@ -68,6 +68,8 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny models on any backend: checks t
 _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", None, "Peak memory bandwidth (GB/s); default: "
                                 "looked up from the device kind.", lower_bound=1.0)
 _REPS = flags.DEFINE_integer("reps", 5, "Benchmark repetitions.", lower_bound=1)
+_TREES = flags.DEFINE_multi_string("taskbench_tree", None, "A tree row of the task suite "
+                                   "(DRAFTER@TREE; repeat the flag); default: taskbench_quick's.")
 _SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: peaks, bench, attention, sweep, batch, "
                          "overhead, trees, mesh, taskbench.")
 
@@ -122,6 +124,8 @@ def main(argv):
   out, reps, skip = gs.Out(_WORKDIR.value), _REPS.value, set(_SKIP.value)
   scfg, bcfg = sweep_gamma.get_config("gpu"), sweep_gamma.get_config("gpu_batch")
   tcfg, tnote = sweep_gamma.get_config("taskbench_quick"), ""
+  if _TREES.value:
+    tcfg.taskbench_trees = tuple(_TREES.value)
   if _SMOKE.value:
     bcfg.target, bcfg.draft, bcfg.dtype = "tiny", "tiny-draft", "float32"
     bcfg.batches, bcfg.gammas, bcfg.n_predict, bcfg.ctx_size, bcfg.reps = (1, 2), (2,), 8, 48, 1
