@@ -48,7 +48,6 @@ Each part's runner and its summary section: specjax.bench.gpu_study.
 
 import os
 import sys
-import time
 
 import jax
 from absl import flags
@@ -146,7 +145,7 @@ def main(argv):
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
     tree_model, tree_batches, tree_sizes = "llama-7b", (1, 4, 16, 32), (4, 8, 16, 32, 64)
   bandwidth = _BANDWIDTH.value or roofline.device_bandwidth_gbs(dev.device_kind)
-  lines, t0 = [f"# GPU check: {dev.device_kind}", ""], time.perf_counter()
+  lines = [f"# GPU check: {dev.device_kind}", ""]
   measured = {}  # filled by the peaks part
   gamma = 4 if not _SMOKE.value else 2
   parts = [
@@ -174,32 +173,9 @@ def main(argv):
   # minutes) still has them; the summary is rewritten after every part.
   parts = sorted(parts, key=lambda p: ORDER.index(p[0]))
   summary = os.path.join(_WORKDIR.value, "gpu_summary.md")
-  machine = f"Machine: {wd.machine_line(out.env)}."
-  for name, part in parts:
-    if name in skip:
-      continue
-    t = time.perf_counter()
-    try:
-      section = part()
-    except Exception as e:  # pylint: disable=broad-except
-      # One part's failure (a jax version's API, memory) is its line in the
-      # summary; the parts after it still run.
-      first = (str(e).splitlines() or [""])[0][:300]
-      section = [f"## {name}", "", f"FAILED: {type(e).__name__}: {first}"]
-      print(f"{name} FAILED: {type(e).__name__}: {first}", flush=True)
-    lines += section + ["", f"({name}: {time.perf_counter() - t:.0f} s)", ""]
-    print(f"{name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
-    _write(summary, lines + [f"{machine} So far {time.perf_counter() - t0:.0f} s."])
-  text = _write(summary, lines + [f"{machine} Total {time.perf_counter() - t0:.0f} s."])
+  text = gs.run_parts(parts, skip, lines, summary, f"Machine: {wd.machine_line(out.env)}.")
   print(text)
   print(f"wrote {summary} and {out.path}")
-
-
-def _write(path: str, lines: list[str]) -> str:
-  text = "\n".join(lines) + "\n"
-  with open(path, "w") as f:
-    f.write(text)
-  return text
 
 
 if __name__ == "__main__":

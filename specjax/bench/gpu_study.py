@@ -7,6 +7,7 @@ The parts and their goals are described in the script's docstring.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -37,6 +38,37 @@ class Out:
 
   def __call__(self, part: str, rec: dict) -> None:
     wd.append_jsonl(self.path, [{"part": part, **rec, "env": self.env}])
+
+
+def run_parts(parts: list[tuple[str, Callable[[], list[str]]]], skip: set[str],
+              lines: list[str], summary: str, machine: str) -> str:
+  """Runs each (name, part) not in `skip` in turn, each returning its summary
+  section; rewrites `summary` after every part (a run cut short keeps what
+  finished) and returns the final text. A part that raises is one FAILED
+  line in its section and the parts after it still run: on a device lease a
+  jax version's API or the memory of one part must not cost the others."""
+  lines, t0 = list(lines), time.perf_counter()
+  for name, part in parts:
+    if name in skip:
+      continue
+    t = time.perf_counter()
+    try:
+      section = part()
+    except Exception as e:  # pylint: disable=broad-except
+      first = (str(e).splitlines() or [""])[0][:300]
+      section = [f"## {name}", "", f"FAILED: {type(e).__name__}: {first}"]
+      print(f"{name} FAILED: {type(e).__name__}: {first}", flush=True)
+    lines += section + ["", f"({name}: {time.perf_counter() - t:.0f} s)", ""]
+    print(f"{name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    _write(summary, lines + [f"{machine} So far {time.perf_counter() - t0:.0f} s."])
+  return _write(summary, lines + [f"{machine} Total {time.perf_counter() - t0:.0f} s."])
+
+
+def _write(path: str, lines: list[str]) -> str:
+  text = "\n".join(lines) + "\n"
+  with open(path, "w") as f:
+    f.write(text)
+  return text
 
 
 # ---------------------------------------------------------------- peaks

@@ -378,3 +378,46 @@ def test_gpu_part_leaves_out_missing_drafts(tmp_path, tiny_head):
   assert sub.drafters == ("ngram", f"eagle:{tiny_head}")
   assert sub.taskbench_trees == (f"eagle:{tiny_head}@dynamic:2,2,3",)
   assert len(dropped) == 1 and dropped[0].startswith(f"eagle:{gone}: left out (")
+
+
+def _parts_without_guard(parts, skip, lines, summary, machine):
+  """gpu_study.run_parts as first written: no guard, no rewrite per part."""
+  lines = list(lines)
+  for name, part in parts:
+    if name not in skip:
+      lines += part()
+  with open(summary, "w") as f:
+    f.write("\n".join(lines + [machine]) + "\n")
+  return "\n".join(lines)
+
+
+def _check_parts(run_parts, tmp_path):
+  """A part that raises is one FAILED line in the summary and the parts after
+  it still run (a device lease has no time for a second try); the summary on
+  disk holds every finished part before the next one starts."""
+  summary = tmp_path / "gpu_summary.md"
+  seen = []
+
+  def boom():
+    seen.append(summary.read_text() if summary.exists() else "")
+    raise RuntimeError("no such jax API\nsecond line")
+
+  parts = [("first", lambda: ["## first", "ok"]), ("broken", boom),
+           ("last", lambda: ["## last", "ok"]), ("skipped", lambda: ["## skipped"])]
+  text = run_parts(parts, {"skipped"}, ["# GPU check"], str(summary), "Machine: test.")
+  assert "## first" in seen[0]  # written before the broken part ran
+  assert "FAILED: RuntimeError: no such jax API" in text and "second line" not in text
+  assert "## last" in text and "## skipped" not in text
+  assert summary.read_text() == text and "Machine: test. Total" in text
+
+
+def test_gpu_parts_a_failing_part_is_one_line(tmp_path):
+  from specjax.bench import gpu_study  # pylint: disable=import-outside-toplevel
+  _check_parts(gpu_study.run_parts, tmp_path)
+
+
+def test_gpu_parts_check_fails_the_unguarded_loop(tmp_path):
+  """The loop as first written (no guard, one write at the end), committed as
+  the broken variant: the check above fails on it."""
+  with pytest.raises(RuntimeError, match="no such jax API"):
+    _check_parts(_parts_without_guard, tmp_path)
