@@ -1,5 +1,10 @@
-import sys
-sys.path.insert(0, "/work/main")
+"""The 69-token verify and the head's proposal of `dynamic:10,6,60+ngram:8`, timed
+alone in a fresh process (docs/taskbench.md, "The graft on an idle machine"): four
+probe instances at the longest code-editing prompt's depth (82 tokens) in the sweep's
+capacity (388 slots), 3 repetitions each. Run from the checkout with specjax installed:
+
+  python docs/results/taskbench_graft_idle/probe_verify69.py
+"""
 from specjax.bench import tree_sweep
 from specjax.decode import probes
 from specjax.model import steps
