@@ -62,7 +62,7 @@ DRAFTER_HELP = ("What proposes the drafts: model (the --model_draft model) | ngr
 
 
 def define_drafter_flag():
-  """--drafter (see specjax.drafters.base.parse); call at import time of a script."""
+  """--drafter (see specjax.drafters.registry.parse); call at import time of a script."""
   return flags.DEFINE_string("drafter", "model", DRAFTER_HELP)
 
 

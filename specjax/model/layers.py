@@ -97,7 +97,7 @@ def int8_matmul(x, kq, scale, dtype):
 
 class QDense(nn.Module):
   """Weight-only int8 projection: kernel_q int8 [in, out] and kernel_scale
-  float32 [out] (one scale per output channel, specjax/quant.py);
+  float32 [out] (one scale per output channel, model/quant.py);
   y = (x @ kernel_q) * scale in cfg.dtype (int8_matmul). The int8 kernel is
   what lives in device memory; its float conversion is transient."""
   features: int

@@ -38,7 +38,7 @@ def prefill_step(params, tokens, n_valid, cache: kvc.KVCache, cfg: ModelConfig,
 
   Returns (logits of each row's last real token [B, V], cache). Padding slots
   are written but lie past the new length, so they are never attended to.
-  return_hidden: also the final-normed hidden states [B, Tb, E] (model.forward).
+  return_hidden: also the final-normed hidden states [B, Tb, E] (llama.forward).
   """
   start = cache.lengths
   out = model.forward(params, tokens, cache, cfg, logit_index=n_valid - 1,
@@ -61,7 +61,7 @@ def tree_verify(params, tokens, tree_mask, cache: kvc.KVCache, cfg: ModelConfig,
   shape, block index j at position lengths + depth[j], each attending to the
   cached slots and its own ancestors-or-self (tree_mask [T, T] bool, one
   tree for every row, or [B, T, T], a tree per row; mask[a, b]: b is a or an
-  ancestor of a; model.forward). A chain's mask (lower-triangular) is
+  ancestor of a; llama.forward). A chain's mask (lower-triangular) is
   today's verify.
 
   Pure (call it inside a jitted loop; tree_verify_step is it jitted alone).
@@ -88,7 +88,7 @@ tree_verify_step = jax.jit(tree_verify, static_argnames=("cfg", "return_hidden")
 @dataclasses.dataclass(frozen=True)
 class Runner:
   """A config bound to its params: the host-side, capacity-checked step API
-  (`model.py` holds the pure model; this holds the jitted calls on it)."""
+  (`llama.py` holds the pure model; this holds the jitted calls on it)."""
   cfg: ModelConfig
   params: dict
 

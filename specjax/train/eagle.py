@@ -100,7 +100,7 @@ def evaluate(hparams, hcfg, tparams, tcfg, windows: np.ndarray, batch: int,
 
 @functools.lru_cache(maxsize=8)
 def _optimizer(fields: tuple):
-  """train.make_optimizer, one object per setting: the step's static `opt`
+  """loop.make_optimizer, one object per setting: the step's static `opt`
   then hits jit's cache when a run is resumed in the same process."""
   import ml_collections  # pylint: disable=import-outside-toplevel
   return train_lib.make_optimizer(ml_collections.ConfigDict(dict(fields)))

@@ -3,7 +3,7 @@
     params = train(model_cfg, tc, workdir, train_stream, eval_stream)
     params = train(draft_cfg, tc, workdir, ..., teacher=(target_cfg, target_params))
 
-The model is the inference model itself (`model.forward` against a fresh
+The model is the inference model itself (`llama.forward` against a fresh
 cache of the sequence length), so what is trained is exactly what the engine
 runs. One jitted step: loss, gradient, global-norm clipping, AdamW with a
 linear warm-up and cosine decay. Batch s is a pure function of (seed, s)
