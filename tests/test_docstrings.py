@@ -329,11 +329,8 @@ PENDING_LONG = {
     'specjax/drafters/base.py', 'specjax/drafters/dynamic.py', 'specjax/drafters/eagle.py',
     'specjax/drafters/network.py', 'specjax/formats/chat.py', 'specjax/formats/convert.py',
     'specjax/formats/gguf_weights.py', 'specjax/formats/pretokenizers.py',
-    'specjax/formats/tokenizer.py', 'specjax/metrics/stats.py', 'specjax/metrics/theory.py',
-    'specjax/metrics/tree_theory.py', 'specjax/model/kv_cache.py', 'specjax/model/quant.py',
-    'specjax/model/sharding.py', 'specjax/model/tree.py', 'specjax/parallel/mesh_plan.py',
-    'specjax/train/corpus.py', 'specjax/train/loop.py', 'specjax/train/pair.py',
-    'specjax/train/selfdistill.py', 'specjax/workdir.py',
+    'specjax/formats/tokenizer.py', 'specjax/model/tree.py', 'specjax/parallel/mesh_plan.py',
+    'specjax/workdir.py',
 }
 
 

@@ -1,37 +1,14 @@
 """Per-step records -> every speculative-decoding metric, each defined once.
 
-Definitions (see ARCHITECTURE.md; llama.cpp's names where it has them):
-  gamma            the draft length asked for (llama.cpp's n_draft).
-  n_predict        tokens emitted, including the first token sampled from the
-                   prompt evaluation (as llama.cpp counts).
-  n_drafted        draft tokens really proposed (fewer than gamma per step
-                   after an early stop).
-  n_accept         drafted tokens accepted.
-  accept_rate      n_accept / n_drafted (llama.cpp's "accept"; NOT the
-                   paper's alpha).
-  n_steps          target verify calls (per row: a batch of B rows that runs
-                   s steps with every row live counts B s).
-  n_kept           tokens the steps kept: accepted drafts plus the one
-                   correction or bonus token per step, less whatever
-                   n_predict or EOS cut off the last step. n_predict - 1 per
-                   row for a fixed-length run.
-  n_catchup        steps that first fed the draft its d_gamma (the step
-                   before accepted every draft): one more draft forward.
-  tokens_per_step  n_kept / n_steps: the same tokens the measured speed
-                   counts.
-  mean_accepted    n_accept / n_steps (the acceptance process, cut-offs
-                   included: what the theory's alpha describes).
-  alpha            the per-token acceptance rate whose expected accepted count
-                   for gamma equals mean_accepted: an estimate under the
-                   theory's i.i.d. assumption (theory.alpha_from_mean_accepted).
-                   A run whose steps differ in gamma (autogamma: Records.gamma)
-                   matches each step's own gamma instead
-                   (theory.alpha_from_accepted_steps); `gamma` is then the
-                   largest of them (the histogram's width).
-  accept_hist      steps that accepted k drafts, k = 0..gamma.
-  alpha_at_pos     at draft position i (1-based), the fraction of steps that
-                   reached i (all before accepted, i drafted) and accepted it.
-  tokens_per_s     n_kept / eval_s: decode tokens per second of the loop.
+`Records` holds what the loops record per live row-step (drafted, accepted,
+kept, catch-up, and each step's gamma where steps differ); `SpecStats` is a
+run's report: gamma, n_predict, n_drafted, n_accept, n_steps, n_kept,
+n_catchup, accept_rate (llama.cpp's "accept", not the paper's alpha),
+tokens_per_step, mean_accepted, alpha (an estimate under the i.i.d.
+assumption), accept_hist, alpha_at_pos, tokens_per_s. `geometric_check`
+sets the accepted-length histogram against the capped geometric law.
+The definitions, with llama.cpp's names where it has them, are
+ARCHITECTURE.md's "Metric definitions": this module implements them.
 """
 
 from __future__ import annotations

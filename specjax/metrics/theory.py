@@ -10,10 +10,8 @@ Sources:
 Symbols: alpha is the per-token acceptance probability under the i.i.d.
 assumption of [L23] Section 3.1 (not llama.cpp's `accept` = n_accept /
 n_drafted); gamma (= n_draft) is the number of drafted tokens per step; c is
-T_draft(1) / T_target(1) ([L23] Definition 3.7).
-
-Pure numpy. Functions broadcast over numpy arrays where marked, and return a
-Python float when every input is a scalar.
+T_draft(1) / T_target(1) ([L23] Definition 3.7). Pure numpy: functions
+broadcast over arrays where marked, and return a float for scalar inputs.
 """
 
 from __future__ import annotations

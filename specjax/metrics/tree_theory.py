@@ -2,28 +2,17 @@
 Sequoia's optimal tree, the predicted speedup from measured costs, and the
 positional acceptance vector estimated by rank.
 
-Sources:
-  [S24] Chen et al., "Sequoia: Scalable, Robust, and Hardware-aware
-        Speculative Decoding" (arXiv:2402.12374): the positional acceptance
-        model and the dynamic program over trees.
-  [L23] Leviathan et al., ICML 2023: Equation (1), what a chain reduces to.
+Sources: [S24] Chen et al., "Sequoia: Scalable, Robust, and Hardware-aware
+Speculative Decoding" (arXiv:2402.12374), the positional acceptance model
+and the dynamic program over trees; [L23] Leviathan et al., ICML 2023,
+Equation (1), what a chain reduces to.
 
 A tree is given as its rank paths (metrics never imports model): node i is
-the tuple of sibling ranks from the root, e.g. (0,), (1,), (0, 0), rank 0
-being the draft's first child. The root (the step's tail token) is implicit.
-Sibling ranks count 0, 1, ... without gaps, and every node's parent is in the
-tree (`canonical_paths` checks both and sorts into BFS order, the order of
-specjax.model.tree.Tree).
-
-Positional acceptance [S24]: the children of an accepted node are tried in
-rank order, the rank-k child being accepted with probability p_k given that
-ranks 0..k-1 were rejected; when every child is rejected the step ends. So
-the rank-k child is the accepted one with probability
-  w_k = p_k prod_{j<k} (1 - p_j)                       (`rank_weights`)
-whatever the other children, and a node lies on the accepted path with the
-product of w over its path. Ranks at or past len(p) have p = 0.
-
-Pure numpy.
+the tuple of sibling ranks from the root, e.g. (0,), (1,), (0, 0); the root
+is implicit. `canonical_paths` checks them (ranks without gaps, every parent
+present) and sorts them into BFS order, that of specjax.model.tree.Tree.
+The derivations (rank weights, the law of the accepted length, the DP, the
+rank estimate): docs/trees.md, "Trees: theory". Pure numpy.
 """
 
 from __future__ import annotations
@@ -44,6 +33,7 @@ DraftCost = Union[Callable[[int], float], Mapping[int, float], Sequence[float], 
 
 PRIOR_P = (0.7, 0.3, 0.2, 0.1)  # rank 0 as autogamma's PRIOR_ALPHA; later ranks repeat the last
 PRIOR_WEIGHT = 2.0              # pseudo-trials per rank at the prior
+MARGINAL_SLACK = 1e-6           # a marginal vector's sum may pass 1 by float32 rounding
 
 
 # --- Topology as rank paths ----------------------------------------------------
@@ -125,6 +115,24 @@ def rank_weights(p: Sequence[float], width: int) -> np.ndarray:
   q[:min(arr.size, q.size)] = arr[:q.size]
   missed = np.concatenate([[1.0], np.cumprod(1.0 - q)[:-1]])[:q.size]
   return q * missed
+
+
+def conditional_from_marginal(w: Sequence[float]) -> np.ndarray:
+  """specjax's p from [S24]'s acceptance vector, the inverse of `rank_weights`:
+  p_k = w_k / (1 - sum_{j<k} w_j), w_k being the probability that the rank-k
+  child is the accepted one (what Sequoia's tree_search reads, without its
+  leading 0 and its last entry, P(no child accepted)). Ranks that the earlier
+  ones leave no mass to get p = 0. Exact: rank_weights(p, len(w)) == w.
+  Raises ConfigError (one line) when w is not a sub-probability vector."""
+  arr = np.asarray(w, dtype=float).ravel()
+  if arr.size == 0 or np.any(~((arr >= 0.0) & (arr <= 1.0))):
+    raise ConfigError(f"a marginal acceptance vector holds probabilities in [0, 1], got {w!r}")
+  if arr.sum() > 1.0 + MARGINAL_SLACK:
+    raise ConfigError(f"a marginal acceptance vector sums to at most 1 (each entry is the "
+                      f"chance that that rank is the accepted child), got {arr.sum():.6g}")
+  left = 1.0 - np.concatenate([[0.0], np.cumsum(arr)[:-1]])  # mass not taken by ranks < k
+  return np.where(left > MARGINAL_SLACK, np.clip(arr / np.maximum(left, MARGINAL_SLACK), 0.0, 1.0),
+                  0.0)
 
 
 def path_probs(paths: Paths, p: Sequence[float]) -> np.ndarray:
@@ -226,6 +234,21 @@ def best_values(p: Sequence[float], n: int, max_depth: int) -> np.ndarray:
   return 1.0 + V[depth]
 
 
+def live_paths(paths: Paths, p: Sequence[float]) -> tuple[Path, ...]:
+  """The nodes of `paths` that p can accept (path probability > 0), and the
+  earlier siblings such a node's rank needs (a p_k = 0 rank before a
+  positive one): the tree without the nodes that only take verify slots.
+  The DP fills n nodes whatever p, so past what depth and p's nonzero ranks
+  hold (p = (0.6, 0.2, 0.1), depth 2: 3 + 9 = 12) the rest weigh 0. Same
+  tokens per step; BFS order; raises ConfigError when p accepts no node."""
+  paths = canonical_paths(paths)
+  live = {q for q, w in zip(paths, path_probs(paths, p)) if w > 0.0}
+  if not live:
+    raise ConfigError(f"p = {list(np.ravel(p))} accepts no node of the tree")
+  keep = live | {q[:-1] + (r,) for q in live for r in range(q[-1])}
+  return tuple(q for q in paths if q in keep)
+
+
 # --- Predicted speedup and the chooser -------------------------------------------
 
 
@@ -302,10 +325,11 @@ def choose(trees: Mapping[str, Paths], p: Sequence[float], curve: theory.Curve,
 def candidates(p: Sequence[float], sizes: Sequence[int] = (4, 8, 16, 32, 64),
                max_depth: int = 8, chains: Sequence[int] = (1, 2, 4, 8)) -> dict[str, tuple[Path, ...]]:
   """Candidate trees for `choose`: the chains 'chain:g' and the best trees
-  'sequoia:n,d' of each size at this p (names that model.tree.parse reads)."""
+  'sequoia:n,d' of each size at this p (names that model.tree.parse reads),
+  without the nodes p cannot accept (`live_paths`)."""
   out = {f"chain:{g}": tuple((0,) * k for k in range(1, g + 1)) for g in chains}
   for n in sizes:
-    out[f"sequoia:{n},{max_depth}"] = best_tree(p, n, max_depth)[0]
+    out[f"sequoia:{n},{max_depth}"] = live_paths(best_tree(p, n, max_depth)[0], p)
   return out
 
 

@@ -1,22 +1,18 @@
 """Preallocated KV cache: a plain pytree passed into the model and returned.
 
-Layout: one key and one value array per layer, each [B, K, S, D] (kv heads
-before slots: attention is then a batched product over (B, K) with no
-transpose of the cache), plus `lengths[B]`, the number of valid positions in
-each row. Slot j of a row holds the token at absolute position j. Invariants:
+Per layer a key and a value array [B, K, S, D] (kv heads before slots:
+attention is a batched product over (B, K) with no transpose), plus
+`lengths[B]`, the valid positions of each row; slot j holds position j.
+Invariants (ARCHITECTURE.md, "Invariants"; tests/model/test_model.py):
   * a write of T new tokens lands at slots lengths[b] .. lengths[b] + T - 1;
-  * a query at position p attends to slots <= p only, so nothing at or past a
-    row's length is ever read before it is overwritten (a token tree's
-    verify: the slots < length and its own ancestors in the new block, whose
-    accepted path commit_path then moves into place);
+  * a query at position p attends to slots <= p only, so nothing at or past
+    a row's length is read before it is overwritten (a token tree's verify:
+    the slots < length and its ancestors in the block; `commit_path` then
+    moves the accepted path into place);
   * rolling back is setting `lengths` (O(1), no copy);
-  * capacity is checked on the host *before* a write: XLA's
-    dynamic_update_slice clamps out-of-range starts, which would silently
-    overwrite valid entries.
-
-One array per layer (not one stacked [L, ...] array) because the model is
-unrolled over layers with separate per-layer weights; slicing a stacked array
-per layer costs a copy on XLA:CPU.
+  * capacity is checked on the host *before* a write (`check_capacity`):
+    dynamic_update_slice clamps out-of-range starts, silently.
+One array per layer, not a stacked [L, ...] one: the model is unrolled.
 """
 
 from __future__ import annotations

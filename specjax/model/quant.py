@@ -5,18 +5,12 @@ Every bias-free projection kernel w [in, out] (q, k, v, o, gate, up, down
 and the lm_head) becomes
   kernel_q     int8 [in, out]   round(w / scale), clipped to [-127, 127]
   kernel_scale f32  [out]       max |w[:, j]| / 127 (1 where a column is 0)
-and layers.QDense computes (x @ kernel_q) * scale in float32, so the kernel
-stays int8 in device memory. The embedding (a gather, not a product) and the
-norms stay float32; with tied embeddings the output product uses the float
-embedding.
-
-Any float checkpoint quantizes the same way: presets and orbax directories
-quantize their float params (quantize_model); HF and GGUF files quantize
-each kernel as its rows are read (`quantize_rows`, formats/convert.py), so
-the float model is never held whole, with bit-identical results. A Q8_0
-GGUF is dequantized and requantized per channel: its 32-value blocks carry
-finer scales than one per channel, so the result is not bit-identical to the
-file's values (within one int8 step of the channel's scale).
+and layers.QDense computes (x @ kernel_q) * scale in float32, the kernel
+staying int8 in device memory; the embedding and the norms stay float32.
+Every float source quantizes the same way (`quantize_model`; HF and GGUF
+files a block of rows at a time, `quantize_rows`, bit-identical), so the
+float model is never held whole. How the product runs on CPU, the accuracy,
+and a Q8_0 file's requantization: docs/gguf_int8.md, "int8 weights".
 """
 
 from __future__ import annotations

@@ -1,42 +1,17 @@
-"""Running past one device: a jax Mesh with axes `data` (batch rows) and
-`model` (tensor parallel), Megatron-style partition specs by parameter name,
-and the KV cache sharded on batch and KV heads.
+"""Running past one device: the mesh (`data` rows x `model` tensor parallel),
+the partition table, the active mesh and the multi-process set-up.
 
-Nothing here is a home-made scheme: params and caches are placed with
-`NamedSharding`s, and jit's SPMD partitioner (GSPMD / Shardy) partitions the
-unchanged model code from those input shardings. The table `PARAM_SPECS`
-is the one place that says how each weight is split:
-
-  q, k, v, gate, up   split on their output columns (heads / FFN units)
-  o, down             split on their input rows, so each layer needs exactly
-                      two all-reduces of activations (after o and after down)
-  embedding           split on the vocabulary (a masked gather + all-reduce)
-  lm_head             split on the vocabulary (logits sharded on V)
-  norms               replicated
-
-A vocabulary the model axis does not divide (32001, 50277, ...) is padded to
-a multiple of it when a model is loaded on the mesh (`pad_vocab`,
-ModelConfig.padded_vocab): zero rows in the embedding and LM head, their
-logits masked in the model (llama.mask_padded_logits) and stripped again on
-save (llama.strip_vocab); the table above is unchanged.
-
-The cache [B, K, S, D] is split on batch over `data` and on KV heads over
-`model`, so each device holds the KV heads of its query heads and attention
-needs no communication. GQA with fewer KV heads than the model axis is
-refused (`check_model`): the KV heads would have to be replicated, which
-multiplies the cache; the error names the sizes.
-
-The draft is split over the same `model` axis with the same table when its
-sizes allow it and replicated on every device otherwise ('auto', the
-default: on 8 CPU devices a split draft was the faster, see the README), or
-always one of the two ('model', 'replicated').
-
-Multi-host: `initialize_distributed` (from flags or SPECJAX_* environment
-variables, which `python -m specjax.parallel.launch` sets) calls
-`jax.distributed.initialize` before anything touches a backend; a mesh then
-spans every process's devices, each process places only its own shards
-(`jax.make_array_from_callback`), and only process 0 prints and writes
-(`is_main_process`).
+Params and caches carry `NamedSharding`s and jit's partitioner (GSPMD /
+Shardy) splits the unchanged model code. `PARAM_SPECS` is the one place
+that says how each weight is split (Megatron-style: q/k/v and gate/up on
+their output columns, o and down on their input rows, two all-reduces per
+layer; the embedding and LM head on the vocabulary, padded to the axis by
+`pad_vocab`). The cache [B, K, S, D] splits on rows over `data` and on KV
+heads over `model`: attention needs no communication. GQA with fewer KV
+heads than the model axis is refused (`check_model`). `--draft_sharding`
+auto splits a draft whose sizes allow it and replicates it otherwise.
+`initialize_distributed` joins processes; only process 0 prints and writes.
+Guide and measurements: docs/mesh.md; the table: ARCHITECTURE.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """The training corpus: the Python standard library's own source files.
 
-Every machine that runs specjax has it, so a real target/draft pair can be
-trained without a download (experiments/train.py). The split into train and
-held-out sets is by file and deterministic: a file is held out when the
-SHA-1 of its path relative to the stdlib root falls in the first
-`heldout_per_mille` of the hash space, so the same path lands in the same
-split on every machine and every Python version.
-
-Files under test directories, site-packages, idlelib and lib2to3 are left
-out (tests are repetitive fixtures; idlelib and lib2to3 are applications).
-
-Tokenizer: a byte-level BPE trained on the training split with HF
-`tokenizers`, saved as tokenizer.json (plus tokenizer_config.json naming
-<s> and </s>), so the loader that reads HF directories reads it. Byte-level
-pre-tokenization without a prefix space round-trips any text exactly.
+Every machine that runs specjax has them, so a real target/draft pair trains
+without a download (experiments/train.py). Invariant: the split into train
+and held-out sets is by file and deterministic (the SHA-1 of a file's path
+relative to the stdlib root), the same on every machine and Python version.
+Also here: the byte-level BPE tokenizer trained on the training split, the
+token streams, `batch_at(step)` and the held-out prompts. What is left out
+and why, the tokenizer's files: docs/training.md, "The corpus".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training an EAGLE-1 head (specjax/drafters/eagle.py) for a frozen target:
 the loss (teacher forcing, smooth L1 on the next feature plus cross-entropy to
-the target's soft labels, as the head's docstring defines), the optax step,
+the target's soft labels, derived in docs/eagle.md), the optax step,
 exact resume with orbax through specjax/train/loop.py's helpers, the training
 plot, real acceptance against draft models, and the stdlib pipeline that
 exports the shipped stdlib-eagle head (experiments/train_eagle.py)."""

@@ -3,28 +3,13 @@
     params = train(model_cfg, tc, workdir, train_stream, eval_stream)
     params = train(draft_cfg, tc, workdir, ..., teacher=(target_cfg, target_params))
 
-The model is the inference model itself (`llama.forward` against a fresh
-cache of the sequence length), so what is trained is exactly what the engine
-runs. One jitted step: loss, gradient, global-norm clipping, AdamW with a
-linear warm-up and cosine decay. Batch s is a pure function of (seed, s)
-(corpus.batch_at), and the whole optimiser state is checkpointed with orbax,
-so a run that is interrupted and resumed takes exactly the steps an
-uninterrupted run takes (tested).
-
-Losses
-  lm       mean cross-entropy of the next token.
-  distill  mean forward KL(p_target || p_draft) over every position, with
-           the target's soft labels at temperature 1 (DistillSpec's
-           recommendation for greedy and T=1 acceptance alike); plus
-           `ce_weight` x the next-token cross-entropy. Zero when the draft
-           equals the target.
-
-workdir layout
-  train_config.json   model config + training config; a resume with a
-                      different one is refused
-  ckpt/<step>/        orbax checkpoints (the last `keep`)
-  metrics.jsonl       {"step", "loss", "lr", "grad_norm", "tokens", "tok_s", ...}
-                      and {"step", "eval_loss", "eval_ppl"[, "eval_kl"]}
+The model is the inference model itself (`llama.forward`), so what is
+trained is what the engine runs. One jitted step: loss (`lm`, or `distill`:
+forward KL to the teacher's soft labels plus `ce_weight` x cross-entropy),
+gradient, clipping, AdamW with warm-up and cosine decay. Invariant: batch s
+is a pure function of (seed, s) and the whole optimiser state is
+checkpointed, so an interrupted and resumed run takes exactly the steps of
+an uninterrupted one. The losses and the workdir layout: docs/training.md.
 """
 
 from __future__ import annotations

@@ -2,20 +2,12 @@
 
     python experiments/train.py --config=configs/train.py --workdir=W --export_dir=specjax/assets
 
-Stages (each skipped when its output in the workdir is complete, each
-training stage resumed from its last checkpoint when interrupted):
-  corpus   tokenizer (byte-level BPE) + token streams + corpus.json
-  target   next-token training of the target
-  draft    next-token training of the draft (the "before" draft)
-  distill  the draft distilled toward the target (KL to its soft labels)
-  alpha    real acceptance of both drafts, measured by the engine
-           (--accept=real, greedy and T=1, batched held-out prompts), on the
-           weights as exported (rounded to export_dtype, run in float32)
-  export   HF directories (config.json, model.safetensors, tokenizer.json,
-           tokenizer_config.json) + training.json + heldout_prompts.json
-
-The pair is loaded by name: `--model=stdlib-target --model_draft=stdlib-draft`
-(checkpoint.load_model resolves the names to specjax/assets/).
+Stages corpus, target, draft, distill, alpha (real acceptance of both drafts
+by the engine, on the weights as exported) and export (HF directories), each
+skipped when its output is complete and resumed from its last checkpoint
+when interrupted. The pair loads by name, `--model=stdlib-target
+--model_draft=stdlib-draft`. The stages' outputs: docs/training.md, "The
+shipped pair"; its figures: docs/drafters.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The data of specjax/train/selfdistill.py: the prompt mix written here,
 the target's replies to it (resumable batches), second-turn follow-ups, raw
 stdlib documents, and one target pass per sequence storing each position's
-feature and top-K soft label (selfdistill's module docstring says why)."""
+feature and top-K soft label (why: docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,53 +1,16 @@
 """Drafts for a pretrained target, trained here on the target's own replies
-(issue 27): the data, an EAGLE head and a distilled draft model, their
-held-out acceptance, and their export (experiments/train_smollm2.py,
+(issue 27): an EAGLE head and a distilled draft model, their held-out
+acceptance, and their export (experiments/train_smollm2.py,
 configs/train.py:smollm2 for SmolLM2-135M-Instruct).
 
-Data. As Medusa-2 and the EAGLE authors regenerate their training data with
-the target, the target answers a prompt mix written here (`prompt_mix`), in
-its chat template:
-  code      complete / explain / edit a function of the stdlib's training split
-  prose     summarize / answer a question over a module docstring (prose)
-  instruct  instruction templates over topics (explain, compare, list, ...)
-  math      word problems (train/mathgen.py, the suite's generator, with another seed: the
-            suite's own problems are never trained on)
-  followup  a second user turn after the target's first reply (multi-turn)
-  edit      a targeted edit of a stdlib function, the whole function as the
-            reply (replies.EDIT_ASKS: types, renames, a check, a docstring, ...)
-plus raw documents of the stdlib corpus (corpus.py's training split). The
-task suite (specjax/assets/taskbench) is held out: no prompt is built from
-it. A fixed share of the prompts (every `heldout_every`-th) is held out for
-the acceptance measurement.
-
-Soft labels. One target pass per sequence gives, at every position, its
-feature (the final-normed hidden state, f16) and its top-K next-token
-probabilities at T = 1 (the soft label, f16 with int32 ids). Training then
-never runs the target: the two losses read the stored labels.
-  head   EAGLE-1's: smooth L1 of the predicted next feature + w x the
-         cross-entropy of the head's LM-head distribution to the target's
-         top-K probabilities (specjax/train/eagle.py's loss with stored
-         features and truncated soft labels).
-  draft  cross-entropy to the target's top-K probabilities (the forward KL
-         up to the target's entropy, restricted to its top K) + ce_weight x
-         the next-token cross-entropy.
-A batch is windows of *positions* into the concatenated stream
-(corpus.batch_at over arange(N)), so the resumable loop of
-specjax/train/loop.py drives both runs unchanged.
-
-The draft shares the target's tokenizer (vocabulary, BOS/EOS); it is
-initialised from the target's embedding table projected on its top `dim`
-principal directions (the SVD E ~ U S V^T gives E V_d = U_d S_d): the tied
-embedding then starts with the target's token geometry (tokens the target
-embeds alike start alike), which a narrow model could not learn from a few
-hundred thousand tokens; its layers start random (the target's are 576 wide).
-
-Workdir (every stage resumes; `run`):
-  prompts.json   the mix, with the held-out split
-  gen/NNNN.json  the target's replies, a batch per file (an interrupted run
-                 keeps its finished batches)
-  data.npz       tokens, features, top-K ids and probabilities of every position
-  head/, draft/  the two training runs (orbax checkpoints, metrics.jsonl)
-  alpha.json, summary.json, training.png
+The data (`replies.py`: a prompt mix in the target's chat template, its
+replies, follow-ups, stdlib documents) is passed through the target once,
+storing each position's feature and top-K soft label; training never runs
+the target again. Both losses read batches of positions through
+`loop.run_loop`; the draft's embedding starts as the target's projected on
+its principal directions. Every stage resumes (`run`). The mix, the losses,
+the initialisation and the workdir: docs/training.md, "Self-distillation
+for a pretrained target"; the figures: docs/taskbench.md.
 """
 
 from __future__ import annotations
