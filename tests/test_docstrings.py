@@ -309,8 +309,8 @@ PENDING_REFERENCES = {
     ('specjax/bench/backends/torch_spec.py', 'tests/test_torch_spec.py'),
     ('specjax/bench/layer_loop.py', 'model.forward'),
     ('specjax/bench/layer_loop.py', 'model.py'),
+    ('specjax/decode/autogamma.py', 'speculative.draft_phase'),
     ('specjax/decode/speculative.py', 'specjax.drafters.base.parse'),
-    ('specjax/decode/tree_step.py', 'draft_model.draft_tree_phase'),
     ('specjax/drafters/base.py', 'specjax/eagle.py'),
     ('specjax/drafters/base.py', 'speculative.draft_phase'),
     ('specjax/drafters/eagle.py', 'model.forward'),
@@ -327,9 +327,7 @@ PENDING_LONG = {
     'specjax/decode/autogamma.py', 'specjax/decode/autotree.py', 'specjax/decode/speculative.py',
     'specjax/decode/tree_acceptance.py', 'specjax/decode/tree_step.py',
     'specjax/drafters/base.py', 'specjax/drafters/dynamic.py', 'specjax/drafters/eagle.py',
-    'specjax/drafters/network.py', 'specjax/formats/chat.py', 'specjax/formats/convert.py',
-    'specjax/formats/gguf_weights.py', 'specjax/formats/pretokenizers.py',
-    'specjax/formats/tokenizer.py', 'specjax/model/tree.py', 'specjax/parallel/mesh_plan.py',
+    'specjax/formats/chat.py', 'specjax/model/tree.py',
     'specjax/workdir.py',
 }
 

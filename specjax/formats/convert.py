@@ -1,29 +1,16 @@
 """Params built leaf by leaf from a lazily read checkpoint, within memory.
 
 hf.hf_state_to_params (HF safetensors, GGUF through gguf_weights.GGUFState,
-torch state dicts) places every tensor through `tensor_leaves`. A 7B model
-loads on a machine little larger than its weights because no tensor is
-held twice and the float32 model is never held whole:
-
-- a tensor is read about CHUNK_BYTES of float32 rows at a time (torch
-  layout: a kernel's rows are its output channels) straight into a host
-  array of the target dtype (bf16 through ml_dtypes, rounding to nearest
-  even as XLA's cast does, so the result equals casting the float32 tensor);
-- int8 projection kernels (cfg.quant) are quantized per output channel as
-  their rows are read (quant.quantize_rows: the bits of quant.quantize_kernel
-  of the float32 kernel);
-- the host array, page-aligned in its own memory map, is put on device:
-  the CPU backend adopts an aligned buffer rather than copying it (64
-  bytes suffice); elsewhere it is freed after the copy, before the next
-  tensor is read;
-- `state.release(name)`, where the state has it (GGUFState), drops the
-  tensor's pages of the memory-mapped file from the resident set after
-  each block (an F32 block is a view of the map, not a copy), and the
-  heap the blocks used is handed back (`trim_heap`).
-
-On a mesh each device's block is read on its own (jax.make_array_from_callback),
-as hf_state_to_params did before: the rows a device needs, with all their
-columns where they are quantized (a channel's scale needs its whole row).
+torch state dicts) places every tensor through `tensor_leaves`. Invariant:
+no tensor is held twice and the float32 model is never held whole. A tensor
+is read about CHUNK_BYTES of float32 rows at a time straight into a host
+array of the load dtype (bf16 through ml_dtypes, rounding as XLA's cast
+does; int8 kernels quantized per channel as their rows are read,
+quant.quantize_rows); the page-aligned host array goes on device before the
+next tensor is read, and a memory-mapped state drops the tensor's pages
+(GGUFState.release, then `trim_heap`). On a mesh each device's block is read
+on its own (jax.make_array_from_callback). The design and the peaks
+measured: docs/gguf_int8.md, "Loading within memory".
 """
 
 from __future__ import annotations

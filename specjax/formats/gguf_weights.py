@@ -2,26 +2,16 @@
 
     cfg, params, tokenizer = load_gguf("model.Q8_0.gguf")
 
-The file is read by gguf.py (a memory-mapped GGUFReader): a tensor's bytes
-are read when that tensor is converted. The tensors go through
+The file is read by gguf.py (a memory-mapped GGUFReader), a tensor's bytes
+when that tensor is converted. The tensors go through
 `hf.hf_state_to_params`, the one conversion table, under their HF names: a
 `GGUFState` maps HF names to GGUF tensors and undoes llama.cpp's Q/K row
-permutation (the inverse of `gguf.gguf_permute`).
-
-Within memory: without --dtype, BF16 and quantized files load as bfloat16
-(`default_dtype`, logged), F32 and F16 ones as float32. Each tensor is
-dequantized a block of rows at a time straight into the load dtype, int8
-quantized as it is read, put on device, and its pages of the memory map
-released (formats/convert.py, GGUFState.release): the peak is the params
-plus about one block, never a float32 copy of the model.
-
-On a mesh (sharding.role_shardings) each device's block is built on its
-own: the rows a device needs (torch layout: output rows) are read and
-dequantized alone, quantized rows being whole blocks; a block split on the
-input columns dequantizes the rows and keeps its columns, so o/down under
-tensor parallelism dequantize their whole tensor on every host.
-
-The tokenizer comes from gguf_tokenizer.py.
+permutation (the inverse of `gguf.gguf_permute`). Without --dtype, BF16 and
+quantized files load as bfloat16 (`default_dtype`, logged), F32 and F16 ones
+as float32. Invariant: the peak is the params plus about one block of rows,
+never a float32 copy of the model (formats/convert.py). The tokenizer comes
+from gguf_tokenizer.py. What loads, the mesh case, the measured peaks:
+docs/gguf_int8.md.
 """
 
 from __future__ import annotations

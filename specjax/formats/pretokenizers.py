@@ -1,46 +1,16 @@
 """llama.cpp's pre-tokenizers: the regex splits before byte-level BPE, by the
 value of a GGUF file's `tokenizer.ggml.pre`.
 
-A `gpt2` (byte-level BPE) vocabulary is merged within pieces only; the pieces
-come from a list of regexes, each splitting every piece the previous one left
-(a match is a piece, and so is the text between two matches). Which list is
-the file's `tokenizer.ggml.pre`. The table below is llama.cpp's, written down
-as data from src/llama-vocab.cpp of ggml-org/llama.cpp at commit
-LLAMA_CPP_COMMIT:
-  regexes  the `LLAMA_VOCAB_PRE_TYPE_*` cases of `llm_tokenizer_bpe`'s
-           constructor (each family names its case);
-  aliases  the string -> type chain in `llama_vocab::impl::load`, with the
-           flags it sets there: `ignore_merges` (a piece that is a whole
-           token is that token) and `add_bos` (the default of
-           tokenizer.ggml.add_bos_token). `clean_spaces` (detokenization
-           only) and `add_sep` (embedding models) are not modelled.
-
-llama.cpp does not run these regexes as written. In src/unicode.cpp,
-`unicode_regex_split` has hand-written splitters for the GPT-2 and LLaMA-3
-regexes (exactly these strings) that equal the regexes read with Unicode
-categories; every other regex runs in std::regex, which has no \\p{..}, so:
-  with a \\p{..}  each non-ASCII character is replaced by one byte per
-                  category (letter, number, punctuation, mark, symbol,
-                  whitespace, other) and each \\p{X} by that byte plus X's
-                  ASCII members. Hence \\p{Lu}, \\p{Ll}, \\p{Lt}, \\p{Lm},
-                  \\p{Lo} all mean any letter, and '~', which llama.cpp's
-                  ASCII list of symbols leaves out, is not a \\p{S};
-  without         std::wregex on the code points, non-ASCII whitespace
-                  replaced by \\v: \\d, \\w and \\b are ASCII.
-`compile_regex` rewrites a regex so that Oniguruma (the `tokenizers` engine,
-which knows Unicode categories) splits as llama.cpp does: with a \\p{..}, the
-letter subcategories become \\p{L} and \\p{S} loses '~'; without, \\d becomes
-[0-9], \\b a boundary of ASCII word characters (glibc's "C" locale, assumed),
-`$` the end of the piece, and a bracket of non-ASCII literals loses the
-non-ASCII whitespace (deepseek-llm's lists U+3000). What is left differs only
-on characters whose category differs between llama.cpp's Unicode tables and
-Oniguruma's. tests/formats/test_pretokenizers.py checks the rewrite against a
-re-implementation of llama.cpp's splitting (its hand-written splitters step
-for step, the collapsing for the rest in the `regex` module).
-
-Not byte-level BPE, hence not here: gemma4, granite-embed-multi-311m and
-sarvam-moe (SentencePiece-style BPE on raw UTF-8), whitespace, and kimi-k2
-(hand-written splitter and no merges).
+The table (each family's regexes; the aliases with their `ignore_merges`
+and `add_bos` flags) is llama.cpp's src/llama-vocab.cpp at LLAMA_CPP_COMMIT,
+written down as data. Each regex splits every piece the previous one left,
+and BPE merges within pieces only. llama.cpp does not run these regexes as
+written (hand-written splitters for GPT-2 and LLaMA-3; std::regex, with
+Unicode categories collapsed to bytes, for the rest), so `compile_regex`
+rewrites each for Oniguruma (the `tokenizers` engine) to split as llama.cpp
+does. Invariant: the rewrite splits as a re-implementation of llama.cpp's
+splitting does (tests/formats/test_pretokenizers.py). The collapsing, the
+rewrite rules, the families left out: docs/gguf_int8.md, "Pre-tokenizers".
 """
 
 from __future__ import annotations

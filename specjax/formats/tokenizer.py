@@ -1,32 +1,14 @@
 """Text <-> token ids: a thin wrapper over HF `tokenizers` or sentencepiece.
 
-Models see token ids only. A tokenizer is optional: a checkpoint directory
-without tokenizer.json / tokenizer.model yields None, and prompts are then
-given as ids.
-
-Special tokens follow each format's own convention, so that the same text
-gives the same ids as the reference implementation (transformers'
-AutoTokenizer):
-  tokenizer.json   its post-processor decides what is added (LLaMA-2's adds
-                   <s>, LLaMA-3's <|begin_of_text|>, many byte-level BPEs
-                   nothing). tokenizer_config.json's add_bos_token is not
-                   consulted, as transformers (>= 5) ignores it when a
-                   tokenizer.json is present.
-  tokenizer.model  SentencePiece adds nothing itself. tokenizer_config.json's
-                   add_bos_token / add_eos_token decide; without them,
-                   LLaMA's convention (Meta's tokenizer, transformers 4's
-                   LlamaTokenizer): BOS first, no EOS. (transformers 5 adds
-                   nothing when add_bos_token is absent; LLaMA checkpoints
-                   state it.) The ids are SentencePiece's own; transformers 5
-                   converts the model to a Metaspace BPE, which gives a text
-                   that starts with spaces one '▁' fewer.
-`encode(text, add_special=False)` gives the bare ids.
-
-A tokenizer also carries its model's chat template when it has one
-(`chat`: formats/chat.py; chat_template.jinja or tokenizer_config.json's
-chat_template, a GGUF file's tokenizer.chat_template); `encode_chat` renders
-a conversation with it and encodes the text as transformers'
-apply_chat_template(..., add_generation_prompt=True) does.
+A tokenizer is optional: a checkpoint directory without tokenizer.json /
+tokenizer.model yields None, and prompts are then given as ids. Invariant:
+the same text gives the same ids as transformers' AutoTokenizer, each format
+keeping its own special-token convention (a tokenizer.json's post-processor;
+a tokenizer.model's add_bos_token / add_eos_token, else LLaMA's BOS first).
+`encode(text, add_special=False)` gives the bare ids; `encode_chat` renders
+a conversation with the model's chat template (formats/chat.py) and encodes
+it as transformers' apply_chat_template does. The conventions, format by
+format: docs/models.md, "Tokenizers".
 """
 
 from __future__ import annotations

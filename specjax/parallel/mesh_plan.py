@@ -2,19 +2,14 @@
 
 `plan` lowers and compiles the decode step, the verify step and (with a
 draft) the whole speculative loop for abstract arguments
-(`jax.ShapeDtypeStruct`s carrying their NamedShardings), so a 70B target with
-a 7B draft on an 8-device mesh can be planned on a laptop: nothing is
-allocated. Each program's `memory_analysis()` gives the bytes of its
-arguments per device (weights and caches: what must fit), the bytes it
-aliases (the donated caches) and its temporaries. Next to them, the bytes of
-each device's shards counted from the shardings (`shard_shape`), which the
-argument bytes must equal.
-
-XLA:CPU has no bf16 matmul: it converts bf16 weights to f32 inside the
-program, so on the CPU a bf16 program's temporaries hold an f32 copy of the
-weights that a GPU program does not. `plan` therefore also compiles the
-float32 twin of the decode step and reports its temporaries (activations and
-workspace only) as `act_temp_bytes`.
+(`jax.ShapeDtypeStruct`s carrying their NamedShardings), so a 70B target
+with a 7B draft on an 8-device mesh can be planned on a laptop: nothing is
+allocated. Each program's `memory_analysis()` gives its argument bytes per
+device (weights and caches), the bytes it aliases (the donated caches) and
+its temporaries. Invariant: the argument bytes equal each device's shards
+counted from the shardings (`shard_shape`). XLA:CPU converts bf16 weights to
+f32 inside the program, so `plan` also reports the float32 twin's
+temporaries (`act_temp_bytes`). The plan of a 70B + 7B pair: docs/mesh.md.
 """
 
 from __future__ import annotations
