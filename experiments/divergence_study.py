@@ -1,35 +1,23 @@
 """How often greedy speculative tokens part from greedy target-only tokens, by precision.
 
   python experiments/divergence_study.py --out_dir=/tmp/divergence
-  python experiments/divergence_study.py --out_dir=/tmp/divergence --dtypes=bfloat16 \
-      --prompt_sets=continuation --n_prompts=6 --n_predict=96
+  python experiments/divergence_study.py --out_dir=/tmp/divergence --dtypes=bfloat16       --prompt_sets=continuation --n_prompts=6 --n_predict=96
 
 For each precision (--dtypes) the shipped pair (--model, --model_draft) runs
 every shipped held-out prompt (pair.shipped_prompts: --prompt_sets) greedy,
 target-only (generation.generate) and speculative with the real rule
 (speculative.generate, --gamma), as experiments/speculative.py runs one
 prompt at --temp=0: batch 1, no EOS stop, one cache capacity for both.
-Per prompt: `first_divergence` (metrics/divergence.py: the first output index
-where the two differ, None when equal) and, where they part, the target's
-top-2 logit gap there, from one full forward over the prompt and the common
-prefix in the same precision (a third rounding of the same logits: it shows
-the size of the tie, not the exact bits either loop saw), also in units of
-bfloat16's spacing at the top logit.
-
-Why they part (docs/results.md): the verify runs the target over gamma + 1
-rows, the decode over one; the products reduce in different orders, so the
-logits differ in their last bits. In bfloat16 that is a rounding step of
-2^-8 relative, enough to flip the argmax where the top two logits are that
-close; after the first difference the two runs continue different contexts.
-float32's last bits (2^-24) flip no argmax here: the greedy-equality tests
-run in float32.
+Per prompt: `first_divergence` (metrics/divergence.py) and, where they part,
+the target's top-2 logit gap there (one full forward over the prompt and the
+common prefix, in the same precision), also in units of bfloat16's spacing
+at the top logit. Why they part, and the figures: docs/results.md, "Greedy
+equality and precision".
 
 Outputs in --out_dir: divergence.jsonl (one line per prompt and precision,
 appended as each finishes; a rerun skips the prompts already there) and
-summary.md (per precision: prompts, how many part, the first-divergence
-median and minimum, the share of output tokens at or after it, the median
-gap; then every parting prompt; the machine and commit). A progress line per
-prompt on stderr.
+summary.md (per precision: prompts, how many part, the first divergence,
+the median gap; every parting prompt; the machine and commit).
 """
 
 from __future__ import annotations

@@ -3,11 +3,9 @@
   python experiments/dot_bench.py --model=llama-160m
   XLA_FLAGS=--xla_cpu_use_xnnpack=true python experiments/dot_bench.py   # a flag, same table
 
-A decode step multiplies one row (M = 1) by every weight matrix; a verify
-step over gamma+1 tokens multiplies M = gamma+1 rows. Memory traffic is the
-same (the weights are read once either way), so on a bandwidth-bound machine
-T(M)/T(1) should stay near 1. This script times each weight shape of one
-layer (and the LM head) at each M, in one run, alternating the variants:
+A verify over gamma+1 tokens multiplies M = gamma+1 rows by the weights the
+decode multiplies one row by; the bytes read are the same. This times each
+weight shape of one layer (and the LM head) at each M, variants alternating:
 
   f32 x@W        the model's layout: W [in, out], f32 (what specjax runs)
   f32 x@W^T      W stored [out, in] (torch's layout), contracted on its last dim
@@ -15,17 +13,11 @@ layer (and the LM head) at each M, in one run, alternating the variants:
   fused          q|k|v and gate|up as one matrix each (one dot instead of 3 / 2)
   row gemvs      M separate matrix-vector products (reads W M times)
 
-Each timing is k dots in one jitted loop (no dispatch), median of --reps,
-compile excluded; the output is ms per layer (all its projections) and the
-ratio to M = 1 of the same variant.
-
-With --roofline (default) it also measures this machine's float32 ceilings
-(roofline.measure_peaks: a 2048^3 product's FLOP/s, a 512 MiB sum's read
-bandwidth) and prints, per M, the roofline's lower bound on T(M)/T(1) of
-the f32 layer (roofline.roofline_bound: flat up to the ridge point) next to
-what XLA's product reaches (ms, GFLOP/s, share of the measured peak): how
-much of the steep f32 verify curve the hardware imposes, and how much the
-kernels add.
+k dots in one jitted loop, median of --reps, compile excluded; ms per layer
+and the ratio to M = 1. With --roofline (default) it also measures this
+machine's float32 ceilings (roofline.measure_peaks) and prints the
+roofline's bound on T(M)/T(1) next to what XLA reaches. The reasoning and the
+figures: docs/decode_cost.md, "The f32 verify curve and the roofline".
 """
 
 import functools

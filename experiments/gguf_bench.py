@@ -3,30 +3,21 @@
   python experiments/gguf_bench.py --model=llama-160m --out_dir=/tmp/gguf_bench
   python experiments/gguf_bench.py --parts=memory --src=/tmp/old_src  # another tree
 
-1. Writes the preset's random weights as GGUF files (formats.gguf_write.
-   write_gguf: F16 by numpy, Q8_0 by gguf.quants.quantize), then loads each
-   with specjax (gguf_weights.load_gguf: memory map, gguf.quants.dequantize,
-   float32 on device) --loads times: median wall seconds until the params
-   are on device, and file MB / s. The file was just written, so it is read
-   from the page cache: this is the conversion's speed, not the disk's.
-2. Decode speed of the same preset at f32, bf16-mixed and int8 (weight-only):
-   T(1) and T(8), one forward over 1 and 8 new tokens at batch 1 against a
-   cache holding --depth tokens (probes.CostProbe: k forwards in one jitted
-   loop, compile excluded, median of --reps), T(8)/T(1), and the params'
-   bytes on device.
-3. Load memory (--parts=memory): the preset written as F32, BF16 and Q8_0
-   GGUF files and a bf16 HF directory, each loaded by checkpoint.load_model
-   at each of --memory_dtypes ('default': the file's own choice) in a FRESH
-   subprocess (python -c, PYTHONPATH=--src, so an older tree can be measured
-   by the same script): the peak resident memory during the load (VmHWM
-   after resetting it through /proc/self/clear_refs, else ru_maxrss) less
-   the resident memory just before it, the params' bytes (sum of the
-   leaves' nbytes), their ratio, what stays resident beside the params
-   once loaded ('kept': tokenizer, heap) and the load's wall seconds. The files
-   were just written, so they are read from the page cache.
+1. --parts=load: the preset's random weights written as F16 and Q8_0 GGUF
+   files (formats.gguf_write), each loaded by specjax (gguf_weights.load_gguf):
+   median wall seconds until the params are on device, and file MB / s (from
+   the page cache: the conversion's speed, not the disk's).
+2. --parts=decode: speed at f32, bf16-mixed and int8: T(1), T(8) at batch 1 against
+   --depth cached tokens (probes.CostProbe), T(8)/T(1), the params' bytes.
+3. --parts=memory: F32, BF16 and Q8_0 files and a bf16 HF directory, each
+   loaded by checkpoint.load_model at each of --memory_dtypes in a fresh
+   subprocess (PYTHONPATH=--src, so an older tree can be measured): the peak
+   resident memory of the load, the params' bytes, their ratio, what stays
+   resident ('kept') and the load's seconds.
 
 With --out_dir, the tables go to summary.md there and the memory rows to
-load_memory.json.
+load_memory.json. How the peak is measured, and the figures:
+docs/gguf_int8.md.
 """
 
 import json

@@ -4,46 +4,20 @@ overhead 39 s measured there, docs/results.md).
 
   pip install --no-deps -e . && python experiments/gpu_check.py --workdir=/tmp/specjax_gpu
 
-1. Checks that JAX sees a GPU, and measures its ceilings: bf16 FLOP/s of
-   an 8192^3 product and the read bandwidth of summing 2 GiB (the ridge
-   point they imply: the tokens per verify below which reading the weights
-   sets the time).
-2. Decode and verify cost, llama-160m and llama-7b shapes in bf16 (random
-   weights), depth 128: tg t/s, ms/token and the share of the HBM roofline
-   (every weight and the attended KV slots read once per token), T(N)/T(1)
-   for N up to 64, where the flat region ends, and the FLOP rate reached at
-   the largest N (what the curve implies about the ridge point).
-3. Attention over the used length: llama-160m decode at capacity 256 and 4096
-   with 128 used, and at 2000 used, blocked next to masked.
-4. The sweep, llama-160m draft / llama-7b target, bf16
-   (configs/sweep_gamma.py:gpu): measured speedup next to Leviathan's and
-   the measured-cost prediction.
-5. Speculative decoding at batch > 1 (configs/sweep_gamma.py:gpu_batch):
-   llama-7b / llama-160m, bf16, batches 1, 8, 32, gamma 1 and 4, bernoulli:0.8:
-   speedup per batch, the tail model's steps, the crossover batch.
-6. The loop overhead of the speculative device loop (gamma 4).
-7. The tree verify T(B, N) (issue 25): llama-7b, bf16, one verify of Sequoia's
-   best trees of 4..64 nodes under the tree mask at B = 1, 4, 16, 32, over
-   chain:1's at the same batch (flat until B (1 + N) nears the ridge point).
-8. With several local GPUs: llama-7b T(1) and T(5) on data:1,model:M for
-   M = 1, 2, 4, 8 up to the number of GPUs (tensor parallelism); with one,
-   the summary says so.
-9. The task suite's quick config (issue 27, configs/sweep_gamma.py:
-   taskbench_quick): SmolLM2-135M-Instruct, 2 prompts per category, the
-   n-gram drafter, the EAGLE head as a chain and with a dynamic tree: the
-   Spec-Bench-shaped leaderboard (MAT and speedup per category) and the
-   goals, into --workdir/taskbench/. A drafter whose trained draft is not in
-   the checkout is left out (one line); a missing target package is one line
-   too. In --smoke: the tiny target, the n-gram drafter, one category (the
-   runner's path only; the tree rows need a trained head).
-
-The parts run in the order 1, 2, 9, 4, 7, 3, 5, 6, 8 (ORDER), so that a run cut
-short keeps the ones the README quotes; a part that fails is one FAILED line
-in the summary and the rest still run. Writes gpu_summary.md (rewritten after
-every part) and gpu_check.jsonl (one record per measurement, each
-with the environment) to --workdir and prints both paths and the summary.
-`--smoke` runs the same path on tiny models on any backend (the tests use it).
-Each part's runner and its summary section: specjax.bench.gpu_study.
+Parts (--skip leaves some out): peaks (the GPU's ceilings), bench (decode
+and verify cost, llama-160m and llama-7b shapes, bf16, T(N)/T(1) to N = 64),
+attention (over the used length), sweep (configs/sweep_gamma.py:gpu, the
+7B / 160m pair), batch (configs/sweep_gamma.py:gpu_batch: the crossover
+batch), overhead (the device loop's), trees (the tree verify T(B, N)), mesh
+(several local GPUs) and taskbench (configs/sweep_gamma.py:taskbench_quick
+on SmolLM2-135M-Instruct; --taskbench_tree adds tree rows). They run in
+ORDER, so that a run cut short keeps the ones the README quotes; a part that
+fails is one FAILED line in the summary and the rest still run. Writes
+gpu_summary.md (rewritten after every part) and gpu_check.jsonl (one record
+per measurement, with the environment) to --workdir. `--smoke` runs the same
+path on tiny models on any backend (the tests use it). What each part
+measures: docs/results.md, "On a GPU"; each part's runner and its summary
+section: specjax.bench.gpu_study.
 """
 
 import os

@@ -4,26 +4,19 @@ faster, and what a 70B target with a 7B draft needs per device.
   python experiments/mesh_bench.py                      # 8 CPU devices, ~6 min on 2 cores
   python experiments/mesh_bench.py --parts=plan --plan_mesh=data:1,model:8
 
-Part `measure` (one run, repetitions alternating between the variants):
-  * T(1) and T(gamma+1) of --model on meshes data:1,model:M for each M in
-    --model_axes (per forward, k forwards per jitted loop: probes.CostProbe);
-  * the whole speculative loop (rule `always`, so every variant runs the same
-    steps) on data:1,model:--spec_axis with the draft replicated on every
-    device and split over the model axis, next to target-only decoding on the
-    same mesh; ms per generated token, tokens checked identical.
-On the CPU the devices are virtual (--host_devices, set before JAX starts)
-and share the machine's cores: the model axis cannot make a step faster
-here, so these figures measure what the collectives and the split cost, not
-a speedup. On a GPU node the same command runs over the real GPUs.
+Part `measure` (repetitions alternating between the variants): T(1) and
+T(gamma+1) of --model on data:1,model:M for each M in --model_axes
+(probes.CostProbe); the speculative loop (rule `always`) on
+data:1,model:--spec_axis with the draft replicated and split, next to
+target-only on the same mesh; ms per token, tokens checked identical. On the
+CPU the devices are virtual (--host_devices) and share the cores: the
+figures measure what the collectives and the split cost, not a speedup.
 
 Part `plan`: `mesh_plan.plan` compiles the decode step, the verify step and
-the speculative loop of --plan_model / --plan_model_draft from shapes alone on
---plan_mesh and reports the bytes per device (weights, caches, temporaries)
-for each --draft_modes, against the memory of an 80 GB A100/H100 and a 141 GB
-H200.
-
-The loop part and the report: specjax.bench.mesh_study; the T(N) part and the
-plan: specjax.parallel.mesh_plan.
+the speculative loop of --plan_model / --plan_model_draft from shapes alone
+on --plan_mesh and reports the bytes per device for each --draft_modes,
+against an 80 GB A100/H100 and a 141 GB H200. The figures: docs/mesh.md.
+The loop part and the report: specjax.bench.mesh_study.
 """
 
 import os

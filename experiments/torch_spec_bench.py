@@ -1,42 +1,25 @@
 """Batched speculative decoding, PyTorch vs specjax (XLA), on the same weights.
 
-  python experiments/torch_spec_bench.py --batch=1,2,4,8 --gamma=1,2,4,auto \
-      --rules=bernoulli:0.8,always --n_predict=32 --jsonl_out=/tmp/ts.jsonl
+  python experiments/torch_spec_bench.py --batch=1,2,4,8 --gamma=1,2,4,auto       --rules=bernoulli:0.8,always --n_predict=32 --jsonl_out=/tmp/ts.jsonl
 
-For every (B, gamma, rule), each engine runs target-only and speculative
-greedy generation of n_predict tokens for B ragged prompts (lengths
-prompt_len, prompt_len - 2, ...), the two alternating over --reps
-repetitions after an untimed warm-up (compile: torch.compile's graphs, XLA's
-programs); tokens/s are summed over rows, first token excluded; speedup is
-the median of each repetition's ratio (sweep.run_group's pairing).
+For every (B, gamma, rule) each engine runs target-only and speculative
+greedy generation for B ragged prompts, the two alternating over --reps
+after an untimed warm-up; the speedup is the median of each repetition's
+ratio (sweep.run_group's pairing).
   torch    backends/torch_spec.TorchSpec: a host loop of torch.compile'd
            forwards (T = 1 decode and draft, T = gamma + 1 verify).
   specjax  speculative.generate / generation.generate (device loops).
-Threads: on a shared machine give both engines one thread
-(XLA_FLAGS=--xla_cpu_multi_thread_eigen=false and --threads=1): an OpenMP
-pool of 2 threads on 2 loaded cores measured 4-5x slower than 1 thread.
-With --costs, T(B, N) for N = 1 and every gamma + 1, one target forward with
-the argmax of its logits, k forwards per repetition from the same cache state
-(probes.CostProbe's method at batch B; torch dispatches each forward from the
-host, specjax runs the k in one jitted loop).
-The simulated rules draw their acceptances from different generators (torch
-vs JAX): bernoulli points compare engines at the same rule, not the same
-draws (n_steps and tokens_per_step are reported for both); `always` emits the
-same tokens on both (`tokens_equal`).
-With auto among the gammas (--gamma=1,2,4,auto; specjax): per B, the
-chooser's costs are measured first (autogamma.measure_costs: T(B, 1),
-T(B, gamma+1), T_draft(B, 1), the accept cost), and after the fixed gammas of
-each rule a point with gamma chosen at run time from the fixed gammas
-(autogamma.generate, every chunk program compiled in the warm-up; then, with
---auto_calibrate, each gamma's loop step timed in one untimed run:
-autogamma.calibrate), timed with the same pairing.
-With --out_dir: summary.md (speedups, crossover batch per engine, rule and
-gamma, auto against the best fixed gamma in hindsight, the cost surfaces),
-speedup_vs_batch.png (one panel per rule and engine, the 1x line) and
-verify_surface_<engine>.png (T(B, N)/T(B, 1)), rewritten after every batch:
-an interrupted run keeps the report of every finished batch.
-Every point record keeps its rows: prompt ids, speculative tokens and
-target-only tokens. The runner and the report: specjax.bench.torch_study.
+--costs adds T(B, N) for N = 1 and every gamma + 1. With auto among the
+gammas (specjax), the chooser's costs are measured first
+(autogamma.measure_costs) and a point with gamma chosen at run time
+(autogamma.generate; --auto_calibrate times each gamma's step first) follows
+each rule's fixed gammas, timed with the same pairing. With --out_dir:
+summary.md (speedups, the crossover batch per engine, rule and gamma, auto
+against the best fixed gamma, the cost surfaces), speedup_vs_batch.png and
+verify_surface_<engine>.png, rewritten after every batch. Every point record
+keeps its rows' tokens. How it measures (threads, the simulated rules'
+draws) and the figures: docs/batches.md. The runner and the report:
+specjax.bench.torch_study.
 """
 
 from absl import flags

@@ -316,9 +316,7 @@ PENDING_REFERENCES = {
     ('specjax/drafters/eagle.py', 'model.forward'),
 }
 PENDING_LONG = {
-    'experiments/divergence_study.py', 'experiments/dot_bench.py', 'experiments/gguf_bench.py',
-    'experiments/gpu_check.py', 'experiments/mesh_bench.py', 'experiments/speculative.py',
-    'experiments/torch_spec_bench.py', 'specjax/bench/assisted.py',
+    'experiments/speculative.py', 'specjax/bench/assisted.py',
     'specjax/bench/backends/__init__.py', 'specjax/bench/backends/torch_spec.py',
     'specjax/bench/batch_scaling.py', 'specjax/bench/costs.py', 'specjax/bench/llama_bench.py',
     'specjax/bench/paper.py', 'specjax/bench/sweep.py', 'specjax/bench/taskbench.py',
@@ -327,8 +325,7 @@ PENDING_LONG = {
     'specjax/decode/autogamma.py', 'specjax/decode/autotree.py', 'specjax/decode/speculative.py',
     'specjax/decode/tree_acceptance.py', 'specjax/decode/tree_step.py',
     'specjax/drafters/base.py', 'specjax/drafters/dynamic.py', 'specjax/drafters/eagle.py',
-    'specjax/formats/chat.py', 'specjax/model/tree.py',
-    'specjax/workdir.py',
+    'specjax/formats/chat.py', 'specjax/model/tree.py', 'specjax/workdir.py',
 }
 
 
