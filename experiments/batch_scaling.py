@@ -12,14 +12,13 @@ decode.png and summary.md into --workdir, and prints the summary.
 import os
 
 from absl import flags
-from ml_collections import config_flags
 
 from specjax.bench import batch_scaling
 from specjax import cli
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "batch_scaling.py"),
-    "Comparison config file (configs/batch_scaling.py[:quick|tiny|gpu]).", lock_config=True)
+    "Comparison config file (configs/batch_scaling.py[:quick|tiny|gpu]).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_scaling", "Output folder.")
 
 

@@ -11,15 +11,14 @@ import os
 import sys
 
 from absl import flags
-from ml_collections import config_flags
 
 from specjax import cli
 from specjax.bench import sweep
 from specjax.bench import taskbench_run
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "sweep_gamma.py"),
-    "Sweep config file (configs/sweep_gamma.py[:quick]).", lock_config=True)
+    "Sweep config file (configs/sweep_gamma.py[:quick]).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_sweep", "Output folder.")
 _RESUME = flags.DEFINE_bool("resume", False, "Skip points already in workdir/results.jsonl.")
 

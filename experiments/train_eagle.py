@@ -14,14 +14,13 @@ import os
 import sys
 
 from absl import flags
-from ml_collections import config_flags
 
 from specjax import cli
 from specjax.train import eagle
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "train.py") + ":eagle",
-    "Training config (configs/train.py:eagle or :eagle_tiny).", lock_config=True)
+    "Training config (configs/train.py:eagle or :eagle_tiny).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_eagle",
                                "Checkpoints, metrics, corpus streams, summary.")
 _EXPORT = flags.DEFINE_string("export_dir", None,

@@ -15,15 +15,14 @@ import os
 import sys
 
 from absl import flags
-from ml_collections import config_flags
 
 from specjax import cli
 from specjax.errors import ConfigError
 from specjax.train import selfdistill
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "train.py") + ":smollm2",
-    "Training config (configs/train.py:smollm2 or :smollm2_tiny).", lock_config=True)
+    "Training config (configs/train.py:smollm2 or :smollm2_tiny).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_smollm2",
                                "Replies, features, checkpoints, metrics, summary.")
 _EXPORT = flags.DEFINE_string("export_dir", None,

@@ -1,4 +1,9 @@
-"""Shared plumbing for the absl scripts in experiments/: errors, prompts, output."""
+"""Shared plumbing for the absl scripts in experiments/: errors, prompts, output.
+
+Bad input is one line and exit status 1 (`run`): a SpecjaxError, an OSError,
+a bad flag, a config file's mistakes; config files and output paths are
+checked before the work (preflight.py).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any, Callable
 
 from absl import app, flags, logging
 
+from specjax import preflight
 from specjax.errors import ConfigError, SpecjaxError
 from specjax.formats import chat as chat_lib
 from specjax.model.sampling import SamplingParams
@@ -26,11 +32,17 @@ def fail(message: str) -> None:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, a bad flag reported as one line (not absl's two)."""
+  """absl's flag parsing, a bad flag reported as one line (not absl's two,
+  nor ml_collections' tracebacks: `config_error_line`)."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    fail(str(e))
+    fail(preflight.config_error_line(e, argv) or str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    line = preflight.config_error_line(e, argv)
+    if line is None:
+      raise
+    fail(line)
   return []
 
 
@@ -61,6 +73,21 @@ DRAFTER_HELP = ("What proposes the drafts: model (the --model_draft model) | ngr
                 "(an EAGLE head; default the shipped stdlib-eagle, for stdlib-target).")
 
 
+def DEFINE_config_file(name: str, default: str, help_string: str):  # pylint: disable=invalid-name
+  """ml_collections' config-file flag (locked: an override must name an
+  existing field). Without --NAME on the command line, the default file and
+  its overrides are parsed here, at the script's import: a mistake in them
+  (--config.gamma=4) is one line and exit 1, as it is from `run`."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  try:
+    return config_flags.DEFINE_config_file(name, default, help_string, lock_config=True)
+  except Exception as e:  # pylint: disable=broad-except
+    line = preflight.config_error_line(e, sys.argv)
+    if line is None:
+      raise
+    fail(line)
+
+
 def define_drafter_flag():
   """--drafter (see specjax.drafters.registry.parse); call at import time of a script."""
   return flags.DEFINE_string("drafter", "model", DRAFTER_HELP)
@@ -88,10 +115,14 @@ def run(main: Callable[[list[str]], Any]) -> None:
     if len(argv) > 1:
       fail(f"unexpected arguments: {' '.join(argv[1:])}")
     try:
+      preflight.check_config_flags()
+      preflight.check_output_flags()
       setup_devices()
       return main(argv)
     except SpecjaxError as e:
       fail(str(e))
+    except OSError as e:
+      fail(preflight.os_error_line(e))
     except KeyboardInterrupt:
       print("interrupted", file=sys.stderr)
       sys.exit(130)
@@ -339,6 +370,9 @@ def read_prompt_file(path: str, tokenizer, vocab_size: int, chat: bool = False,
       lines = f.read().splitlines()
   except OSError as e:
     raise ConfigError(f"cannot read --prompt_file {path}: {e.strerror}") from None
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"--prompt_file {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} "
+                      f"at offset {e.start}); give one prompt per line") from None
   if not lines:
     raise ConfigError(f"--prompt_file {path} holds no prompt")
   jsonl = path.endswith(".jsonl")

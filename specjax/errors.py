@@ -19,3 +19,7 @@ class CheckpointError(SpecjaxError):
 
 class TokenizerError(SpecjaxError):
   """A tokenizer is missing, unreadable, or does not match the model."""
+
+
+class OutputError(SpecjaxError):
+  """An output path (--json_out, --workdir, ...) cannot be written; found before the work."""

@@ -14,6 +14,11 @@ conventions, and nothing else in specjax opens these files:
   *.png          plots, finished by `save_figure` (layout, dpi, closed).
   summary.md     the human-readable report.
 
+Two checks run before the work: `check_output_file` / `check_output_dir`
+(an output path that cannot be written is refused at the start, not after
+the run), and `check_stage` (a resumable stage's outputs are reused only
+for the settings they were made with, never for others).
+
 `environment()` is what every record carries: versions, backend, device, the
 CPU model and its vector extensions (results move a lot between machines:
 AVX-512 and AMX change which matmul kernels XLA:CPU runs), host load, XLA
@@ -27,7 +32,11 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
+
+from specjax.errors import ConfigError, OutputError
 
 Record = dict[str, Any]
 
@@ -156,6 +165,100 @@ def read_config(workdir: str | os.PathLike) -> Record | None:
     return read_json(os.path.join(workdir, CONFIG))
   except (OSError, ValueError):
     return None
+
+# ---------------------------------------------------------------- output paths
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+  """Raises OutputError unless `folder`, or the nearest existing folder
+  above it (where the run would create it), is a folder that takes a new
+  file (probed with a temporary file, removed at once)."""
+  existing = folder
+  while not existing.exists() and existing != existing.parent:
+    existing = existing.parent
+  if not existing.is_dir():
+    raise OutputError(f"{what}: {existing} is a file, not a folder")
+  try:
+    with tempfile.TemporaryFile(dir=existing):
+      pass
+  except OSError as e:
+    raise OutputError(f"{what}: cannot write in {existing} ({e.strerror})") from None
+
+
+def check_output_file(path: str | os.PathLike, what: str) -> None:
+  """Refuses now (OutputError, one line) a file the run would fail to write
+  at its end: an empty path, a directory, a path through a file, or an
+  unwritable file or folder. Creates nothing; an existing file is only
+  opened for appending, its content untouched. `what` names the flag."""
+  if not str(path).strip():
+    raise OutputError(f"{what} is empty")
+  p = Path(path).absolute()
+  if p.is_dir():
+    raise OutputError(f"{what} {path} is a directory; give a file name")
+  if p.exists():
+    try:
+      with open(p, "a"):
+        pass
+    except OSError as e:
+      raise OutputError(f"{what} {path} cannot be written ({e.strerror})") from None
+    return
+  _writable_folder(p.parent, f"{what} {path}")
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> None:
+  """Refuses now (OutputError, one line) a folder the run could not write
+  into: an empty path, a file, a path through a file, or no write access.
+  Creates nothing."""
+  if not str(path).strip():
+    raise OutputError(f"{what} is empty")
+  p = Path(path).absolute()
+  if p.exists() and not p.is_dir():
+    raise OutputError(f"{what} {path} is a file, not a folder")
+  _writable_folder(p, f"{what} {path}")
+
+# ---------------------------------------------------------------- a stage's settings
+
+
+def first_difference(have: Any, want: Any, name: str = "") -> str | None:
+  """The first setting where two settings trees differ, as
+  "name: have -> want" (nested keys joined by dots); None when equal.
+  Compared as they read back from JSON (`normalised`)."""
+  have, want = normalised(have), normalised(want)
+  if isinstance(have, dict) and isinstance(want, dict):
+    for k in list(want) + [k for k in have if k not in want]:
+      sub = f"{name}.{k}" if name else str(k)
+      if k not in have or k not in want:
+        return f"{sub}: {have.get(k, '(absent)')} -> {want.get(k, '(absent)')}"
+      diff = first_difference(have[k], want[k], sub)
+      if diff:
+        return diff
+    return None
+  return None if have == want else f"{name or 'settings'}: {have} -> {want}"
+
+
+def check_stage(record: str | os.PathLike, want: Record,
+                outputs: Sequence[str | os.PathLike], fix: str) -> bool:
+  """Whether a resumable stage's `outputs` can be reused.
+
+  `want` is everything the outputs depend on; `record` the JSON file that
+  keeps it. All outputs present: reused (True) when the record holds `want`,
+  refused otherwise (ConfigError naming the first difference, or the missing
+  record of an older run, and `fix`): results are never reused for other
+  settings, nor silently overwritten. An output missing: `want` is recorded
+  and the stage runs (False).
+  """
+  record = Path(record)
+  if all(Path(o).exists() for o in outputs):
+    if not record.is_file():
+      raise ConfigError(f"{Path(outputs[0])} was made by an older specjax that did not "
+                        f"record its settings ({record.name}), so they cannot be checked; "
+                        f"{fix}")
+    diff = first_difference(read_json(record), want)
+    if diff is None:
+      return True
+    raise ConfigError(f"{Path(outputs[0])} was made with other settings ({diff}); {fix}")
+  write_json(record, want)
+  return False
 
 # ---------------------------------------------------------------- environment
 

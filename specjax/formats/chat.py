@@ -22,6 +22,13 @@ HTML, and the variables messages, add_generation_prompt, tools=None,
 documents=None and the special tokens' strings (bos_token, eos_token, ...).
 Messages' None-valued keys are dropped first, as transformers does.
 
+A template is input, not code we trust: whatever it raises is one
+TokenizerError naming its source, and rendering is bounded (RENDER_SECONDS of
+template code, RENDER_CHARS of output, `*` and `**` refused past that size),
+so a template that loops for ever or multiplies a string without end fails
+instead of hanging the run. The sandbox keeps it from Python's internals
+(tests/formats/test_chat.py tries the known escapes).
+
 The rendered text is encoded without the tokenizer's own special tokens
 (`Tokenizer.encode_chat`; transformers' add_special_tokens=False): a
 template that writes {{ bos_token }} gives one BOS, never two, and one that
@@ -36,6 +43,8 @@ import dataclasses
 import datetime
 import functools
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -54,6 +63,10 @@ _GGUF_IDS = {"bos_token": "tokenizer.ggml.bos_token_id",
              "pad_token": "tokenizer.ggml.padding_token_id"}
 
 Message = Mapping[str, Any]
+# Rendering bounds: a real template renders a conversation in milliseconds,
+# and its text is shorter than any context.
+RENDER_SECONDS = 5.0
+RENDER_CHARS = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +96,17 @@ class ChatTemplate:
     compiled = _compile(self.template, self.source)
     import jinja2  # pylint: disable=import-outside-toplevel
     try:
-      return compiled.render(messages=messages, tools=None, documents=None,
-                             add_generation_prompt=add_generation_prompt, **self.special)
+      return bounded_render(compiled, dict(
+          messages=messages, tools=None, documents=None,
+          add_generation_prompt=add_generation_prompt, **self.special))
     except jinja2.TemplateError as e:
       raise TokenizerError(f"{self.source}: the chat template failed: "
                            f"{_one_line(e)}") from None
+    except Exception as e:  # pylint: disable=broad-except
+      # 1/0, a type error, {% include %} without a loader, runaway recursion:
+      # the template's mistake, said in one line like a TemplateError.
+      raise TokenizerError(f"{self.source}: the chat template failed: "
+                           f"{type(e).__name__}: {_one_line(e)}") from None
 
 
 def check_messages(messages: Any, source: str = "conversation") -> list[dict[str, Any]]:
@@ -188,6 +207,37 @@ def gguf_template(get: Callable[[str], Any], tokens: Sequence[str],
 
 # ------------------------------------------------------------- rendering
 
+def bounded_render(compiled, variables: Mapping[str, Any]) -> str:
+  """compiled.render(**variables), stopped with a SecurityError once the
+  template's own code has run RENDER_SECONDS (checked at each of its lines,
+  through a trace function on the compiled template's frames only) or its
+  output passes RENDER_CHARS characters."""
+  from jinja2.exceptions import SecurityError  # pylint: disable=import-outside-toplevel
+  seconds, chars = RENDER_SECONDS, RENDER_CHARS
+  deadline = time.monotonic() + seconds
+
+  def on_line(frame, event, arg):
+    del frame, event, arg
+    if time.monotonic() > deadline:
+      raise SecurityError(f"rendering ran past {seconds:g} s (a loop without end?)")
+    return on_line
+
+  def on_call(frame, event, arg):
+    return on_line(frame, event, arg) if frame.f_code.co_filename == "<template>" else None
+
+  previous, out, n = sys.gettrace(), [], 0
+  sys.settrace(on_call)
+  try:
+    for piece in compiled.generate(**variables):
+      n += len(piece)
+      if n > chars:
+        raise SecurityError(f"the rendered text passed {chars:,} characters")
+      out.append(piece)
+  finally:
+    sys.settrace(previous)
+  return "".join(out)
+
+
 def _one_line(e: Exception) -> str:
   return " ".join(str(e).split()) or type(e).__name__
 
@@ -242,8 +292,24 @@ def _compile(template: str, source: str):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[Generation, ext.loopcontrols])
+  class Env(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with `*` and `**` refused past RENDER_CHARS
+    (a string times 10**9 would allocate before any bound could look)."""
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+      if operator == "*":
+        for seq, k in ((left, right), (right, left)):
+          if isinstance(seq, (str, list, tuple)) and isinstance(k, int) and \
+              len(seq) * k > RENDER_CHARS:
+            raise jinja2.exceptions.SecurityError(f"{operator} would make {len(seq) * k:,} "
+                                                  f"items")
+      elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
+          right * abs(left).bit_length() > RENDER_CHARS:
+        raise jinja2.exceptions.SecurityError("** would make a number past the bound")
+      return super().call_binop(context, operator, left, right)
+
+  env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, ext.loopcontrols])
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

@@ -21,9 +21,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -368,6 +370,122 @@ def test_smollm2_template_matches_transformers():
   assert tok.chat.template == ref.chat_template
   for label, messages in CONVERSATIONS.items():
     assert tok.encode_chat(messages) == reference(ref, messages), label
+
+
+# ------------------------------------------------------------ a template is input
+
+USER = CONVERSATIONS["user"]
+# Whatever a template raises is one TokenizerError naming its source.
+RAISING = {
+    "{{ 1/0 }}": "ZeroDivisionError: division by zero",
+    "{{ 1 + 'a' }}": "TypeError: unsupported operand",
+    "{% include 'other.jinja' %}": "TypeError: no loader",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}": "RecursionError",
+    "{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}": "RecursionError",
+}
+# Escapes tried on the sandbox: each must fail or render nothing of Python's
+# internals.
+ESCAPES = (
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    "{{ raise_exception.__globals__['__builtins__'] }}",
+    "{{ raise_exception.__code__ }}",
+    "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "{{ namespace.__init__.__globals__ }}",
+    "{{ strftime_now.__globals__ }}",
+    "{{ self._TemplateReference__context }}",
+    "{{ lipsum.__globals__['os'] }}",
+    "{{ messages|attr('__class__') }}",
+    "{{ '{0.__class__.__mro__}'.format(messages) }}",
+    "{{ '%s'|format(messages.__class__) }}",
+    "{% set ns = namespace(__class__=1) %}{{ ns }}",
+    "{% set ns = namespace() %}{% set ns._x = 1 %}{{ ns._x }}",
+    "{{ messages.append({'role': 'system'}) }}{{ messages|length }}",
+    "{{ messages[0].update({'content': 'x'}) }}{{ messages[0].content }}",
+    "{{ messages.pop() }}",
+    "{% set x = messages.clear() %}{{ messages|length }}",
+)
+INTERNALS = ("<class", "<module", "<function", "<built-in", "<code", "__", "uid=", "system")
+
+
+def leaks(template: str) -> str | None:
+  """What an escape got out of the sandbox, or None when it was refused."""
+  messages = [dict(m) for m in USER]
+  try:
+    text = chat.ChatTemplate(template, {}, "escape").render(messages)
+  except TokenizerError:
+    return None
+  if messages != USER:
+    return f"changed the messages: {messages}"
+  bad = [w for w in INTERNALS if w in text]
+  if bad or text.strip() not in ("", "1"):
+    return text[:200]
+  return None
+
+
+def test_any_template_error_is_one_tokenizer_error():
+  for template, what in RAISING.items():
+    with pytest.raises(TokenizerError, match=r"^src: the chat template failed: .*" +
+                       re.escape(what)) as e:
+      chat.ChatTemplate(template, {}, "src").render(USER)
+    assert "\n" not in str(e.value)
+
+
+def test_the_sandbox_holds_against_every_escape_tried():
+  assert {t: leaks(t) for t in ESCAPES if leaks(t)} == {}
+
+
+def test_a_template_without_end_is_stopped(monkeypatch):
+  """Bounded in time (a loop with no output), in output size, and in what
+  `*` / `**` may build before any bound could look."""
+  monkeypatch.setattr(chat, "RENDER_SECONDS", 0.3)
+  forever = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+  for template, what in ((forever, "ran past 0.3 s"),
+                         ("{% for i in range(3) %}{{ 'x' * 4000000 }}{% endfor %}",
+                          "passed 4,194,304 characters"),
+                         ("{{ 'x' * 10**10 }}", "10,000,000,000 items"),
+                         ("{{ 7 ** 1000000000 }}", "past the bound")):
+    t0 = time.perf_counter()
+    with pytest.raises(TokenizerError, match=what):
+      chat.ChatTemplate(template, {}, "loop").render(USER)
+    assert time.perf_counter() - t0 < 5
+  # a real template renders as before, and the previous tracer is given back
+  before = sys.gettrace()
+  assert chat.ChatTemplate(CHATML, {}, "chatml").render(USER).endswith("assistant\n")
+  assert sys.gettrace() is before
+
+
+def _unsandboxed(monkeypatch):
+  """Jinja's plain environment in place of the sandbox."""
+  import jinja2  # pylint: disable=import-outside-toplevel
+  from jinja2 import sandbox  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(sandbox, "ImmutableSandboxedEnvironment", jinja2.Environment)
+
+
+def _unbounded(monkeypatch):
+  """Rendering without the time and size bounds."""
+  monkeypatch.setattr(chat, "bounded_render", lambda compiled, v: compiled.render(**v))
+
+
+def test_the_sandbox_and_bound_tests_fail_without_them(monkeypatch):
+  """The two deliberate bugs, each caught by the test that pins it (the
+  unbounded run uses a loop that ends, about 10^7 steps)."""
+  chat._compile.cache_clear()  # pylint: disable=protected-access
+  try:
+    _unsandboxed(monkeypatch)
+    assert any(leaks(t) for t in ESCAPES)
+    monkeypatch.undo()
+    chat._compile.cache_clear()  # pylint: disable=protected-access
+    _unbounded(monkeypatch)
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.3)
+    finite = "{% for i in range(3000) %}{% for j in range(3000) %}{% endfor %}{% endfor %}"
+    assert chat.ChatTemplate(finite, {}, "loop").render(USER) == ""
+  finally:
+    monkeypatch.undo()
+    chat._compile.cache_clear()  # pylint: disable=protected-access
+  monkeypatch.setattr(chat, "RENDER_SECONDS", 0.3)  # and bounded, the same loop is stopped
+  with pytest.raises(TokenizerError, match="ran past"):
+    chat.ChatTemplate(finite, {}, "loop").render(USER)
 
 
 # ------------------------------------------------------------ deliberate bugs
