@@ -98,7 +98,9 @@ _JSON_OUT = flags.DEFINE_string("json_out", None, "Write statistics, timings and
                                 "prompt ids, tokens and baseline tokens as one JSON object.")
 _TREE = flags.DEFINE_string(
     "tree", "chain", "Draft shape: chain (depth --gamma), a JSON list of rank paths "
-    "'[[0],[1],[0,0]]' or a .json file of one, kary:K,D, sequoia:N,D[:p1,..], dynamic:K,D,N "
+    "'[[0],[1],[0,0]]' or a .json file of one, kary:K,D, sequoia:N,D[:p1,..] (p conditional: "
+    "rank k accepted given ranks 0..k-1 rejected) or sequoia:N,D:marginal=w1,.. (Sequoia's "
+    "vector: w_k = P(rank k is the accepted child); docs/trees.md), dynamic:K,D,N "
     "(EAGLE-2: per row, the N likeliest of the top-K expansions over D levels), auto[:N1,..] "
     "(model.tree.parse)")
 _SIBLINGS = flags.DEFINE_enum("siblings", "topk", ["topk", "stochastic"],

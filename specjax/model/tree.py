@@ -21,8 +21,9 @@ Specs (`parse`), one line of error for each bad one:
   [[0],[1],[0,0],...]        Medusa-style rank paths, a JSON list literal
   FILE.json                  a JSON file holding such a list
   kary:K,D                   the full K-ary tree of depth D
-  sequoia:N,D[:p1,p2,..]     the best tree of N nodes, depth <= D, for the
-                             positional acceptance p (default SEQUOIA_P)
+  sequoia:N,D[:p1,p2,..]     the best tree of <= N nodes, depth <= D, at the
+                             conditional p (default SEQUOIA_P); Sequoia's own
+                             vector (marginal) goes in as :marginal=w1,w2,..
   dynamic:K,D,N              EAGLE-2: top-K children per frontier node, D
                              levels, the N best nodes kept (per row)
   dynamic:K,D,N+ngram:L      that tree with a prompt-lookup chain of up to L
@@ -39,12 +40,14 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+from absl import logging
 
 from specjax.errors import CacheOverflowError, ConfigError
 from specjax.metrics import tree_theory
 
 MAX_NODES = 1024                 # a bigger static tree is surely a typo
 SEQUOIA_P = (0.6, 0.2, 0.1)      # sequoia:N,D's positional acceptance unless given
+MARGINAL_SUM_ONE = 1e-4          # marginal w this close to summing to 1: P(none) left in
 AUTO_SIZES = (4, 8, 16, 32, 64)  # `auto`'s candidate tree sizes unless given
 AUTO_DEPTH = 8                   # `auto`'s depth bound
 
@@ -187,13 +190,29 @@ def kary(k: int, d: int) -> Tree:
   return from_paths(paths, f"kary:{k},{d}")
 
 
-def sequoia(n: int, d: int, p: Sequence[float] = SEQUOIA_P) -> Tree:
-  """The best tree of n nodes and depth <= d at positional acceptance p."""
+def sequoia(n: int, d: int, p: Sequence[float] = SEQUOIA_P, marginal: bool = False) -> Tree:
+  """The best tree of at most n nodes and depth <= d at positional acceptance
+  p: conditional (p_k: rank k accepted given ranks 0..k-1 rejected), or with
+  `marginal` Sequoia's vector (w_k: rank k is the accepted child), converted
+  exactly (tree_theory.conditional_from_marginal). The DP's nodes that p can
+  never accept are dropped (tree_theory.live_paths); one log line says what
+  was built, a warning when nodes were dropped."""
   if not 1 <= int(n) <= 256:
     raise ConfigError(f"sequoia:N,D needs 1 <= N <= 256, got N={n}")
-  paths, _ = tree_theory.best_tree(p, n, d)
-  ps = ",".join(f"{x:g}" for x in p)
-  return from_paths(paths, f"sequoia:{int(n)},{int(d)}:{ps}")
+  cond = tree_theory.conditional_from_marginal(p) if marginal else tuple(p)
+  full, value = tree_theory.best_tree(cond, n, d)
+  paths = tree_theory.live_paths(full, cond)
+  ps = ",".join(np.format_float_positional(float(x), trim="-") for x in p)  # exact round trip
+  name = f"sequoia:{int(n)},{int(d)}:{'marginal=' if marginal else ''}{ps}"
+  form = "Sequoia's marginal w, converted" if marginal else "conditional p"
+  said = (f"{name}: {form}; {len(paths)} nodes, depth {max(map(len, paths))}, "
+          f"{value:.4f} tokens/step")
+  if len(paths) < len(full):
+    logging.warning("%s (%d of the DP's %d nodes dropped: p gives them probability 0)",
+                    said, len(full) - len(paths), len(full))
+  else:
+    logging.info("%s", said)
+  return from_paths(paths, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,11 +324,44 @@ def _json_tree(spec: str, text: str, where: str) -> Tree:
   return from_paths(paths, spec)
 
 
+def _sequoia_spec(s: str, body: str, p: Sequence[float] | None) -> Tree:
+  """sequoia:N,D[:p1,..], sequoia:N,D:conditional=p1,.. or :marginal=w1,..
+  (docs/trees.md); refuses what reads wrongly in either form, in one line."""
+  sizes, _, probs = body.partition(":")
+  n, d = _ints(s, sizes, 2)
+  form, eq, values = probs.partition("=")
+  form, values = (form.strip(), values) if eq else ("", probs)
+  if form not in ("", "conditional", "marginal") or (eq and not values.strip()):
+    raise ConfigError(f"--tree={s}: after N,D: expected p1,p2,.. (conditional), "
+                      "conditional=p1,p2,.. or marginal=w1,w2,.. (Sequoia's form)")
+  if values:
+    try:
+      p = tuple(float(x) for x in values.split(","))
+    except ValueError:
+      raise ConfigError(f"--tree={s}: the p after N,D: must be comma-separated numbers") from None
+  p = SEQUOIA_P if p is None else tuple(p)
+  if not all(0.0 <= x <= 1.0 for x in p):
+    raise ConfigError(f"--tree={s}: p must be probabilities in [0, 1], got {list(p)}")
+  if p[0] == 0.0:
+    raise ConfigError(f"--tree={s}: p starts with 0 (the draft's first choice never accepted); "
+                      "Sequoia's saved vector starts with an unused 0 and ends with P(no child "
+                      "accepted): drop both and write sequoia:N,D:marginal=w1,w2,..")
+  if form == "marginal" and sum(p) > 1.0 + MARGINAL_SUM_ONE:
+    raise ConfigError(f"--tree={s}: marginal w sums to {sum(p):.6g} > 1, but each w_k is the "
+                      "chance that rank k is the accepted child; conditional p go without "
+                      "'marginal='")
+  if form == "marginal" and abs(sum(p) - 1.0) <= MARGINAL_SUM_ONE:
+    raise ConfigError(f"--tree={s}: marginal w sums to 1, as Sequoia's saved vector does with "
+                      "its last entry, P(no child accepted): drop that entry (or, if rank "
+                      f"{len(p) - 1} is always accepted when reached, give the conditional p)")
+  return sequoia(n, d, p, marginal=form == "marginal")
+
+
 def parse(spec: str, gamma: int, p: Sequence[float] | None = None):
   """`--tree=SPEC` (module docstring) -> a Tree, DynamicTree or AutoTree.
 
   `gamma` is the chain's length for `chain`; `p` the positional acceptance
-  for `sequoia:N,D` without its own (default SEQUOIA_P).
+  (conditional) for `sequoia:N,D` without its own (default SEQUOIA_P).
   """
   s = str(spec).strip()
   head, _, body = s.partition(":")
@@ -329,17 +381,7 @@ def parse(spec: str, gamma: int, p: Sequence[float] | None = None):
   if head == "kary":
     return kary(*_ints(s, body, 2))
   if head == "sequoia":
-    sizes, _, probs = body.partition(":")
-    n, d = _ints(s, sizes, 2)
-    if probs:
-      try:
-        p = tuple(float(x) for x in probs.split(","))
-      except ValueError:
-        raise ConfigError(f"--tree={s}: the p after N,D: must be comma-separated numbers") from None
-    p = SEQUOIA_P if p is None else tuple(p)
-    if not all(0.0 <= x <= 1.0 for x in p):
-      raise ConfigError(f"--tree={s}: p must be probabilities in [0, 1], got {list(p)}")
-    return sequoia(n, d, p)
+    return _sequoia_spec(s, body, p)
   if head == "dynamic":
     base, plus, graft = body.partition("+")
     if not plus:
@@ -361,4 +403,5 @@ def parse(spec: str, gamma: int, p: Sequence[float] | None = None):
       raise ConfigError(f"--tree={s}: sizes must be >= 1")
     return AutoTree(tuple(sorted(set(sizes))))
   raise ConfigError(f"--tree={s}: unknown spec; use chain, chain:G, a JSON list of rank paths, "
-                    "FILE.json, kary:K,D, sequoia:N,D[:p1,..], dynamic:K,D,N[+ngram:L] or auto")
+                    "FILE.json, kary:K,D, sequoia:N,D[:p1,..|:marginal=w1,..], dynamic:K,D,N[+ngram:L] "
+                    "or auto")

@@ -216,6 +216,41 @@ def check_rank_counts_estimate_p(p=(0.6, 0.3, 0.5), steps=20_000):
   assert np.all(np.abs(est - p) < 0.02), est
 
 
+def marginal_value(paths, w):
+  """Expected tokens per step from Sequoia's marginal w (w_k: the rank-k
+  child is the accepted one), summed directly over the paths."""
+  w = list(w) + [0.0] * 64
+  return 1.0 + sum(float(np.prod([w[r] for r in q])) for q in paths)
+
+
+def check_marginal_form(w):
+  """conditional_from_marginal inverts rank_weights, and the DP at the
+  converted p finds the best tree by Sequoia's own (marginal) value, every
+  tree of up to 5 nodes and depth <= 3 enumerated."""
+  p = tt.conditional_from_marginal(w)
+  np.testing.assert_allclose(tt.rank_weights(p, len(w)), w, rtol=0, atol=1e-15)
+  for n in range(1, 6):
+    for d in range(1, 4):
+      best = max(marginal_value(t, w) for t in all_trees(n, d))
+      assert tt.best_tree(p, n, d)[1] == pytest.approx(best, abs=1e-12), (w, n, d)
+
+
+def check_live_paths(p, n, d, want):
+  """live_paths keeps `want` of the DP's n nodes, a valid tree of the same
+  value, every node but a rank's placeholder of positive probability."""
+  full, value = tt.best_tree(p, n, d)
+  live = tt.live_paths(full, p)
+  assert len(live) == want, (p, n, d, len(live))
+  try:
+    valid = tt.canonical_paths(live) == live
+  except ConfigError:
+    valid = False
+  assert valid, live
+  assert tt.tokens_per_step(live, p) == pytest.approx(value, abs=1e-12)
+  probs = dict(zip(live, tt.path_probs(live, p)))
+  assert all(w > 0 or q[:-1] + (q[-1] + 1,) in probs for q, w in probs.items()), probs
+
+
 # --- tests ---------------------------------------------------------------------------
 
 
@@ -336,6 +371,35 @@ def test_bad_inputs():
     tt.best_tree((0.5,), 4, 0)
 
 
+SEQUOIA_HEAD = (0.6341829299926758, 0.10794602334499359, 0.056971512734889984,
+                0.022488756105303764, 0.019490255042910576)  # Sequoia's saved vector's first ranks
+
+
+@pytest.mark.parametrize("w", [SEQUOIA_HEAD, (0.5, 0.3, 0.2), (0.4, 0.0, 0.3), (0.0, 0.7)])
+def test_marginal_form_converts_exactly(w):
+  check_marginal_form(w)
+
+
+def test_marginal_form_refuses_what_is_not_a_law():
+  assert tt.conditional_from_marginal((0.5, 0.5, 0.0)).tolist() == [0.5, 1.0, 0.0]
+  for bad, msg in (((0.7, 0.5), "sums to at most 1"), ((0.5, -0.1), r"\[0, 1\]"), ((), r"\[0, 1\]")):
+    with pytest.raises(ConfigError, match=msg):
+      tt.conditional_from_marginal(bad)
+
+
+@pytest.mark.parametrize("p, n, d, want", [
+    ((0.6, 0.2, 0.1), 16, 2, 12), ((0.6, 0.2, 0.1), 16, 3, 16), ((0.6, 0.2, 0.1), 40, 3, 39),
+    ((0.6, 0.2, 0.1), 64, 3, 39), ((0.6, 0.2, 0.1), 4, 1, 3), ((0.8,), 7, 3, 3),
+    ((1.0, 0.4), 6, 2, 2), ((0.6, 0.0, 0.3), 8, 2, 7)])
+def test_live_paths_drop_what_p_never_accepts(p, n, d, want):
+  check_live_paths(p, n, d, want)
+
+
+def test_candidates_are_live():
+  cands = tt.candidates((0.6, 0.2, 0.1), sizes=(16,), max_depth=2, chains=())
+  assert len(cands["sequoia:16,2"]) == 12
+
+
 # --- deliberate bugs -------------------------------------------------------------------
 
 
@@ -407,6 +471,13 @@ def _tried_counts_every_child(orig):
   return counts
 
 
+
+def _live_without_placeholders(orig):
+  def live(paths, p):  # only the nodes of positive probability
+    paths = tt.canonical_paths(paths)
+    return tuple(q for q, w in zip(paths, tt.path_probs(paths, p)) if w > 0)
+  return live
+
 P = (0.3, 0.9, 0.5)
 MUTATIONS = {
     "tokens per step with p_k, not p_k prod (1 - p_j)": (
@@ -425,6 +496,14 @@ MUTATIONS = {
         "predicted_speedups", _speedups_with_a_flat_verify, check_chooser_follows_the_verify_cost),
     "every sibling counted as tried": (
         "rank_counts", _tried_counts_every_child, check_rank_counts_estimate_p),
+    "Sequoia's marginal w taken as the conditional p": (
+        "conditional_from_marginal", lambda orig: lambda w: np.asarray(w, float),
+        lambda: check_marginal_form(SEQUOIA_HEAD)),
+    "the DP's dead nodes kept": (
+        "live_paths", lambda orig: lambda paths, p: tt.canonical_paths(paths),
+        lambda: check_live_paths((0.6, 0.2, 0.1), 16, 2, 12)),
+    "a p_k = 0 rank's placeholder dropped (a rank gap)": (
+        "live_paths", _live_without_placeholders, lambda: check_live_paths((0.6, 0.0, 0.3), 8, 2, 7)),
 }
 
 

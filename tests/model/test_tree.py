@@ -167,6 +167,61 @@ def test_parse_each_form(tmp_path):
   assert treemod.parse("auto:16,4,16", gamma=4).sizes == (4, 16)
 
 
+# Sequoia's own acceptance vector (Infini-AI-Lab/Sequoia, acceptance-rate-vector.pt at 0ff3ff7:
+# 34 float32 entries, an unused 0, w_0..w_31, then P(no child accepted) = 0.07346326857805252).
+SEQUOIA_W = (
+    0.6341829299926758, 0.10794602334499359, 0.056971512734889984, 0.022488756105303764,
+    0.019490255042910576, 0.014992503449320793, 0.004497751127928495, 0.002998500829562545,
+    0.01199400331825018, 0.004497751127928495, 0.007496251724660397, 0.004497751127928495,
+    0.00599700165912509, 0.002998500829562545, 0.0014992504147812724, 0.002998500829562545,
+    0.0014992504147812724, 0.002998500829562545, 0.0, 0.002998500829562545,
+    0.002998500829562545, 0.002998500829562545, 0.0, 0.0014992504147812724, 0.0,
+    0.0014992504147812724, 0.0, 0.0, 0.0, 0.0014992504147812724, 0.0014992504147812724,
+    0.0014992504147812724)
+W_TEXT = ",".join(repr(x) for x in SEQUOIA_W)
+# Sequoia's tree_search.py run on that vector (float32): T[m][l] of m nodes with the root
+# and l levels with the root, i.e. sequoia:m-1,l-1. (128, 10) is its demo-config.json.
+SEQUOIA_OWN_DP = {(127, 9): 4.192107200622559, (120, 10): 4.171658039093018}
+
+
+def check_sequoia_marginal(n, d):
+  """Sequoia's vector through marginal= gives Sequoia's own figure; the same
+  numbers read as conditional p give fewer tokens per step."""
+  tree = treemod.parse(f"sequoia:{n},{d}:marginal={W_TEXT}", gamma=1)
+  p = tree_theory.conditional_from_marginal(SEQUOIA_W)
+  assert tree_theory.tokens_per_step(tree.paths(), p) == pytest.approx(
+      SEQUOIA_OWN_DP[n, d], rel=1e-6)
+  assert treemod.parse(tree.spec, gamma=1) == tree                     # its own name parses
+  as_p = treemod.parse(f"sequoia:{n},{d}:{W_TEXT}", gamma=1)
+  assert tree_theory.tokens_per_step(as_p.paths(), SEQUOIA_W) < SEQUOIA_OWN_DP[n, d] - 0.9
+
+
+@pytest.mark.parametrize("n, d", sorted(SEQUOIA_OWN_DP))
+def test_sequoia_vector_through_the_marginal_form(n, d):
+  check_sequoia_marginal(n, d)
+
+
+def check_sequoia_drops_dead_nodes(monkeypatch):
+  """sequoia:16,2 at the default p: 3 + 9 nodes can be accepted, so 12 kept
+  and one warning says so; sequoia:16,3 keeps its 16 and only informs."""
+  said = []
+  monkeypatch.setattr(treemod.logging, "warning", lambda fmt, *a: said.append(fmt % a))
+  assert treemod.parse("sequoia:16,2", gamma=1).n == 12
+  assert len(said) == 1 and "4 of the DP's 16 nodes dropped" in said[0], said
+  assert treemod.parse("sequoia:16,3", gamma=1).n == 16 and len(said) == 1
+
+
+def test_sequoia_drops_the_nodes_p_never_accepts(monkeypatch):
+  check_sequoia_drops_dead_nodes(monkeypatch)
+
+
+def test_sequoia_keeping_dead_nodes_is_caught(monkeypatch):
+  """The deliberate bug: the DP's 16 nodes kept whole."""
+  monkeypatch.setattr(tree_theory, "live_paths", lambda paths, p: tree_theory.canonical_paths(paths))
+  with pytest.raises(AssertionError):
+    check_sequoia_drops_dead_nodes(monkeypatch)
+
+
 BAD_SPECS = {
     "[[0],[0,0,0]]": "no parent [0, 0]",
     "[[0],[0]]": "duplicate path [0]",
@@ -187,6 +242,12 @@ BAD_SPECS = {
     "sequoia:8,0": "depth >= 1",
     "sequoia:8,3:0.5,x": "comma-separated numbers",
     "sequoia:8,3:1.5": "in [0, 1]",
+    "sequoia:8,3:0,0.6,0.1,0.3": "drop both and write sequoia:N,D:marginal=",
+    "sequoia:8,3:marginal=0,0.6,0.1,0.3": "starts with 0",
+    "sequoia:8,3:marginal=0.6,0.1,0.3": "sums to 1, as Sequoia's saved vector",
+    "sequoia:8,3:marginal=0.7,0.5": "sums to 1.2 > 1",
+    "sequoia:8,3:cond=0.6": "expected p1,p2,.. (conditional)",
+    "sequoia:8,3:marginal=": "expected p1,p2,.. (conditional)",
     "dynamic:2,2,100": "more nodes than the 6 candidates",
     "dynamic:2,2": "3 comma-separated integers",
     "auto:0,4": ">= 1",
@@ -259,6 +320,9 @@ MUTATIONS = {
         lambda: check_bfs_order_independent_of_input(MEDUSA_LIKE)),
     "capacity that forgets the root's slot": (
         treemod, "check_capacity", _capacity_without_the_root, lambda: check_capacity_bound(WIDE)),
+    "Sequoia's marginal vector read as conditional p": (
+        tree_theory, "conditional_from_marginal", lambda orig: lambda w: np.asarray(w, float),
+        lambda: check_sequoia_marginal(120, 10)),
 }
 
 
