@@ -103,7 +103,7 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
   # heldout_every-th is held out for the acceptance measurement. The shipped
   # head was trained on this mix (1,000 steps); the shipped draft on the
   # first, half-sized one (code=280, prose=120, instruct=160, followups=120,
-  # stdlib_tokens=80_000, no edits; docs/taskbench.md). edit: targeted code
+  # stdlib_tokens=80_000, no edits; docs/results/taskbench_log.md). edit: targeted code
   # edits (replies.EDIT_ASKS), answered apart, so adding them keeps the other
   # replies (the head shipped from commit 1ec6b13 to 2983474: edit=0).
   c.mix = ml_collections.ConfigDict(dict(code=640, prose=240, instruct=320, math=60, edit=320))
