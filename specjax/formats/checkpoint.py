@@ -106,6 +106,25 @@ def _read_config(path: Path) -> ModelConfig:
     raise CheckpointError(f"corrupt {file}: {e}") from e
 
 
+def orbax_gaps(item: str | os.PathLike) -> str | None:
+  """What an orbax item directory lacks for a restore, or None: its tree
+  metadata (_METADATA) and, in the OCDBT layout (ocdbt.process_*/), the
+  root manifest (manifest.ocdbt) and data (d/). Checked before orbax, which
+  on these gaps fails late and can print a score of asyncio tracebacks from
+  tensorstore's callbacks before its error."""
+  item = Path(item)
+  if not item.is_dir():
+    return f"{item} is missing"
+  need = ["_METADATA"]
+  if any(item.glob("ocdbt.process_*")):
+    need += ["manifest.ocdbt", "d"]
+  missing = [n for n in need if not (item / n).exists()]
+  if missing:
+    return (f"{item} is incomplete (no {', '.join(missing)}: an interrupted write or a "
+            f"partial copy)")
+  return None
+
+
 def _one_line(e: Exception, limit: int = 400) -> str:
   """The gist of an orbax/tensorstore error, without its multi-kB spec dump."""
   text = (str(e).strip().splitlines() or [repr(e)])[0]
@@ -166,6 +185,9 @@ def load(path: str | os.PathLike, dtype: str | None = None, role: str = "target"
   params_dir = path / PARAMS_DIR
   if not params_dir.is_dir():
     raise CheckpointError(f"missing {PARAMS_DIR}/ in {path}")
+  gaps = orbax_gaps(params_dir)
+  if gaps:
+    raise CheckpointError(gaps)
   try:
     with ocp.StandardCheckpointer() as ckptr:
       stored = ckptr.metadata(params_dir)

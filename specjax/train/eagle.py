@@ -133,11 +133,8 @@ def train(tcfg: ModelConfig, tparams, tc, workdir: str | os.PathLike,
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt.init(params)}
   mngr = train_lib.checkpoint_manager(workdir, int(tc.keep))
   metrics_path = workdir / train_lib.METRICS_FILE
-  start = mngr.latest_step() or 0
-  if start:
-    state = train_lib.restore(mngr, start, _abstract_state(hcfg, opt))
-    train_lib.trim_metrics(metrics_path, start)
-    log(f"resumed {workdir} at step {start}")
+  restored, start = train_lib.resume(mngr, _abstract_state(hcfg, opt), metrics_path, log)
+  state = state if restored is None else restored
   total = int(tc.steps)
   end = total if stop_at is None else min(total, int(stop_at))
   windows = corpus.eval_windows(eval_stream, int(tc.eval_batches) * int(tc.batch),

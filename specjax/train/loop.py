@@ -178,7 +178,8 @@ def check_same_run(workdir: Path, want: dict[str, Any]) -> None:
 
 def trim_metrics(path: Path, last_step: int) -> None:
   """Drops records past the restored step (written after the last checkpoint)."""
-  wd.restart_jsonl(path, [r for r in wd.read_jsonl(path) if r.get("step", 0) <= last_step])
+  if path.exists():
+    wd.restart_jsonl(path, [r for r in wd.read_jsonl(path) if r.get("step", 0) <= last_step])
 
 
 def checkpoint_manager(workdir: Path, keep: int):
@@ -200,13 +201,47 @@ def _abstract_state(cfg: ModelConfig, opt):
           "opt_state": jax.eval_shape(opt.init, params)}
 
 
-def restore(mngr, step: int, abstract):
+def _restore_step(mngr, step: int, abstract):
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  where = f"training checkpoint {step} in {mngr.directory}"
+  item = Path(mngr.directory) / str(step) / "default"  # StandardSave's item
+  gaps = checkpoint.orbax_gaps(item) if item.is_dir() else None
+  if gaps:  # before orbax, whose failure here prints asyncio tracebacks
+    raise CheckpointError(f"{where}: {gaps}")
   try:
     return mngr.restore(step, args=ocp.args.StandardRestore(abstract))
   except Exception as e:  # pylint: disable=broad-except
-    raise CheckpointError(f"cannot restore training checkpoint {step} from "
-                          f"{mngr.directory}: {str(e).splitlines()[0][:300]}") from e
+    raise CheckpointError(f"cannot restore {where}: {str(e).splitlines()[0][:300]}") from e
+
+
+def restore(mngr, step: int, abstract):
+  """The training state saved at `step`. When it cannot be restored, the
+  CheckpointError says which older step is intact and how to resume from it
+  (the broken one is left for the user to look at, never deleted here)."""
+  try:
+    return _restore_step(mngr, step, abstract)
+  except CheckpointError as e:
+    for older in sorted((s for s in mngr.all_steps() if s < step), reverse=True):
+      try:
+        _restore_step(mngr, older, abstract)
+      except CheckpointError:
+        continue
+      raise CheckpointError(f"{e}; step {older} is intact: move {mngr.directory}/{step} "
+                            f"out of {mngr.directory} to resume from it") from None
+    raise CheckpointError(f"{e}; no older checkpoint is intact") from None
+
+
+def resume(mngr, abstract, metrics_path: Path, log: Callable[[str], None]):
+  """(state, step) to continue a run from: its last checkpoint, or (None, 0)
+  without one. metrics.jsonl is cut back to that step either way: rows past
+  it were written after the last checkpoint committed (or by a run killed
+  before its first), and the resumed run writes them again."""
+  start = mngr.latest_step() or 0
+  state = restore(mngr, start, abstract) if start else None
+  trim_metrics(metrics_path, start)
+  if start:
+    log(f"resumed {metrics_path.parent} at step {start}")
+  return state, start
 
 
 def finished_params(workdir: str | os.PathLike, cfg: ModelConfig, tc, teacher=None):
@@ -251,11 +286,8 @@ def train(cfg: ModelConfig, tc, workdir: str | os.PathLike, train_stream: np.nda
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt.init(params)}
   mngr = checkpoint_manager(workdir, int(tc.keep))
   metrics_path = workdir / METRICS_FILE
-  start = mngr.latest_step() or 0
-  if start:
-    state = restore(mngr, start, _abstract_state(cfg, opt))
-    trim_metrics(metrics_path, start)
-    log(f"resumed {workdir} at step {start}")
+  restored, start = resume(mngr, _abstract_state(cfg, opt), metrics_path, log)
+  state = state if restored is None else restored
   total = int(tc.steps)
   end = total if stop_at is None else min(total, int(stop_at))
   windows = corpus.eval_windows(eval_stream, int(tc.eval_batches) * int(tc.batch),

@@ -157,11 +157,8 @@ def train(kind: str, cfg: ModelConfig, init, tcfg: ModelConfig, tparams, data, n
   state = {"step": jnp.zeros((), jnp.int32), "params": init, "opt_state": opt.init(init)}
   mngr = train_lib.checkpoint_manager(workdir, int(tc.keep))
   metrics_path = workdir / train_lib.METRICS_FILE
-  start = mngr.latest_step() or 0
-  if start:
-    state = train_lib.restore(mngr, start, jax.eval_shape(lambda: state))
-    train_lib.trim_metrics(metrics_path, start)
-    log(f"resumed {workdir} at step {start}")
+  restored, start = train_lib.resume(mngr, jax.eval_shape(lambda: state), metrics_path, log)
+  state = state if restored is None else restored
   total = int(tc.steps)
   end = total if stop_at is None else min(total, int(stop_at))
   n = len(data["tokens"])

@@ -138,6 +138,28 @@ def test_orbax_corrupt_data(tmp_path, init_params, which):
   gc.collect()  # finalise orbax's abandoned reads here, not in a later test
 
 
+@pytest.mark.parametrize("part", ["manifest.ocdbt", "_METADATA", "d"])
+def test_orbax_incomplete_is_one_line_before_orbax(tmp_path, init_params, capfd, part):
+  """A checkpoint missing its manifest (or tree metadata, or root data) is
+  named as incomplete before orbax runs: orbax's own failure there printed
+  up to a score of asyncio tracebacks first."""
+  cfg = get_preset("tiny")
+  checkpoint.save(tmp_path, cfg, init_params(cfg, 0))
+  target = tmp_path / checkpoint.PARAMS_DIR / part
+  if target.is_dir():
+    import shutil  # pylint: disable=import-outside-toplevel
+    shutil.rmtree(target)
+  else:
+    target.unlink()
+  capfd.readouterr()
+  with pytest.raises(CheckpointError, match=rf"params is incomplete \(no {part}: an "
+                     rf"interrupted write or a partial copy\)$"):
+    checkpoint.load(tmp_path)
+  gc.collect()
+  err = capfd.readouterr().err
+  assert "Traceback" not in err and "Failed to get item metadata" not in err, err
+
+
 def test_orbax_config_mismatch(tmp_path, init_params):
   """Params restored against a config they do not fit: a clear error."""
   cfg = get_preset("tiny")

@@ -17,7 +17,7 @@ from specjax.decode import speculative
 from specjax.model import steps
 from specjax.train import loop as train
 from specjax.model.config import ModelConfig
-from specjax.errors import ConfigError
+from specjax.errors import CheckpointError, ConfigError
 from specjax.model.sampling import SamplingParams
 
 TINY = ModelConfig("t", 64, 32, 2, 4, 2, 64, max_seq_len=64, tie_embeddings=True)
@@ -67,6 +67,52 @@ def test_resume_matches_uninterrupted(tmp_path):
   losses = lambda d: [r["loss"] for r in train.read_metrics(d) if "loss" in r]
   assert losses(tmp_path / "a") == losses(tmp_path / "b")
   assert train.finished_params(tmp_path / "b", TINY, tc) is not None
+
+
+def test_a_run_killed_before_its_first_checkpoint_logs_each_step_once(tmp_path, monkeypatch):
+  """The rows a run wrote before it was killed, with no checkpoint yet, are
+  written again by the rerun from step 0: they must not stay twice."""
+  tc = _tc(steps=4, batch=2, seq_len=16, ckpt_every=4, log_every=1, eval_every=100)
+  stream, quiet = _stream(), dict(progress=False, log=lambda s: None)
+
+  def killed(*args):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(train, "_save", killed)  # killed while writing its first checkpoint
+  with pytest.raises(KeyboardInterrupt):
+    train.train(TINY, tc, tmp_path, stream, stream, **quiet)
+  assert [r["step"] for r in train.read_metrics(tmp_path)] == [1, 2, 3, 4, 4]
+  monkeypatch.undo()
+  train.train(TINY, tc, tmp_path, stream, stream, **quiet)
+  recs = train.read_metrics(tmp_path)
+  assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+  assert [r["step"] for r in recs if "eval_loss" in r] == [4]
+
+
+def test_a_broken_latest_checkpoint_names_the_intact_one(tmp_path, capfd):
+  """A last checkpoint without its manifest: one line naming the older
+  intact step and how to resume from it; moved aside, the run resumes there
+  and finishes as an uninterrupted one."""
+  tc = _tc(steps=6, batch=2, seq_len=16, ckpt_every=2, log_every=1, eval_every=100)
+  stream, quiet = _stream(), dict(progress=False, log=lambda s: None)
+  full = train.train(TINY, tc, tmp_path / "full", stream, stream, **quiet)
+  work = tmp_path / "w"
+  train.train(TINY, tc, work, stream, stream, stop_at=4, **quiet)
+  (work / "ckpt" / "4" / "default" / "manifest.ocdbt").unlink()
+  capfd.readouterr()
+  with pytest.raises(CheckpointError, match=r"training checkpoint 4 in .*no manifest.ocdbt.*; "
+                     r"step 2 is intact: move .*ckpt/4 out of .*ckpt to resume from it$"):
+    train.train(TINY, tc, work, stream, stream, **quiet)
+  assert "Traceback" not in capfd.readouterr().err
+  (work / "ckpt" / "4").rename(work / "broken-4")
+  resumed = train.train(TINY, tc, work, stream, stream, **quiet)
+  for x, y in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(resumed)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert [r["step"] for r in train.read_metrics(work) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+  # a final checkpoint broken with no intact one before it says so
+  (work / "ckpt" / "6" / "default" / "_METADATA").unlink()
+  (work / "ckpt" / "4" / "default" / "_METADATA").unlink()
+  with pytest.raises(CheckpointError, match="no older checkpoint is intact$"):
+    train.finished_params(work, TINY, tc)
 
 
 def test_resume_refuses_a_changed_config(tmp_path):
