@@ -1,28 +1,16 @@
 """A run's folder and its records: the one place that writes and reads them.
 
 Every script that takes `--workdir` (or `--json_out`) follows these
-conventions, and nothing else in specjax opens these files:
-
-  results.jsonl  one JSON object per finished point, appended and flushed as
-                 the point finishes, so an interruption loses nothing
-                 finished. `read_jsonl` skips a line torn by an interruption;
-                 `restart_jsonl` rewrites the whole records before new ones
-                 are appended, so the next record is never glued to a torn
-                 line.
-  results.csv    the same records under a fixed list of columns.
-  config.json    {"config": the run's settings, "env": environment()}.
-  *.png          plots, finished by `save_figure` (layout, dpi, closed).
-  summary.md     the human-readable report.
-
-Two checks run before the work: `check_output_file` / `check_output_dir`
-(an output path that cannot be written is refused at the start, not after
-the run), and `check_stage` (a resumable stage's outputs are reused only
-for the settings they were made with, never for others).
-
-`environment()` is what every record carries: versions, backend, device, the
-CPU model and its vector extensions (results move a lot between machines:
-AVX-512 and AMX change which matmul kernels XLA:CPU runs), host load, XLA
-flags and the git commit.
+conventions, and nothing else in specjax opens these files: results.jsonl
+(one record per finished point, appended and flushed as it finishes; a line
+torn by an interruption is skipped by `read_jsonl` and cut by
+`restart_jsonl`), results.csv, config.json (the settings and
+`environment()`), plots (`save_figure`) and summary.md. Invariants: nothing
+finished is lost to an interruption; an output path that cannot be written
+is refused before the work (`check_output_file`, `check_output_dir`); a
+resumable stage's outputs are reused only for the settings they were made
+with (`check_stage`). The files, and what `environment()` records:
+docs/scripts.md, "A run's folder".
 """
 
 from __future__ import annotations

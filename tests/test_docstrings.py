@@ -325,7 +325,7 @@ PENDING_LONG = {
     'specjax/decode/autogamma.py', 'specjax/decode/autotree.py', 'specjax/decode/speculative.py',
     'specjax/decode/tree_acceptance.py', 'specjax/decode/tree_step.py',
     'specjax/drafters/base.py', 'specjax/drafters/dynamic.py', 'specjax/drafters/eagle.py',
-    'specjax/formats/chat.py', 'specjax/model/tree.py', 'specjax/workdir.py',
+    'specjax/model/tree.py',
 }
 
 

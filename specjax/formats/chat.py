@@ -1,40 +1,16 @@
 """Chat templates: a conversation -> the text an Instruct model was trained on.
 
 An Instruct checkpoint carries a Jinja template that turns messages
-([{"role": "user", "content": "..."}, ...]) into its prompt format (LLaMA-3's
-<|start_header_id|>user<|end_header_id|>, ChatML's <|im_start|>user, ...).
-Prompting such a model with raw text measures another distribution than the
-one it is used on, and acceptance changes with it.
-
-Where the template comes from (`hf_template`, `gguf_template`), as
-transformers reads it:
-  HF directory  chat_template.jinja when present (transformers >= 4.49 saves
-                it there), else tokenizer_config.json's `chat_template`: a
-                string, or a list of {"name", "template"} of which "default"
-                is used.
-  GGUF file     the `tokenizer.chat_template` metadata key.
-
-Rendering follows transformers' `apply_chat_template`: a sandboxed Jinja
-environment with trim_blocks and lstrip_blocks, the loopcontrols extension,
-a `{% generation %}` block that renders its body, `raise_exception`,
-`strftime_now`, a `tojson` filter that keeps non-ASCII and does not escape
-HTML, and the variables messages, add_generation_prompt, tools=None,
-documents=None and the special tokens' strings (bos_token, eos_token, ...).
-Messages' None-valued keys are dropped first, as transformers does.
-
-A template is input, not code we trust: whatever it raises is one
-TokenizerError naming its source, and rendering is bounded (RENDER_SECONDS of
-template code, RENDER_CHARS of output, `*` and `**` refused past that size),
-so a template that loops for ever or multiplies a string without end fails
-instead of hanging the run. The sandbox keeps it from Python's internals
-(tests/formats/test_chat.py tries the known escapes).
-
-The rendered text is encoded without the tokenizer's own special tokens
-(`Tokenizer.encode_chat`; transformers' add_special_tokens=False): a
-template that writes {{ bos_token }} gives one BOS, never two, and one that
-does not gets none, as in transformers. (llama.cpp strips a leading BOS from
-the text and lets the tokenizer add it, which gives the same ids whenever the
-template writes the BOS.)
+([{"role": "user", "content": "..."}, ...]) into its prompt format; prompting
+it with raw text measures another distribution than the one it is used on.
+The template comes from an HF directory or a GGUF file (`hf_template`,
+`gguf_template`) and renders as transformers' `apply_chat_template` renders
+it. Invariants: the ids equal transformers' (the text is encoded without the
+tokenizer's own special tokens, `Tokenizer.encode_chat`: one BOS, never
+two); a template is input, not trusted code: sandboxed, bounded in time and
+output (RENDER_SECONDS, RENDER_CHARS), and whatever it raises is one
+TokenizerError. Where a template is looked for, the rendering environment,
+the bounds: docs/models.md, "Chat models".
 """
 
 from __future__ import annotations
