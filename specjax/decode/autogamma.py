@@ -111,13 +111,8 @@ class BatchCosts:
 
 def catches_up(drafter: drafters.Drafter | str) -> bool:
   """Whether the drafter pays the catch-up draft forward after a fully
-  accepted step. Only speculative.draft_phase over a cache of the drafter's
-  own does (it feeds d_gamma first, a lax.cond): the draft model and a
-  layer-skip list that is not a prefix. ngram has no model, the layer-skip
-  prefix shares the target's cache (never behind), eagle feeds its pending
-  features in its own step: their Drafted.caught_up is always false."""
-  d = registry.parse(drafter)
-  return d.kind == "model" or (d.kind == "layerskip" and not d.prefix)
+  accepted step (Drafter.catches_up)."""
+  return registry.parse(drafter).catches_up
 
 
 def predicted_speedups(c: BatchCosts, alpha: float, gammas: Sequence[int],

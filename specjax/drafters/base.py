@@ -135,6 +135,10 @@ class Drafter:
   # the state's shapes do not depend on gamma, so steps of different gammas
   # continue each other (autogamma's requirement)
   gamma_free_state: ClassVar[bool] = True
+  # pays a catch-up draft forward after a fully accepted step (Drafted.caught_up)
+  catches_up: ClassVar[bool] = False
+  # drafts a dynamic tree with a prompt-lookup chain grafted on (`+ngram:L`)
+  can_graft: ClassVar[bool] = False
 
   @property
   def spec(self) -> str:
@@ -149,6 +153,10 @@ class Drafter:
 
   def draft_params(self, tparams, draft: steps.Runner | None):
     raise NotImplementedError
+
+  def own_params(self, dparams) -> int:
+    """Parameters of its own (what it only reads of the target's is not counted)."""
+    return 0
 
   def init(self, sc, target: steps.Runner, dparams, prompts, capacity: int, first):
     raise NotImplementedError

@@ -1,151 +1,35 @@
-"""The draft model and layer skip: drafters that run a LLaMA (the draft's own
-weights, or a subset of the target's layers) for gamma T=1 steps over a KV
-cache, with the catch-up after a fully accepted step (see drafters/base.py
-for the interface and the spec strings)."""
+"""The draft model and layer skip: network drafters that run a LLaMA (the
+draft's own weights, or a subset of the target's layers) over a KV cache.
+
+Fed index f sits at slot n - 1 + f (the verify's layout: a chain's d_j at
+n - 1 + j, a static tree's block index j at n - 1 + j); a chain's d_gamma
+and a tree's deepest level are never fed, so after a fully accepted step
+the next step first catches up (network.catch_up). A layer-skip prefix
+(the first N layers) shares the target's cache instead: the verify
+rewrites the slots the draft wrote, and it never catches up.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specjax.model import sampling
-from specjax.drafters import dynamic
-from specjax.drafters.base import Drafted, DraftedTree, Drafter, rollback_draft_cache
+from specjax.drafters import network
+from specjax.drafters.base import rollback_draft_cache
 from specjax.errors import ConfigError
 from specjax.model import kv_cache as kvc
 from specjax.model import llama
 from specjax.model import steps
-from specjax.model.tree import DynamicTree
-
-
-def draft_phase(dparams, dcache, tail, n, live, key, sc):
-  """Drafts gamma tokens per row from the draft model (sc.draft): the
-  `model` drafter's proposal, and layerskip's.
-
-  Returns (Drafted, dcache holding n-1+gamma entries)."""
-  cfg, sp = sc.draft, sc.sp
-  behind = live & (dcache.lengths < n - 1)  # rows that accepted every draft last step
-
-  def catch_up(c):  # feed d_gamma, left over from a fully accepted step
-    c = kvc.rollback(c, n - 2)
-    return llama.forward(dparams, tail[:, :1], c, cfg)[1]
-
-  dcache = jax.lax.cond(jnp.any(behind), catch_up, lambda c: c, dcache)
-
-  def body(carry, k):
-    tok, c, active = carry
-    logits, c = llama.forward(dparams, tok[:, None], c, cfg)
-    logits = logits[:, 0]
-    q = sampling.probs(logits, sp)
-    nxt = jnp.argmax(logits, -1).astype(jnp.int32) if sp.greedy else sampling.sample(k, q)
-    if sc.p_min > 0:
-      top = jnp.max(jax.nn.softmax(logits) if sp.greedy else q, -1)
-      active = active & (top >= sc.p_min)
-    return (nxt, c, active), (nxt, q if sc.needs_q else q[:, :0], active)
-
-  b = tail.shape[0]
-  init = (tail[:, 1], dcache, jnp.ones((b,), bool))
-  (_, dcache, _), (drafts, q, active) = jax.lax.scan(
-      body, init, jax.random.split(key, sc.gamma))
-  return Drafted(tokens=drafts.T, q=jnp.swapaxes(q, 0, 1),
-                 n_drafted=jnp.sum(active, 0).astype(jnp.int32), caught_up=behind), dcache
-
-
-def draft_tree_phase(dparams, dcache, tail, n, live, key, sc):
-  """Drafts sc.tree (a static token tree) per row from the draft model, one
-  forward per level over all of that level's nodes: the `model` and
-  `layerskip` drafters' tree proposal.
-
-  The draft writes its tree block where the target's verify will: block
-  index j (0 = the tail) at slot n - 1 + j, each level attending to the
-  cached slots < n - 1 and its ancestors in the block (a tree mask
-  [level, block so far]). Each node's children are its top-k by the draft's
-  logits (sc.siblings 'topk': ranks follow the draft's order) or i.i.d.
-  draws from its q ('stochastic'). The deepest level is never fed, as a
-  chain's d_gamma is not. Returns (DraftedTree, dcache with lengths n - 1:
-  the block in scratch slots, for kv_cache.commit_path)."""
-  cfg, sp, tree = sc.draft, sc.sp, sc.tree
-  behind = live & (dcache.lengths < n - 1)  # the last step's deepest node was accepted
-
-  def catch_up(c):  # feed it first, as a chain feeds d_gamma
-    c = kvc.rollback(c, n - 2)
-    return llama.forward(dparams, tail[:, :1], c, cfg)[1]
-
-  dcache = jax.lax.cond(jnp.any(behind), catch_up, lambda c: c, dcache)
-  base = dcache.lengths  # n - 1 for live rows
-  mask, depths, kids = tree.mask(), tree.block_depths(), tree.child_table()  # static numpy
-  b, t = tail.shape[0], tree.block_size
-  block = jnp.zeros((b, t), jnp.int32).at[:, 0].set(tail[:, 1])
-  q_all = jnp.zeros((b, t, cfg.padded_vocab if sc.needs_q else 0), jnp.float32)
-  for d, k in enumerate(jax.random.split(key, tree.max_depth)):
-    lo, hi = int(np.argmax(depths == d)), int(np.nonzero(depths == d)[0][-1]) + 1
-    logits, dcache = llama.forward(dparams, block[:, lo:hi], kvc.rollback(dcache, base + lo),
-                                   cfg, tree_mask=mask[lo:hi, :hi])
-    q = sampling.probs(logits, sp)  # [B, w, V]
-    if sc.needs_q:
-      q_all = q_all.at[:, lo:hi].set(q)
-    parent, rank = np.nonzero(kids[lo:hi] >= 0)  # this level's children, by parent and rank
-    if sc.siblings == "topk" or sp.greedy:
-      cand = jax.lax.top_k(logits, tree.width)[1]  # [B, w, width]
-    else:
-      cand = jax.random.categorical(k, jnp.log(q)[:, :, None], axis=-1,
-                                    shape=(b, hi - lo, tree.width))
-    block = block.at[:, kids[lo:hi][parent, rank]].set(cand[:, parent, rank].astype(jnp.int32))
-  return DraftedTree(tokens=block[:, 1:], q=q_all, caught_up=behind), kvc.rollback(dcache, base)
-
-
-def draft_dynamic_phase(dparams, dcache, tail, n, live, key, sc):
-  """Drafts a dynamic tree (sc.tree a model.tree.DynamicTree k, depth, N),
-  EAGLE-2's way, per row (the selection: drafters/dynamic.py, shared with
-  the EAGLE head): the top-k children of every frontier node by cumulative
-  draft log-probability, the frontier of each level its top k candidates,
-  then the N candidates with the highest cumulative log-probability, in BFS
-  order, siblings by probability.
-
-  The draft feeds the root and each level's frontier (1 + (depth - 1) k
-  tokens) at slots n - 1 + its feed index, each level attending to the
-  cached slots < n - 1 and its fed ancestors, so its scratch layout is not
-  the verify block's: DraftedTree.fed maps one to the other for the commit.
-  Returns (DraftedTree with per-row parents, mask and fed, dcache with
-  lengths n - 1)."""
-  del key  # top-k children: deterministic
-  cfg = sc.draft
-  behind = live & (dcache.lengths < n - 1)
-
-  def catch_up(c):
-    c = kvc.rollback(c, n - 2)
-    return llama.forward(dparams, tail[:, :1], c, cfg)[1]
-
-  dcache = jax.lax.cond(jnp.any(behind), catch_up, lambda c: c, dcache)
-  base = dcache.lengths
-
-  def feed(tokens, anc, parent):  # fed indices lo .. hi-1 at slots base + lo ..
-    del parent  # the cache holds every fed ancestor's K/V
-    nonlocal dcache
-    lo = anc.shape[-1] - tokens.shape[1]
-    logits, dcache = llama.forward(dparams, tokens, kvc.rollback(dcache, base + lo), cfg,
-                                   tree_mask=anc)
-    return logits
-
-  drafted = dynamic.select(feed, tail[:, 1], sc.tree)
-  return drafted.replace(caught_up=behind), kvc.rollback(dcache, base)
-
-
-def _draft_tree(dparams, dcache, tail, n, live, key, sc):
-  """A static tree's or a dynamic tree's draft phase."""
-  phase = draft_dynamic_phase if isinstance(sc.tree, DynamicTree) else draft_tree_phase
-  return phase(dparams, dcache, tail, n, live, key, sc)
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter(Drafter):
-  """The draft model: its own KV cache, gamma T=1 steps in a lax.scan."""
+class ModelDrafter(network.NetworkDrafter):
+  """The draft model (--model_draft) on a KV cache of its own."""
   kind: ClassVar[str] = "model"
   needs_draft_model: ClassVar[bool] = True
+  catches_up: ClassVar[bool] = True
 
   def draft_config(self, target, draft):
     if draft is None:
@@ -162,17 +46,25 @@ class ModelDrafter(Drafter):
       raise ConfigError("drafter 'model' needs a draft model (--model_draft)")
     return draft.params
 
+  def own_params(self, dparams) -> int:
+    return llama.param_count(dparams)
+
   def init(self, sc, target, dparams, prompts, capacity, first):
     m = steps.Runner(sc.draft, dparams)
     return m.prefill(prompts, m.new_cache(len(prompts), capacity))[1]
 
-  def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
-    d, dcache = draft_phase(dparams, dstate, tail, n, live, key, sc)
-    return d, dcache, tcache
+  def begin(self, dparams, dstate, tcache, tail, n, live, sc, width):
+    forward = lambda tokens, c: llama.forward(dparams, tokens, c, sc.draft)[1]
+    cache, behind = network.catch_up(forward, dstate, tail, n, live)
+    return network.CacheFeed(cache=cache, base=cache.lengths), behind
 
-  def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
-    d, dcache = _draft_tree(dparams, dstate, tail, n, live, key, sc)
-    return d, dcache, tcache
+  def feed(self, dparams, fst, tokens, lo, anc, parent, sc):
+    logits, cache = llama.forward(dparams, tokens, kvc.rollback(fst.cache, fst.base + lo),
+                                  sc.draft, tree_mask=anc)
+    return logits, fst.replace(cache=cache)
+
+  def end(self, dparams, fst, dstate, tcache, n, sc):
+    return kvc.rollback(fst.cache, fst.base), tcache
 
   def commit(self, dstate, c):
     return rollback_draft_cache(dstate, c)
@@ -197,10 +89,19 @@ def _ranges(layers: tuple[int, ...]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerSkipDrafter(Drafter):
+class LayerSkipDrafter(ModelDrafter):
   """The target with a subset of its layers (its own arrays, no copy)."""
   layers: tuple[int, ...] = (0,)
   kind: ClassVar[str] = "layerskip"
+  needs_draft_model: ClassVar[bool] = False
+
+  @property
+  def catches_up(self) -> bool:
+    """A prefix shares the target's cache, never behind."""
+    return not self.prefix
+
+  def own_params(self, dparams) -> int:
+    return 0  # the target's arrays
 
   @property
   def prefix(self) -> bool:
@@ -229,31 +130,23 @@ class LayerSkipDrafter(Drafter):
   def init(self, sc, target, dparams, prompts, capacity, first):
     if self.prefix:
       return ()  # the target's cache holds the draft's layers
-    m = steps.Runner(sc.draft, dparams)
-    return m.prefill(prompts, m.new_cache(len(prompts), capacity))[1]
+    return super().init(sc, target, dparams, prompts, capacity, first)
 
-  def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
+  def begin(self, dparams, dstate, tcache, tail, n, live, sc, width):
     if not self.prefix:
-      d, dcache = draft_phase(dparams, dstate, tail, n, live, key, sc)
-      return d, dcache, tcache
-    k = len(self.layers)
+      return super().begin(dparams, dstate, tcache, tail, n, live, sc, width)
     # The target's cache holds the kept sequence minus `last` (n - 1): the
-    # draft's own invariant, so the draft phase never catches up.
-    shared = kvc.KVCache(k=tcache.k[:k], v=tcache.v[:k], lengths=tcache.lengths)
-    d, shared = draft_phase(dparams, shared, tail, n, live, key, sc)
-    # The slots the draft wrote (n-1 .. n-2+gamma) are rewritten by the
-    # verify, which starts at the target's unchanged lengths.
-    return d, dstate, tcache.replace(k=shared.k + tcache.k[k:], v=shared.v + tcache.v[k:])
-
-  def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
-    if not self.prefix:
-      d, dcache = _draft_tree(dparams, dstate, tail, n, live, key, sc)
-      return d, dcache, tcache
+    # draft's own invariant, so it never catches up.
     k = len(self.layers)
     shared = kvc.KVCache(k=tcache.k[:k], v=tcache.v[:k], lengths=tcache.lengths)
-    d, shared = _draft_tree(dparams, shared, tail, n, live, key, sc)
-    # the verify rewrites the whole block the draft wrote, at the same slots
-    return d, dstate, tcache.replace(k=shared.k + tcache.k[k:], v=shared.v + tcache.v[k:])
+    return network.CacheFeed(cache=shared, base=shared.lengths), jnp.zeros(n.shape, bool)
+
+  def end(self, dparams, fst, dstate, tcache, n, sc):
+    if not self.prefix:
+      return super().end(dparams, fst, dstate, tcache, n, sc)
+    # the verify rewrites the slots the draft wrote, from the target's unchanged lengths
+    k = len(self.layers)
+    return dstate, tcache.replace(k=fst.cache.k + tcache.k[k:], v=fst.cache.v + tcache.v[k:])
 
   def commit(self, dstate, c):
-    return dstate if self.prefix else rollback_draft_cache(dstate, c)
+    return dstate if self.prefix else super().commit(dstate, c)

@@ -10,19 +10,15 @@ log-probability (ties: the shallower first, so a kept node's parent is
 kept), in BFS order, siblings by probability.
 
 The feed layout: the root at fed index 0, level d's frontier (d >= 1) at
-fed indices 1 + (d - 1) k .. d k. A drafter's `feed(tokens, anc, parent)`
-is called once per level with that level's fed nodes, lo .. hi - 1 in the
-feed layout (lo = hi - w; lo = 0 is the root alone):
-  tokens [B, w]     their tokens (the root's: the caller's root_token)
-  anc    [B, w, hi] bool, each one's ancestors-or-self in the feed layout
-  parent [B, w]     the fed index of each one's parent (-1: the root)
-and returns the logits [B, w, V] their children are drawn from. Whatever
-state the feeding needs (a KV cache, the fed nodes' features) stays in the
-drafter's closure."""
+fed indices 1 + (d - 1) k .. d k. `feed(state, tokens, lo, anc, parent)` is
+called once per level (drafters/walkers.py's feeder protocol: tokens [B, w]
+at fed indices lo .. lo + w - 1, anc [B, w, lo + w] their ancestors-or-self,
+parent [B, w] their parents' fed indices) and returns (logits, state).
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +26,7 @@ import jax.numpy as jnp
 from specjax.drafters.base import DraftedTree
 from specjax.model.tree import DynamicTree
 
-Feed = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+Feed = Callable[..., tuple[jax.Array, Any]]
 
 
 def level_span(d: int, k: int) -> tuple[int, int]:
@@ -38,12 +34,12 @@ def level_span(d: int, k: int) -> tuple[int, int]:
   return (0, 1) if d == 0 else (1 + (d - 1) * k, 1 + d * k)
 
 
-def select(feed: Feed, root_token, tree: DynamicTree) -> DraftedTree:
-  """The dynamic tree of each row (module docstring), fed by `feed`.
+def select(feed: Feed, state, root_token, tree: DynamicTree) -> tuple[DraftedTree, Any]:
+  """The dynamic tree of each row (module docstring), fed by `feed` from `state`.
 
-  Returns a DraftedTree with per-row parents, mask and fed (each block's
+  Returns (a DraftedTree with per-row parents, mask and fed (each block's
   fed index, -1: a node outside every frontier, never fed), no q (top-k
-  siblings: deterministic) and caught_up all False (the caller's to set)."""
+  siblings: deterministic) and caught_up all False, the feed's state)."""
   k, depth, n_keep = tree.k, tree.depth, tree.n_nodes
   b, f = root_token.shape[0], tree.n_fed
   rows = jnp.arange(b)[:, None]
@@ -56,7 +52,7 @@ def select(feed: Feed, root_token, tree: DynamicTree) -> DraftedTree:
   n_cand = 0
   for d in range(depth):  # feed level d's frontier, propose level d + 1
     lo, hi = level_span(d, k)
-    logits = feed(fed_tok[:, lo:hi], fed_anc[:, lo:hi, :hi], fed_par[:, lo:hi])
+    logits, state = feed(state, fed_tok[:, lo:hi], lo, fed_anc[:, lo:hi, :hi], fed_par[:, lo:hi])
     logp = fed_score[:, lo:hi, None] + jax.nn.log_softmax(logits.astype(jnp.float32), -1)
     top, tok = jax.lax.top_k(logp, k)  # [B, w, k]
     w = hi - lo
@@ -94,7 +90,7 @@ def select(feed: Feed, root_token, tree: DynamicTree) -> DraftedTree:
   fed = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.take_along_axis(fed_c, keep, 1)], 1)
   return DraftedTree(tokens=jnp.take_along_axis(tok, keep, 1),
                      q=jnp.zeros((b, t, 0), jnp.float32), caught_up=jnp.zeros((b,), bool),
-                     parents=parents, mask=mask, fed=fed)
+                     parents=parents, mask=mask, fed=fed), state
 
 
 def graft_chain(d: DraftedTree, chain, n_chain) -> DraftedTree:

@@ -1,59 +1,17 @@
-"""An EAGLE-1 draft head (Li et al. 2024) for a specjax target: the model, its files, and the
-drafter that drafts with it (its training: specjax/train/eagle.py).
+"""An EAGLE-1 draft head (Li et al. 2024) for a specjax target: the model, its
+files and the drafter (its training: specjax/train/eagle.py).
 
-The head is one LLaMA decoder layer (layers.Block, the target's shapes) over fc([embedding of a
-token ; target feature]) (2E -> E, with bias). A "feature" is the target's final-normed hidden
-state at a position, the input of its LM head (model.forward(..., return_hidden=True)). The head
-predicts the next feature; the drafted token comes from the target's own LM head on that
-prediction, and the token embedding from the target's own embedding table (both read from the
-target's params, never copied: the head's params hold only `fc` and `block`).
-
-Indices. Sequence x_0 .. x_{n-1}; f_i = the target's feature at position i (after reading
-x_0..x_i; its logits predict x_{i+1}).
-  pair i  = (f_i, x_{i+1}), written at head-cache slot i with RoPE position i
-            (the paper's "position i+1 input (f_i, t_{i+1})").
-  head(pairs 0..i) -> g_i, a prediction of f_{i+1}; head_logits(g_i) predicts x_{i+2}.
-A head may also read each pair's current token (`reads_prev_token`, known from its fc's width,
-3E -> E): pair i = (f_i, x_{i+1}; x_i). Drafting hands it the token before each pair (a chain's
-previous pair's token, a tree node's parent's, the pending pairs' x_start in Pending.prev). One
-layer can then copy from the context (match x_i, read the x_{i+1} that followed it), which the
-final features, mostly about the next token, barely allow.
-Training (teacher forcing, `eagle_loss`): a window x_0..x_T gives f_0..f_T from one frozen
-target pass; the head reads pairs 0..T-1 and g_i is regressed on f_{i+1} (smooth L1) and its
-LM-head distribution on the target's softmax(head_logits(f_{i+1})) (cross-entropy to soft
-labels, weight `ce_weight`, paper 0.1), i = 0..T-1.
-
-Speculative step (n tokens so far; the target cache holds x_0..x_{n-2}, its length n-1; `last` =
-x_{n-1}). Between steps the state keeps `pending`: the previous verify's gamma+1 features, the
-tokens to pair them with, and `start`, the head-cache slot of the first of those pairs.
-  draft:  1. roll the head cache back to `start` and run the head over the
-             gamma+1 pending pairs (one T = gamma+1 step), then roll it back
-             to n-1: only the k+1 real pairs stay, the padding pairs past
-             them are never attended to. Output index k = n-2-start is g_{n-2},
-             the prediction of f_{n-1}; its logits draft d_1 (for x_n).
-          2. gamma-1 T=1 steps: pair n-1+j = (g_{n-2+j}, d_j) -> g_{n-1+j}
-             -> d_{j+1}, j = 1..gamma-1 (predicted features stand in for
-             the target's).
-  verify: the target over [last, d_1..d_gamma] at positions n-1..n-1+gamma,
-          with its features f_{n-1}..f_{n-1+gamma} from the same pass.
-  accept: k drafts accepted and the target's token y: the sequence grows by
-          d_1..d_k, y to n' = n+k+1. The verified features f_{n-1}..f_{n-1+k}
-          are the target's true features of kept tokens, so pending becomes
-          (f_{n-1}..f_{n-1+gamma}, [d_1..d_k, y, padding]) with start = n-1:
-          pairs n-1..n-1+k = (f_{n-1}, d_1) .. (f_{n-1+k}, y) are real, and
-          the next draft phase takes output k = n'-2-start.
-After the prefill of a P-token prompt and the first token x_P, the head cache holds pairs 0..P-2
-and pending is the single real pair (f_{P-1}, x_P) at start = P-1 (k = 0): every draft phase has
-the same shape. Invariant: after a draft phase's first part the head cache holds pairs 0..n-2
-(length n-1, the target cache's length).
-
-A row that finished rides along and keeps its pending pairs (so its state stays that of its output:
-the next draft phase would still take the right index); its writes start at `start` <= n-1 and stay
-inside the capacity the engine plans (prompt + n_predict + gamma), as a draft model's do.
-
-Files: <dir>/eagle_config.json (the head's layer config, the target's config and name, provenance)
-and <dir>/model.safetensors (fc/*, block/*); `load_eagle(path)` reads them ("stdlib-eagle": the
-shipped head of stdlib-target, specjax/assets/stdlib-eagle).
+The head is one decoder layer (layers.Block, the target's shapes) over
+fc([embedding of x_{i+1} ; the target's feature f_i (; embedding of x_i)]);
+its output predicts f_{i+1}, and the target's own LM head turns a predicted
+feature into the next token's logits (the head holds only `fc` and `block`).
+Pair i = (f_i, x_{i+1}) sits at head-cache slot i, RoPE position i.
+Between steps the state keeps `pending`: the last verify's features and the
+kept tokens; a step first runs the head over them (`refresh`, rolled back
+to the real pairs: head length n - 1, the target cache's), then feeds its
+drafts, each pair reading its parent's predicted feature (the walkers:
+drafters/walkers.py). The index derivation, training loss and files:
+docs/eagle.md.
 """
 
 from __future__ import annotations
@@ -71,17 +29,15 @@ import numpy as np
 from flax import struct
 
 from specjax.formats import safetensors_io
-from specjax.drafters import base as drafters
 from specjax.drafters import dynamic
+from specjax.drafters import network
 from specjax.drafters import ngram
-from specjax.model import sampling
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model_lib
 from specjax import workdir as wd
 from specjax.model.config import ModelConfig
 from specjax.errors import CheckpointError, ConfigError
 from specjax.model.layers import Block, weight_init
-from specjax.model.tree import DynamicTree
 
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -277,143 +233,27 @@ class HeadState:
   hist: Any = None
 
 
-def draft_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
-  """gamma drafts from the head (sc.draft its layer): (Drafted, hcache of length n+gamma-2)."""
-  hcfg, tcfg, sp = sc.draft, sc.target, sc.sp
-  g1 = pending.tokens.shape[1]
+@struct.dataclass
+class HeadFeed:
+  """The head's feeding state for one step: fed index f is head slot base + f
+  (base = n - 2, the root's pair, already cached); each fed node's
+  predicted feature and token (a child's pair reads its parent's)."""
+  hcache: kvc.KVCache
+  base: jax.Array    # [B]
+  feats: jax.Array   # [B, F, E] (index 0: the root's g_{n-2})
+  tokens: jax.Array  # [B, F] (index 0: the root, x_{n-1})
+
+
+def refresh(tparams, hparams, hcache, pending: Pending, n, sc):
+  """A step's first part: the head over the pending pairs from `start`,
+  rolled back to the real pairs (length n - 1). Returns (hcache, the root's
+  feature g_{n-2} [B, 1, E])."""
   hcache = kvc.rollback(hcache, pending.start)
   pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
-                              hcfg, tcfg, prev_tokens=pending.prev_tokens())  # T = gamma+1
-  hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
-  idx = jnp.clip(n - 2 - pending.start, 0, g1 - 1)
-  feat = jnp.take_along_axis(pred, idx[:, None, None], 1)[:, 0]  # [B, E]: g_{n-2}
-
-  def draw(f, k):
-    logits = model_lib.head_logits(tparams, f, tcfg)  # [B, V]
-    q = sampling.probs(logits, sp)
-    tok = jnp.argmax(logits, -1).astype(jnp.int32) if sp.greedy else sampling.sample(k, q)
-    return tok, (q if sc.needs_q else q[:, :0])
-
-  keys = jax.random.split(key, sc.gamma)
-  tok, q = draw(feat, keys[0])
-  last = jnp.take_along_axis(pending.tokens, idx[:, None], 1)[:, 0]  # x_{n-1}
-
-  def body(carry, k):
-    f, t, p, c = carry  # pair (f, t) whose current token is p
-    g, c = head_forward(hparams, tparams, f[:, None], t[:, None], c, hcfg, tcfg,
-                        prev_tokens=p[:, None])
-    nt, nq = draw(g[:, 0], k)
-    return (g[:, 0], nt, t, c), (nt, nq)
-
-  (_, _, _, hcache), (toks, qs) = jax.lax.scan(body, (feat, tok, last, hcache), keys[1:])
-  tokens = jnp.concatenate([tok[:, None], toks.T], 1)  # [B, gamma]
-  q = jnp.concatenate([q[:, None], jnp.swapaxes(qs, 0, 1)], 1)
-  b = tokens.shape[0]
-  return drafters.Drafted(tokens=tokens, q=q, n_drafted=jnp.full((b,), sc.gamma, jnp.int32),
-                          caught_up=jnp.zeros((b,), bool)), hcache
-
-
-def draft_tree_phase(tparams, hparams, hcache, pending: Pending, n, key, sc):
-  """sc.tree (a static token tree) drafted by the head, one head forward per
-  level over all of that level's nodes (the module docstring's chain, on a
-  tree). Returns (DraftedTree, hcache of length n-1).
-
-  After the refresh (draft_phase's first part), the root's feature is
-  g_{n-2}. A node at depth d with token t is the pair (its parent's
-  feature, t) at head slot n - 2 + its block index and RoPE position
-  n - 2 + d (a chain's d_d), attending to pairs 0..n-2 and to its ancestors
-  (the tree mask without the root, whose pair the head cache holds); the
-  head's output there is the node's own feature, as a chain's predicted
-  features stand in for the target's. Each node's children are its top-k
-  by the head's logits (sc.siblings 'topk', or greedy) or i.i.d. draws from
-  its q ('stochastic'); the deepest level is never fed."""
-  hcfg, tcfg, sp, tree = sc.draft, sc.target, sc.sp, sc.tree
-  hcache = kvc.rollback(hcache, pending.start)
-  pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
-                              hcfg, tcfg, prev_tokens=pending.prev_tokens())  # T = gamma+1
-  hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
-  idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
-  root = jnp.take_along_axis(pred, idx[:, None, None], 1)  # [B, 1, E]: g_{n-2}
-  mask, depths, kids = tree.mask(), tree.block_depths(), tree.child_table()  # static numpy
-  parents = tree.block_parents()
-  b, t = n.shape[0], tree.block_size
-  # block index 0 is the root, x_{n-1}: its children's pairs' current token
-  block = jnp.zeros((b, t), jnp.int32).at[:, 0].set(
-      jnp.take_along_axis(pending.tokens, idx[:, None], 1)[:, 0])
-  feats = jnp.zeros((b, t, root.shape[-1]), pred.dtype).at[:, :1].set(root)
-  q_all = jnp.zeros((b, t, tcfg.padded_vocab if sc.needs_q else 0), jnp.float32)
-  for d, k in enumerate(jax.random.split(key, tree.max_depth)):
-    lo, hi = int(np.argmax(depths == d)), int(np.nonzero(depths == d)[0][-1]) + 1
-    if d > 0:  # feed this level: block indices 1.. are head slots n-1..
-      par = parents[lo:hi]
-      g, hcache = head_forward(hparams, tparams, feats[:, par], block[:, lo:hi],
-                               kvc.rollback(hcache, n - 2 + lo), hcfg, tcfg,
-                               tree_mask=mask[lo:hi, 1:hi], prev_tokens=block[:, par])
-      feats = feats.at[:, lo:hi].set(g)
-    logits = model_lib.head_logits(tparams, feats[:, lo:hi], tcfg)  # [B, w, V]
-    q = sampling.probs(logits, sp)
-    if sc.needs_q:
-      q_all = q_all.at[:, lo:hi].set(q)
-    parent, rank = np.nonzero(kids[lo:hi] >= 0)  # this level's children, by parent and rank
-    if sc.siblings == "topk" or sp.greedy:
-      cand = jax.lax.top_k(logits, tree.width)[1]  # [B, w, width]
-    else:
-      cand = jax.random.categorical(k, jnp.log(q)[:, :, None], axis=-1,
-                                    shape=(b, hi - lo, tree.width))
-    block = block.at[:, kids[lo:hi][parent, rank]].set(cand[:, parent, rank].astype(jnp.int32))
-  return drafters.DraftedTree(tokens=block[:, 1:], q=q_all,
-                              caught_up=jnp.zeros((b,), bool)), kvc.rollback(hcache, n - 1)
-
-
-def _refresh(tparams, hparams, hcache, pending: Pending, n, sc):
-  """A draft phase's first part: the head over the pending pairs from
-  `start`, rolled back to the real pairs (length n - 1). Returns (hcache,
-  the root's feature g_{n-2} [B, 1, E])."""
-  hcache = kvc.rollback(hcache, pending.start)
-  pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
-                              sc.draft, sc.target, prev_tokens=pending.prev_tokens())  # T = gamma+1
+                              sc.draft, sc.target, prev_tokens=pending.prev_tokens())
   hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
   idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
   return hcache, jnp.take_along_axis(pred, idx[:, None, None], 1)
-
-
-def draft_dynamic_phase(tparams, hparams, hcache, pending: Pending, n, root_token, sc):
-  """A dynamic tree (sc.tree a model.tree.DynamicTree k, depth, N) drafted
-  by the head, EAGLE-2's way (the selection: drafters/dynamic.py, shared
-  with the draft model), one head forward per level over its frontier.
-  Returns (DraftedTree with per-row parents and mask, hcache of length n-1).
-
-  After the refresh the root's feature is g_{n-2} and its logits draft the
-  first level (the root's pair is in the head cache: nothing is fed). A fed
-  node at fed index f >= 1 and depth d is the pair (its parent's feature,
-  its token) at head slot n - 2 + f, RoPE position n - 2 + d, attending to
-  pairs 0..n-2 and its fed ancestors (the feed layout's ancestor mask
-  without the root's column), as draft_tree_phase with the feed layout for
-  the block; the head's output there is the node's feature, its logits the
-  node's children's. Siblings are the head's top-k (no q). DraftedTree.fed
-  is the feed layout, which EAGLE's commit does not use: it re-feeds the
-  verified features along the accepted path."""
-  hcfg, tcfg = sc.draft, sc.target
-  hcache, root = _refresh(tparams, hparams, hcache, pending, n, sc)
-  feats = jnp.zeros((n.shape[0], sc.tree.n_fed, root.shape[-1]), root.dtype).at[:, :1].set(root)
-  # the fed nodes' tokens (fed index 0: the root, x_{n-1}): a pair's current token is its parent's
-  fed_tokens = jnp.zeros((n.shape[0], sc.tree.n_fed), jnp.int32).at[:, 0].set(root_token)
-
-  def feed(tokens, anc, parent):  # fed indices lo .. hi-1 -> their children's logits
-    nonlocal hcache, feats, fed_tokens
-    hi = anc.shape[-1]
-    lo = hi - tokens.shape[1]
-    if lo == 0:  # the root: its pair is cached, its feature is g_{n-2}
-      return model_lib.head_logits(tparams, feats[:, :1], tcfg)
-    par = jnp.take_along_axis(feats, parent[:, :, None], 1)  # [B, w, E]
-    g, hcache = head_forward(hparams, tparams, par, tokens, kvc.rollback(hcache, n - 2 + lo),
-                             hcfg, tcfg, tree_mask=anc[:, :, 1:],
-                             prev_tokens=jnp.take_along_axis(fed_tokens, parent, 1))
-    feats = feats.at[:, lo:hi].set(g)
-    fed_tokens = fed_tokens.at[:, lo:hi].set(tokens)
-    return model_lib.head_logits(tparams, g, tcfg)
-
-  return dynamic.select(feed, root_token, sc.tree), kvc.rollback(hcache, n - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "gamma"))
@@ -444,7 +284,7 @@ def _load_cached(path: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter(drafters.Drafter):
+class EagleDrafter(network.NetworkDrafter):
   """The EAGLE head at `path` as a drafter (spec 'eagle' or 'eagle:PATH';
   default the shipped stdlib-eagle). State: HeadState; the verify's features
   come through commit (needs_features). The prompt's features come from a
@@ -457,6 +297,10 @@ class EagleDrafter(drafters.Drafter):
   kind: ClassVar[str] = "eagle"
   needs_features: ClassVar[bool] = True
   gamma_free_state: ClassVar[bool] = False  # pending pairs are [B, gamma+1, ...]
+  can_graft: ClassVar[bool] = True  # its state keeps the history for the lookup
+
+  def own_params(self, dparams) -> int:
+    return model_lib.param_count(dparams["head"])  # the target's embedding: only read
 
   @property
   def spec(self) -> str:
@@ -481,27 +325,42 @@ class EagleDrafter(drafters.Drafter):
                           lens, jnp.asarray(first, jnp.int32),
                           new_cache(sc.draft, len(prompts), capacity), hcfg=sc.draft,
                           tcfg=sc.target, gamma=sc.gamma)
-    graft = getattr(sc.tree, "ngram", 0)  # the lookup's history: ngram.py's state
+    graft = sc.tree is not None and sc.tree.graft  # the lookup's history: ngram.py's state
     return state.replace(hist=_LOOKUP.init(sc, target, None, prompts, capacity, first) if graft
                          else None)
 
-  def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
-    d, hcache = draft_phase(dparams["target"], dparams["head"], dstate.hcache,
-                            dstate.pending, n, key, sc)
-    return d, dstate.replace(hcache=hcache), tcache
+  def begin(self, dparams, dstate, tcache, tail, n, live, sc, width):
+    hcache, root = refresh(dparams["target"], dparams["head"], dstate.hcache, dstate.pending,
+                           n, sc)
+    b = n.shape[0]
+    feats = jnp.zeros((b, width, root.shape[-1]), root.dtype).at[:, :1].set(root)
+    tokens = jnp.zeros((b, width), jnp.int32).at[:, 0].set(tail[:, 1])
+    return HeadFeed(hcache=hcache, base=n - 2, feats=feats, tokens=tokens), jnp.zeros((b,), bool)
+
+  def feed(self, dparams, fst, tokens, lo, anc, parent, sc):
+    tparams = dparams["target"]
+    if isinstance(lo, int) and lo == 0:  # the root: its pair is cached, its feature known
+      return model_lib.head_logits(tparams, fst.feats[:, :1], sc.target), fst
+    feats = jnp.take_along_axis(fst.feats, parent[:, :, None], 1)  # the parents' [B, w, E]
+    g, hcache = head_forward(dparams["head"], tparams, feats, tokens,
+                             kvc.rollback(fst.hcache, fst.base + lo), sc.draft, sc.target,
+                             tree_mask=None if anc is None else anc[..., 1:],
+                             prev_tokens=jnp.take_along_axis(fst.tokens, parent, 1))
+    fst = fst.replace(hcache=hcache,
+                      feats=jax.lax.dynamic_update_slice_in_dim(fst.feats, g, lo, 1),
+                      tokens=jax.lax.dynamic_update_slice_in_dim(fst.tokens, tokens, lo, 1))
+    return model_lib.head_logits(tparams, g, sc.target), fst
+
+  def end(self, dparams, fst, dstate, tcache, n, sc):
+    return dstate.replace(hcache=kvc.rollback(fst.hcache, n - 1)), tcache
 
   def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
-    if isinstance(sc.tree, DynamicTree):
-      d, hcache = draft_dynamic_phase(dparams["target"], dparams["head"], dstate.hcache,
-                                      dstate.pending, n, tail[:, 1], sc)
-      if sc.tree.ngram:  # the prompt-lookup chain, grafted on
-        chain, n_chain = ngram.ngram_propose(dstate.hist, n, sc.tree.ngram, _LOOKUP.n_min,
-                                             _LOOKUP.n_max)
-        d = dynamic.graft_chain(d, chain, jnp.where(live, n_chain, 0))
-    else:
-      d, hcache = draft_tree_phase(dparams["target"], dparams["head"], dstate.hcache,
-                                   dstate.pending, n, key, sc)
-    return d, dstate.replace(hcache=hcache), tcache
+    d, dstate, tcache = super().propose_tree(dparams, dstate, tcache, tail, n, live, key, sc)
+    if sc.tree.graft:  # the prompt-lookup chain, grafted on
+      chain, n_chain = ngram.ngram_propose(dstate.hist, n, sc.tree.graft, _LOOKUP.n_min,
+                                           _LOOKUP.n_max)
+      d = dynamic.graft_chain(d, chain, jnp.where(live, n_chain, 0))
+    return d, dstate, tcache
 
   def commit(self, dstate, c):
     # A token tree's step (c.path) is the chain of its accepted path: the

@@ -102,6 +102,16 @@ class Tree:
     return self.width == 1
 
   @property
+  def fed_slots(self) -> int:
+    """Slots of the draft's feed layout: the block's (the deepest level is never fed)."""
+    return self.block_size
+
+  @property
+  def graft(self) -> int:
+    """Tokens of a grafted prompt-lookup chain: none on a static tree."""
+    return 0
+
+  @property
   def spec(self) -> str:
     """The name it was parsed from, else its paths as JSON (parse reads both)."""
     return self.name or self.to_json()
@@ -271,6 +281,15 @@ class DynamicTree:
     return 1 + (self.depth - 1) * self.k
 
   @property
+  def fed_slots(self) -> int:
+    return self.n_fed
+
+  @property
+  def graft(self) -> int:
+    """Up to this many prompt-lookup tokens grafted on (`+ngram:L`)."""
+    return self.ngram
+
+  @property
   def n_candidates(self) -> int:
     return self.k + (self.depth - 1) * self.k * self.k
 
@@ -403,5 +422,5 @@ def parse(spec: str, gamma: int, p: Sequence[float] | None = None):
       raise ConfigError(f"--tree={s}: sizes must be >= 1")
     return AutoTree(tuple(sorted(set(sizes))))
   raise ConfigError(f"--tree={s}: unknown spec; use chain, chain:G, a JSON list of rank paths, "
-                    "FILE.json, kary:K,D, sequoia:N,D[:p1,..|:marginal=w1,..], dynamic:K,D,N[+ngram:L] "
-                    "or auto")
+                    "FILE.json, kary:K,D, sequoia:N,D[:p1,..|:marginal=w1,..], "
+                    "dynamic:K,D,N[+ngram:L] or auto")
