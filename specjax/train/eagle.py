@@ -188,11 +188,20 @@ def generate(target: steps.Runner, head: str, prompts, n_predict: int, gamma: in
 # ---------------------------------------------------------------- the pipeline
 
 SUMMARY_FILE = "eagle.json"
+ALPHA_FILE = "alpha.json"
+# What each stage's outputs depend on (recorded beside them, workdir.check_stage).
+STREAM_FIELDS = ("eagle_target", "heldout_per_mille", "max_files")
+ALPHA_FIELDS = STREAM_FIELDS + ("eagle_train", "eagle_drafts", "export_dtype", "alpha_prompts",
+                                "alpha_gamma", "alpha_n_predict", "alpha_temps")
 
 
 def _streams(c, tok, work: Path) -> tuple[np.ndarray, np.ndarray]:
-  """The stdlib corpus (corpus.py's split) in the target's tokens, cached."""
-  if (work / "train.npy").is_file() and (work / "heldout.npy").is_file():
+  """The stdlib corpus (corpus.py's split) in the target's tokens, cached
+for the settings it was made with (others are refused)."""
+  if wd.check_stage(work / "corpus.settings.json", train_lib.settings_of(c, STREAM_FIELDS),
+                    [work / "train.npy", work / "heldout.npy"],
+                    f"use a new --workdir, or delete {work} to start over (the head was "
+                    f"trained on this corpus)"):
     return np.load(work / "train.npy"), np.load(work / "heldout.npy")
   train_files, held_files = corpus.list_files(heldout_per_mille=int(c.heldout_per_mille))
   if int(c.max_files):
@@ -248,8 +257,10 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   _, rounded, _ = load_eagle(head_dir)  # measured as shipped: rounded to dt, run in f32
   target = steps.Runner(tcfg, tparams)
   prompts = [tok.encode(t) for t in pair.shipped_prompts(int(c.alpha_prompts))]
-  alpha_file = work / "alpha.json"
-  if alpha_file.is_file():
+  alpha_file = work / ALPHA_FILE
+  if wd.check_stage(work / "alpha.settings.json", train_lib.settings_of(c, ALPHA_FIELDS),
+                    [alpha_file], f"delete {alpha_file} to measure again, or use a new "
+                    f"--workdir"):
     alpha = wd.read_json(alpha_file)
   else:
     log("eagle: measuring real acceptance of the head and the draft(s)")

@@ -159,6 +159,13 @@ def train_config(cfg: ModelConfig, tc, teacher) -> dict[str, Any]:
           "teacher": None if teacher is None else teacher[0].to_dict()}
 
 
+def settings_of(c, keys) -> dict[str, Any]:
+  """The config's values under `keys`, plain (nested ConfigDicts as dicts):
+  what a resumable stage records of the settings it depends on
+  (workdir.check_stage)."""
+  return {k: c[k].to_dict() if hasattr(c[k], "to_dict") else c[k] for k in keys}
+
+
 def check_same_run(workdir: Path, want: dict[str, Any]) -> None:
   file = workdir / CONFIG_FILE
   if file.is_file():

@@ -4,8 +4,9 @@
 
 Stages corpus, target, draft, distill, alpha (real acceptance of both drafts
 by the engine, on the weights as exported) and export (HF directories), each
-skipped when its output is complete and resumed from its last checkpoint
-when interrupted. The pair loads by name, `--model=stdlib-target
+skipped when its output is complete, and only for the settings it was made
+with (recorded beside it; other settings are refused), and resumed from its
+last checkpoint when interrupted. The pair loads by name, `--model=stdlib-target
 --model_draft=stdlib-draft`. The stages' outputs: docs/training.md, "The
 shipped pair"; its figures: docs/drafters.md.
 """
@@ -39,6 +40,13 @@ EDITING_FILE = "editing_prompts.json"
 EDITING_PROMPT_TOKENS = 160  # longest editing prompt (tokens)
 PROMPT_FILES = {"continuation": PROMPTS_FILE, "editing": EDITING_FILE}
 SUMMARY_FILE = "training.json"
+ALPHA_FILE = "alpha.json"
+# What each stage's outputs depend on (recorded beside them, workdir.check_stage).
+CORPUS_FIELDS = ("vocab_size", "heldout_per_mille", "max_files", "alpha_prompts_saved",
+                 "alpha_prompt_tokens")
+ALPHA_FIELDS = ("target", "draft", "target_train", "draft_train", "distill_train",
+                "export_dtype", "alpha_prompts", "alpha_gamma", "alpha_n_predict", "alpha_temps")
+CORPUS_OUTPUTS = ("corpus.json", "train.npy", "heldout.npy", "tokenizer.json", PROMPTS_FILE)
 
 
 def shipped_prompts(n: int | None = None, kind: str = "continuation") -> list[str]:
@@ -65,7 +73,10 @@ def model_config(name: str, m, vocab_size: int, bos: int, eos: int) -> ModelConf
 
 def _stage_corpus(c, work: Path, log) -> dict[str, Any]:
   meta_file = work / "corpus.json"
-  if meta_file.is_file() and (work / "train.npy").is_file():
+  if wd.check_stage(work / "corpus.settings.json", train.settings_of(c, CORPUS_FIELDS),
+                    [work / f for f in CORPUS_OUTPUTS],
+                    f"use a new --workdir, or delete {work} to start over (every stage "
+                    f"after it was trained on this corpus)"):
     return wd.read_json(meta_file)
   t0 = time.perf_counter()
   train_files, held_files = corpus.list_files(heldout_per_mille=int(c.heldout_per_mille))
@@ -161,8 +172,11 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   after = steps.Runner(dcfg, _round(dcfg, d1params, dt))
   prompts_text = [p["text"] for p in wd.read_json(work / PROMPTS_FILE)]
   prompts = [tok.encode(t) for t in prompts_text[:int(c.alpha_prompts)]]
-  alpha_file = work / "alpha.json"
-  if alpha_file.is_file():
+  alpha_file = work / ALPHA_FILE
+  if wd.check_stage(work / "alpha.settings.json",
+                    {"corpus": train.settings_of(c, CORPUS_FIELDS),
+                     **train.settings_of(c, ALPHA_FIELDS)}, [alpha_file],
+                    f"delete {alpha_file} to measure again, or use a new --workdir"):
     alpha = wd.read_json(alpha_file)
   else:
     log("alpha: measuring real acceptance before and after distillation")

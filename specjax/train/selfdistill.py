@@ -49,6 +49,10 @@ DATA_FIELDS = ("target", "seed", "max_files", "mix", "heldout_every", "followups
                "gen_batch", "stdlib_tokens", "doc_len", "eval_share", "top_k")
 PROMPTS_FILE = "prompts.json"
 SUMMARY_FILE = "summary.json"
+ALPHA_FILE = "alpha.json"
+# What alpha.json depends on besides the data (recorded beside it, workdir.check_stage).
+ALPHA_FIELDS = ("head_name", "head_train", "draft", "draft_train", "export_dtype",
+                "alpha_prompts", "alpha_gamma", "alpha_n_predict", "alpha_temps")
 
 # ---------------------------------------------------------------- the two losses
 
@@ -376,8 +380,11 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
                         "train_seconds": pair.train_seconds(work / "draft")}
   plot(work, work / "training.png")
   prompts = [tok.encode_chat(r["messages"]) for r in held[:int(c.alpha_prompts)]]
-  alpha_file = work / "alpha.json"
-  alpha = wd.read_json(alpha_file) if alpha_file.is_file() else {}
+  alpha_file = work / ALPHA_FILE
+  reuse = wd.check_stage(work / "alpha.settings.json",
+                         train_lib.settings_of(c, DATA_FIELDS + ALPHA_FIELDS), [alpha_file],
+                         f"delete {alpha_file} to measure again, or use a new --workdir")
+  alpha = wd.read_json(alpha_file) if reuse else {}
   missing_head = head_dir if head_dir is not None and "eagle" not in alpha else None
   missing_draft = draft_runner if draft_runner is not None and "draft" not in alpha else None
   if missing_head is not None or missing_draft is not None:

@@ -277,3 +277,13 @@ def test_train_pipeline_end_to_end_and_resume(tmp_path):
   bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={tmp_path / 'x'}",
             "--config.target_train.lr=2.0")
   assert_one_line_error(bad, "train.lr")
+  # so are another corpus and other acceptance settings (before, both were reused:
+  # the old tokenizer, and the old alpha printed under the new command)
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+            "--config.vocab_size=280")
+  assert_one_line_error(bad, r"corpus.json was made with other settings \(vocab_size: 300 -> "
+                        r"280\); use a new --workdir")
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+            "--config.alpha_temps=(0.0,)")
+  assert_one_line_error(bad, r"alpha.json was made with other settings \(alpha_temps: "
+                        r"\[0.0, 1.0\] -> \[0.0\]\); delete .*alpha.json to measure again")

@@ -314,6 +314,11 @@ def test_pipeline_runs_resumes_and_exports(tiny_run):
   other.mix.edit = 3  # so is another count of edits
   with pytest.raises(ConfigError, match="data made with other settings"):
     sd.run(other, work, None, progress=False, log=again.append)
+  other = train_configs.get_config("smollm2_tiny")
+  other.alpha_gamma = 3  # and other acceptance settings, not the old figures printed
+  with pytest.raises(ConfigError, match=r"alpha.json was made with other settings "
+                     r"\(alpha_gamma: 4 -> 3\); delete"):
+    sd.run(other, work, None, progress=False, log=again.append)
   # The exports load and keep greedy output equal to target-only.
   prompts = [tok.encode_chat([{"role": "user", "content": "Hello there."}]), [5, 6, 7]]
   want = generation.generate(target, prompts, 12).tokens
