@@ -9,11 +9,13 @@
    the page cache: the conversion's speed, not the disk's).
 2. --parts=decode: speed at f32, bf16-mixed and int8: T(1), T(8) at batch 1 against
    --depth cached tokens (probes.CostProbe), T(8)/T(1), the params' bytes.
-3. --parts=memory: F32, BF16 and Q8_0 files and a bf16 HF directory, each
-   loaded by checkpoint.load_model at each of --memory_dtypes in a fresh
-   subprocess (PYTHONPATH=--src, so an older tree can be measured): the peak
-   resident memory of the load, the params' bytes, their ratio, what stays
-   resident ('kept') and the load's seconds.
+3. --parts=memory: F32, BF16 and Q8_0 files and a bf16 HF directory (or
+   --memory_types=smollm2-135m, a file as it is), each loaded by
+   checkpoint.load_model at each of --memory_dtypes in a fresh subprocess
+   (PYTHONPATH=--src, so an older tree can be measured) and run (prefill and
+   2 tokens): the peak resident memory of the load and of the whole run
+   (XLA:CPU's float32 copies of bf16 weights show only in the run), the
+   params' bytes, the ratios, what stays resident ('kept'), the load's seconds.
 
 With --out_dir, the tables go to summary.md there and the memory rows to
 load_memory.json. How the peak is measured, and the figures:
@@ -51,18 +53,23 @@ _DEPTH = flags.DEFINE_integer("depth", 128, "Tokens in the cache before each tim
 _CAPACITY = flags.DEFINE_integer("capacity", 256, "KV-cache slots.")
 _PARTS = flags.DEFINE_list("parts", ["load", "decode", "memory"], "What to measure.")
 _MEM_TYPES = flags.DEFINE_list("memory_types", ["F32", "BF16", "Q8_0", "hf-bf16"],
-                               "Files whose load memory is measured (GGUF types, hf-bf16).")
-_MEM_DTYPES = flags.DEFINE_list("memory_dtypes", ["default", "float32", "bfloat16", "int8"],
+                               "Files whose load and run memory is measured: GGUF types "
+                               "written at --model's shapes, hf-bf16, or existing files as they "
+                               "are (a .gguf path, a packaged model: smollm2-135m).")
+_MEM_DTYPES = flags.DEFINE_list("memory_dtypes",
+                                ["default", "float32", "bfloat16", "bf16-mixed", "int8"],
                                 "Load precisions of the memory part ('default': the file's).")
 _SRC = flags.DEFINE_string("src", None, "PYTHONPATH of the memory part's subprocesses "
                            "(default: this checkout).")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Where summary.md and load_memory.json go.")
 
-# One load in a fresh interpreter: argv = path, dtype; prints one JSON line.
+# One load and a short run in a fresh interpreter: argv = path, dtype; prints one JSON line.
 _MEASURE = r"""
 import json, resource, sys, time
 import gguf, jax, jax.numpy as jnp, tokenizers
+from specjax.decode import generation
 from specjax.formats import checkpoint
+from specjax.model import steps
 jnp.zeros(1).block_until_ready()
 def status(key):
   for line in open("/proc/self/status"):
@@ -79,13 +86,18 @@ t0 = time.perf_counter()
 cfg, params, _ = checkpoint.load_model(sys.argv[1], None if sys.argv[2] == "default" else sys.argv[2])
 jax.block_until_ready(params)
 seconds = time.perf_counter() - t0
-peak = (status("VmHWM") if how == "VmHWM"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+hwm = lambda: (status("VmHWM") if how == "VmHWM"
+               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+peak, after = hwm(), status("VmRSS")
 nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+t0 = time.perf_counter()  # the whole run: prefill and a 2-token decode loop, compiled and run
+generation.generate(steps.Runner(cfg, params), [[1, 2, 3, 4, 5]], 2)
+run_seconds, run_peak = time.perf_counter() - t0, hwm()
 import specjax
 print(json.dumps({"src": specjax.__file__, "precision": cfg.precision, "param_bytes": nbytes,
-                  "peak": peak - before, "after": status("VmRSS") - before,
-                  "seconds": seconds, "how": how}))
+                  "peak": peak - before, "after": after - before, "seconds": seconds,
+                  "run_peak": run_peak - before, "max_rss": run_peak,
+                  "run_seconds": run_seconds, "how": how}))
 """
 
 
@@ -125,7 +137,10 @@ def decode_speed(name: str) -> list[list[str]]:
 
 def write_file(cfg, params, kind: str) -> str:
   """The preset's weights as a GGUF file of tensor type `kind` (F32, F16,
-  BF16 or a quantized type) or, for 'hf-bf16', a bf16 HF directory."""
+  BF16 or a quantized type) or, for 'hf-bf16', a bf16 HF directory; a
+  packaged model's name or an existing file is used as it is."""
+  if kind in checkpoint.PACKAGED or os.path.isfile(kind):
+    return kind
   if kind == "hf-bf16":
     path = os.path.join(_DIR.value, f"{cfg.name}-hf-bf16")
     bf16 = cfg.with_dtype("bfloat16")
@@ -146,7 +161,8 @@ def measure_load(path: str, dtype: str) -> dict:
   src = _SRC.value or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=src, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", ""))
   # cwd=src: `python -c` puts the working directory first on sys.path.
-  proc = subprocess.run([sys.executable, "-c", _MEASURE, os.path.abspath(path), dtype],
+  spec = path if path in checkpoint.PACKAGED else os.path.abspath(path)
+  proc = subprocess.run([sys.executable, "-c", _MEASURE, spec, dtype],
                         env=env, cwd=src, capture_output=True, text=True, timeout=1800,
                         check=False)
   if proc.returncode:
@@ -162,10 +178,12 @@ def load_memory(cfg, params) -> tuple[list[list[str]], list[dict]]:
       r = {"file": kind, "dtype": dtype, **measure_load(path, dtype)}
       records.append(r)
       if "error" in r:
-        rows.append([kind, dtype, "error: " + r["error"][:80], "", "", "", "", ""])
+        rows.append([kind, dtype, "error: " + r["error"][:80]] + [""] * 8)
         continue
       rows.append([kind, dtype, r["precision"], format_size(r["param_bytes"]),
                    format_size(r["peak"]), f"{r['peak'] / r['param_bytes']:.2f}",
+                   format_size(r["run_peak"]), f"{r['run_peak'] / r['param_bytes']:.2f}",
+                   format_size(r["max_rss"]),
                    format_size(r["after"] - r["param_bytes"]) if "after" in r else "",
                    f"{r['seconds']:.2f}"])
   return rows, records
@@ -185,10 +203,13 @@ def main(argv):
   records = []
   if "memory" in _PARTS.value:
     rows, records = load_memory(cfg, params)
-    out += [f"## Load memory, {cfg.name}: peak resident memory during the load less "
-            f"before it, one fresh process per row (src: {_SRC.value or 'this checkout'})\n",
-            markdown_table(["file", "--dtype", "loads as", "params", "peak", "peak/params",
-                            "kept", "load s"], rows, [False] * 3 + [True] * 5)]
+    out += [f"## Load and run memory, {cfg.name} shapes or the file's: peak resident memory "
+            "during the load, and during the load plus a 2-token run (prefill and decode "
+            "loop), less before them; max RSS: the process's; one fresh process per row "
+            f"(src: {_SRC.value or 'this checkout'})\n",
+            markdown_table(["file", "--dtype", "loads as", "params", "load peak",
+                            "load/params", "run peak", "run/params", "max RSS", "kept",
+                            "load s"], rows, [False] * 3 + [True] * 8)]
   del params
   if "decode" in _PARTS.value:
     out += [f"## Decode, {cfg.name}, batch 1, depth {_DEPTH.value}, capacity "

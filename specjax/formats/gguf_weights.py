@@ -6,9 +6,9 @@ The file is read by gguf.py (a memory-mapped GGUFReader), a tensor's bytes
 when that tensor is converted. The tensors go through
 `hf.hf_state_to_params`, the one conversion table, under their HF names: a
 `GGUFState` maps HF names to GGUF tensors and undoes llama.cpp's Q/K row
-permutation (the inverse of `gguf.gguf_permute`). Without --dtype, BF16 and
-quantized files load as bfloat16 (`default_dtype`, logged), F32 and F16 ones
-as float32. Invariant: the peak is the params plus about one block of rows,
+permutation (the inverse of `gguf.gguf_permute`). Without --dtype, F32 and
+F16 files load as float32, BF16 and quantized ones by backend and size
+(`default_dtype`, logged). Invariant: the peak is the params plus about one block of rows,
 never a float32 copy of the model (formats/convert.py). The tokenizer comes
 from gguf_tokenizer.py. What loads, the mesh case, the measured peaks:
 docs/gguf_int8.md.
@@ -107,25 +107,73 @@ class GGUFState(Mapping):
 # the file's own precision warrants. F16 would round to bf16 (3 of its 10
 # mantissa bits lost), so it stays float32 unless --dtype says otherwise.
 FLOAT32_DEFAULT = ("F32", "F16")
+# On the CPU a BF16 or quantized file loads as float32 while its float32
+# params take at most this share of the machine's memory (the run needs the
+# params, the KV cache, the programs' temporaries and the load's block).
+CPU_FLOAT32_SHARE = 0.5
 
 
-def default_dtype(reader, source: str) -> str:
-  """The load precision of a file loaded without --dtype, from its 2-D
-  weights' types, logged in one line: float32 for F32 and F16 weights,
-  bfloat16 for BF16 and quantized ones (a Q4_K_M 7B: 14 GB, not 28)."""
+def machine_memory() -> int | None:
+  """Bytes of memory this process may use: the machine's physical memory,
+  or a lower cgroup limit (v2 memory.max, v1 memory.limit_in_bytes); None
+  when the system does not say."""
+  try:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    total = None
+  for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+    try:
+      with open(limit_file) as f:
+        text = f.read().strip()
+    except OSError:
+      continue
+    if text.isdigit():
+      total = int(text) if total is None else min(total, int(text))
+  return total
+
+
+def _gb(n: float) -> str:
+  return f"{n / 1e9:.2f} GB"
+
+
+def default_dtype(reader, source: str, backend: str | None = None,
+                  memory: int | None = None) -> str:
+  """The load precision of a file loaded without --dtype, logged in one line
+  with the reason. F32 and F16 weights: float32 (exact). BF16 and quantized
+  weights, by backend and size: float32 on the CPU while the float32 params
+  fit in CPU_FLOAT32_SHARE of `memory` (machine_memory()), bf16-mixed past
+  it, bfloat16 on an accelerator. Not bfloat16 on the CPU: XLA:CPU widens
+  bf16 weights to float32 copies inside the compiled prefill and decode (a
+  run's peak above float32's) and decodes slower (docs/gguf_int8.md)."""
   sizes: dict[str, int] = {}
   for t in reader.tensors:
     if len(gguf_file.shape_of(t)) > 1:
       sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_elements)
   kinds = sorted(sizes, key=lambda k: -sizes[k])
   what = "+".join(kinds) or "no 2-D"
+  backend = backend or jax.default_backend()
+  f32_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
   if all(k in FLOAT32_DEFAULT for k in kinds):
     dtype = "float32"
     why = ("exact; --dtype=bf16 halves the memory, rounding F16's 10 mantissa bits to 7"
            if "F16" in kinds else "exact")
+  elif backend != "cpu":
+    dtype = "bfloat16"
+    why = f"{backend}: half of float32's {_gb(f32_bytes)}; --dtype=float32 for float32"
   else:
-    dtype, why = "bfloat16", "--dtype=float32 for float32"
-  logging.info("%s: %s weights -> %s (%s)", source, what, dtype, why)
+    memory = machine_memory() if memory is None else memory
+    if memory is None or f32_bytes <= CPU_FLOAT32_SHARE * memory:
+      dtype = "float32"
+      why = (f"cpu: float32's {_gb(f32_bytes)} fit well within " +
+             (f"{_gb(memory)}" if memory else "memory (size unknown)") +
+             "; bfloat16 on XLA:CPU keeps float32 copies of the weights and decodes slower")
+    else:
+      dtype = "bf16-mixed"
+      why = (f"cpu: float32's {_gb(f32_bytes)} is over {CPU_FLOAT32_SHARE:.0%} of "
+             f"{_gb(memory)}; bf16 weights, float32 activations: plain bfloat16 would hold "
+             "float32 copies of the weights; --dtype=int8 for less")
+  # A warning, not info: scripts show warnings only, and this choice sets speed and memory.
+  logging.warning("%s: %s weights -> %s (%s)", source, what, dtype, why)
   return dtype
 
 
@@ -134,7 +182,8 @@ def load_gguf(path: str | os.PathLike, dtype: str | None = None, role: str = "ta
 
   Args:
     dtype: compute and param dtype; default (`default_dtype`, logged):
-      float32 for F32 / F16 weights, bfloat16 for BF16 and quantized ones;
+      float32 for F32 / F16 weights; BF16 and quantized ones float32 on
+      the CPU where they fit (bf16-mixed where not), bfloat16 elsewhere;
       'int8' quantizes each projection per channel as it is read (quant.py).
       Every tensor is dequantized a block of rows at a time straight into
       the dtype (formats/convert.py): the float32 model is never held.

@@ -1,7 +1,8 @@
 """Loading within memory (formats/convert.py, gguf_weights.default_dtype):
 the leaf-by-leaf loader gives the old loader's params bit for bit, picks
-the default precision from the file's weight types (and logs it), and
-never holds the float32 model on the host.
+the default precision from the file's weight types, the backend and the
+size (and logs it), holds no more over a short run at the CPU default than
+at float32, and never holds the float32 model on the host.
 
 The old loader, rebuilt here as the reference: every tensor dequantized
 whole to float32 (GGUFState[name]), cast by jnp.asarray, int8 quantized
@@ -23,9 +24,11 @@ gguf = pytest.importorskip("gguf")
 from specjax.formats import checkpoint, convert
 from specjax.formats import gguf as gguf_file
 from specjax.formats import gguf_weights, gguf_write, hf
+from specjax.decode import generation
 from specjax.model import llama as model_lib
-from specjax.model import quant
+from specjax.model import quant, steps
 from specjax.model.config import ModelConfig
+from specjax.model.sampling import SamplingParams
 
 # Rows of 64 and 128: whole Q8_0 blocks (32).
 CFG = ModelConfig("m", vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -179,7 +182,20 @@ def test_release_keeps_the_tensor_readable(files):
 
 # ------------------------------------------------------------ default precision
 
-WANT_DEFAULT = {"F32": "float32", "F16": "float32", "BF16": "bfloat16", "Q8_0": "bfloat16"}
+# Without --dtype on this (CPU) machine: the test model fits, so float32 throughout.
+WANT_DEFAULT = {"F32": "float32", "F16": "float32", "BF16": "float32", "Q8_0": "float32"}
+# (file, backend, memory in units of the file's float32 bytes, the default wanted)
+CHOICES = [("Q8_0", "cpu", 100, "float32"), ("Q8_0", "cpu", 1.5, "bf16-mixed"),
+           ("Q8_0", "gpu", 100, "bfloat16"), ("Q8_0", "tpu", 1.5, "bfloat16"),
+           ("BF16", "cpu", 100, "float32"), ("BF16", "cpu", 1.5, "bf16-mixed"),
+           ("BF16", "gpu", 1.5, "bfloat16"), ("F16", "gpu", 1.5, "float32"),
+           ("F16", "cpu", 1.5, "float32"), ("F32", "gpu", 1.5, "float32")]
+
+
+def _logged(monkeypatch, module, level: str = "info") -> list[str]:
+  lines: list[str] = []
+  monkeypatch.setattr(module.logging, level, lambda fmt, *a: lines.append(fmt % a))
+  return lines
 
 
 def default_mismatches(files, monkeypatch) -> list[str]:
@@ -187,9 +203,7 @@ def default_mismatches(files, monkeypatch) -> list[str]:
   every leaf, or not logged in one line naming file, type and precision."""
   bad = []
   for kind, want in WANT_DEFAULT.items():
-    lines = []
-    monkeypatch.setattr(gguf_weights.logging, "info",
-                        lambda fmt, *a, lines=lines: lines.append(fmt % a))
+    lines = _logged(monkeypatch, gguf_weights, "warning")
     cfg, params, _ = gguf_weights.load_gguf(files[kind])
     dtypes = {str(x.dtype) for x in jax.tree_util.tree_leaves(params)}
     said = [s for s in lines if " weights -> " in s]
@@ -197,8 +211,7 @@ def default_mismatches(files, monkeypatch) -> list[str]:
       bad.append(f"{kind}: {cfg.precision} {sorted(dtypes)}")
     if len(said) != 1 or not said[0].startswith(f"{files[kind]}: {kind} weights -> {want} ("):
       bad.append(f"{kind}: logged {said}")
-  lines = []  # an HF directory: its torch_dtype, logged by hf.load_hf
-  monkeypatch.setattr(hf.logging, "info", lambda fmt, *a: lines.append(fmt % a))
+  lines = _logged(monkeypatch, hf)  # an HF directory: its torch_dtype, logged by hf.load_hf
   cfg, _, _ = checkpoint.load_model(str(files["hf-bf16"]))
   if cfg.precision != "bfloat16" or lines != [
       f"{files['hf-bf16']}: bfloat16 weights (torch_dtype) -> bfloat16 (pass --dtype to choose)"]:
@@ -206,31 +219,100 @@ def default_mismatches(files, monkeypatch) -> list[str]:
   return bad
 
 
-def test_default_precision_follows_the_file(files, monkeypatch):
+def choice_mismatches(files, monkeypatch) -> list[str]:
+  """CHOICES whose default_dtype differs, or whose log line does not name
+  the file, its type, the precision and (but for F32/F16) the backend."""
+  bad = []
+  for kind, backend, share, want in CHOICES:
+    reader = gguf_file.open_reader(files[kind])
+    f32_bytes = 4 * sum(int(t.n_elements) for t in reader.tensors)
+    lines = _logged(monkeypatch, gguf_weights, "warning")
+    got = gguf_weights.default_dtype(reader, str(files[kind]), backend, int(share * f32_bytes))
+    head = f"{files[kind]}: {kind} weights -> {want} ("
+    named = kind in ("F32", "F16") or f"({backend}: " in (lines or [""])[0]
+    if got != want or len(lines) != 1 or not lines[0].startswith(head) or not named:
+      bad.append(f"{kind} on {backend} at {share}x: {got}, logged {lines}")
+  return bad
+
+
+def test_default_precision_follows_the_file_backend_and_size(files, monkeypatch):
   """F32 and F16 load as float32 (exact; F16 to bf16 would drop 3 mantissa
-  bits), BF16 and quantized files as bfloat16, an HF directory in its
-  torch_dtype, and the log says which."""
-  assert default_mismatches(files, monkeypatch) == []
+  bits); BF16 and quantized files as float32 on the CPU where they fit,
+  bf16-mixed where not, bfloat16 on an accelerator; an HF directory in its
+  torch_dtype; and the log says which and why."""
+  assert default_mismatches(files, monkeypatch) + choice_mismatches(files, monkeypatch) == []
 
 
 def _f16_as_bf16(monkeypatch):
   monkeypatch.setattr(gguf_weights, "FLOAT32_DEFAULT", ("F32",))
 
 
+def _with(**fixed):
+  """default_dtype with some of its arguments forced (a deliberate bug)."""
+  def patch(monkeypatch, real=gguf_weights.default_dtype):
+    def dtype(reader, source, backend=None, memory=None):
+      args = {"reader": reader, "source": source, "backend": backend, "memory": memory, **fixed}
+      return real(**args)
+    monkeypatch.setattr(gguf_weights, "default_dtype", dtype)
+  return patch
+
+
 DEFAULT_MUTATIONS = {
-    "every file float32 (the loader before)":
-        lambda mp: mp.setattr(gguf_weights, "default_dtype", lambda reader, source: "float32"),
+    "every file float32 (the loader before)": lambda mp: mp.setattr(
+        gguf_weights, "default_dtype", lambda reader, source, *a, **k: "float32"),
+    "bfloat16 for BF16 and quantized files on every backend (the default before)":
+        _with(backend="gpu"),
+    "the size ignored on the CPU": _with(memory=1 << 62),
     "F16 defaults to bf16": _f16_as_bf16,
-    "log line without the file's name": lambda mp: mp.setattr(
-        gguf_weights, "default_dtype",
-        lambda reader, source, real=gguf_weights.default_dtype: real(reader, "")),
+    "log line without the file's name": _with(source=""),
 }
 
 
 @pytest.mark.parametrize("bug", list(DEFAULT_MUTATIONS))
 def test_each_default_bug_is_caught(files, monkeypatch, bug):
   DEFAULT_MUTATIONS[bug](monkeypatch)
-  assert default_mismatches(files, monkeypatch)
+  assert default_mismatches(files, monkeypatch) + choice_mismatches(files, monkeypatch)
+
+
+def test_machine_memory_is_known_here():
+  assert gguf_weights.machine_memory() > 0
+
+# ------------------------------------------------------------ a whole run's memory
+
+
+def run_bytes(cfg, params) -> int:
+  """What a short run holds at its peak by XLA's own account: the params and
+  a cache (the programs' arguments) plus the larger of the prefill's and the
+  decode loop's temporaries, where XLA:CPU keeps float32 copies of bf16
+  weights (the load alone does not show them)."""
+  m = steps.Runner(cfg, params)
+  cache = m.new_cache(1, 32)
+  prefill = steps.prefill_step.lower(params, jnp.zeros((1, 16), jnp.int32),
+                                     jnp.array([5], jnp.int32), cache, cfg=cfg)
+  decode = generation.decode_loop.lower(
+      params, jnp.zeros((1, cfg.padded_vocab), jnp.float32), cache, jax.random.PRNGKey(0),
+      cfg=cfg, sp=SamplingParams(), n_predict=2, eos_id=-1)
+  stats = [x.compile().memory_analysis() for x in (prefill, decode)]
+  return (max(s.argument_size_in_bytes for s in stats)
+          + max(s.temp_size_in_bytes for s in stats))
+
+
+def run_mismatches(files) -> list[str]:
+  """The CPU default of a quantized file must not hold more over a run than
+  float32 does, and bf16-mixed (the default past the memory share) less."""
+  path = files["Q8_0"]
+  f32 = run_bytes(*gguf_weights.load_gguf(path, "float32")[:2])
+  default = run_bytes(*gguf_weights.load_gguf(path)[:2])
+  mixed = run_bytes(*gguf_weights.load_gguf(path, "bf16-mixed")[:2])
+  bad = [f"default {default} B > float32 {f32} B"] if default > f32 else []
+  return bad + ([f"bf16-mixed {mixed} B >= float32 {f32} B"] if mixed >= f32 else [])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU default")
+def test_cpu_default_holds_no_more_than_float32_over_a_run(files, monkeypatch):
+  assert run_mismatches(files) == []
+  _with(backend="gpu")(monkeypatch)  # the default before: bfloat16, whose copies show
+  assert run_mismatches(files)
 
 # ------------------------------------------------------------ never the float32 model
 
