@@ -382,7 +382,8 @@ def test_marginal_form_converts_exactly(w):
 
 def test_marginal_form_refuses_what_is_not_a_law():
   assert tt.conditional_from_marginal((0.5, 0.5, 0.0)).tolist() == [0.5, 1.0, 0.0]
-  for bad, msg in (((0.7, 0.5), "sums to at most 1"), ((0.5, -0.1), r"\[0, 1\]"), ((), r"\[0, 1\]")):
+  bads = (((0.7, 0.5), "sums to at most 1"), ((0.5, -0.1), r"\[0, 1\]"), ((), r"\[0, 1\]"))
+  for bad, msg in bads:
     with pytest.raises(ConfigError, match=msg):
       tt.conditional_from_marginal(bad)
 
@@ -503,7 +504,8 @@ MUTATIONS = {
         "live_paths", lambda orig: lambda paths, p: tt.canonical_paths(paths),
         lambda: check_live_paths((0.6, 0.2, 0.1), 16, 2, 12)),
     "a p_k = 0 rank's placeholder dropped (a rank gap)": (
-        "live_paths", _live_without_placeholders, lambda: check_live_paths((0.6, 0.0, 0.3), 8, 2, 7)),
+        "live_paths", _live_without_placeholders,
+        lambda: check_live_paths((0.6, 0.0, 0.3), 8, 2, 7)),
 }
 
 

@@ -217,7 +217,8 @@ def test_sequoia_drops_the_nodes_p_never_accepts(monkeypatch):
 
 def test_sequoia_keeping_dead_nodes_is_caught(monkeypatch):
   """The deliberate bug: the DP's 16 nodes kept whole."""
-  monkeypatch.setattr(tree_theory, "live_paths", lambda paths, p: tree_theory.canonical_paths(paths))
+  monkeypatch.setattr(tree_theory, "live_paths",
+                      lambda paths, p: tree_theory.canonical_paths(paths))
   with pytest.raises(AssertionError):
     check_sequoia_drops_dead_nodes(monkeypatch)
 
