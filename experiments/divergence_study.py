@@ -15,7 +15,7 @@ at the top logit. Why they part, and the figures: docs/results.md, "Greedy
 equality and precision".
 
 Outputs in --out_dir: divergence.jsonl (one line per prompt and precision,
-appended as each finishes; a rerun skips the prompts already there) and
+appended as each finishes; a rerun skips what the same models measured) and
 summary.md (per precision: prompts, how many part, the first divergence,
 the median gap; every parting prompt; the machine and commit).
 """
@@ -121,7 +121,8 @@ def write_summary(path: str, records: list[dict], env: dict) -> str:
       right=[False, False, True, True, True, True, True])
   n = records[0]["n_predict"] if records else _N_PREDICT.value
   text = "\n\n".join([
-      f"# Greedy speculative vs target-only: first divergence ({n} tokens per prompt, "
+      f"# Greedy speculative vs target-only: first divergence ({_MODEL.value} drafted by "
+      f"{_MODEL_DRAFT.value}, {n} tokens per prompt, "
       f"gamma {records[0]['gamma'] if records else _GAMMA.value})",
       "command: `python " + " ".join(sys.argv) + "`",
       table, "Parting prompts (top-2 gap: the target's logits after the common prefix, "
@@ -132,13 +133,21 @@ def write_summary(path: str, records: list[dict], env: dict) -> str:
   return text
 
 
+def run_key(r: dict) -> tuple:
+  """What a record answers: both models as given (--model, --model_draft),
+  the precision, the prompt, n_predict and gamma. A rerun skips a record
+  only when all of them match (records of older runs, without the models,
+  are never reused), and the summary shows only this command's."""
+  return (r.get("model"), r.get("model_draft"), r["precision"], r["prompt_set"], r["prompt"],
+          r["n_predict"], r["gamma"])
+
+
 def main(argv):
   del argv
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   out = os.path.join(_OUT_DIR.value, "divergence.jsonl")
   done = wd.read_jsonl(out) if os.path.exists(out) else []
-  key = lambda r: (r["precision"], r["prompt_set"], r["prompt"], r["n_predict"], r["gamma"])
-  seen = {key(r) for r in done}
+  seen = {run_key(r) for r in done}
   env = wd.environment()
   for dtype in _DTYPES.value:
     tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=dtype)
@@ -148,9 +157,10 @@ def main(argv):
     for kind in _SETS.value:
       texts = pair.shipped_prompts(_N_PROMPTS.value or None, kind=kind)
       for i, text in enumerate(texts):
-        head = {"precision": tcfg.precision, "prompt_set": kind, "prompt": i,
+        head = {"model": _MODEL.value, "model_draft": _MODEL_DRAFT.value,
+                "precision": tcfg.precision, "prompt_set": kind, "prompt": i,
                 "n_predict": _N_PREDICT.value, "gamma": _GAMMA.value}
-        if key(head) in seen:
+        if run_key(head) in seen:
           continue
         t0 = time.perf_counter()
         rec = {**head, "target": tcfg.name, "draft": dcfg.name,
@@ -165,6 +175,7 @@ def main(argv):
   precisions = [config.canonical_precision(d) for d in _DTYPES.value]
   records = [r for r in done if r["precision"] in precisions and r["prompt_set"] in _SETS.value
              and (not _N_PROMPTS.value or r["prompt"] < _N_PROMPTS.value)
+             and run_key(r)[:2] == (_MODEL.value, _MODEL_DRAFT.value)
              and r["n_predict"] == _N_PREDICT.value and r["gamma"] == _GAMMA.value]
   records.sort(key=lambda r: (precisions.index(r["precision"]), r["prompt_set"], r["prompt"]))
   print(write_summary(os.path.join(_OUT_DIR.value, "summary.md"), records, env))
