@@ -49,9 +49,10 @@ import statistics
 import numpy as np
 from absl import flags
 
-from specjax.decode import acceptance
+from specjax.decode import adaptive
 from specjax.decode import autogamma
 from specjax.decode import autotree
+from specjax.decode import plan
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.drafters import registry
@@ -60,9 +61,7 @@ from specjax.decode import generation
 from specjax.metrics import divergence
 from specjax.metrics import schema
 from specjax.decode import speculative
-from specjax.model import llama as model_lib
 from specjax.model import steps
-from specjax.model import tree as trees
 from specjax.formats import tokenizer
 from specjax import workdir as wd
 from specjax.errors import ConfigError
@@ -126,8 +125,13 @@ def _drafter():
   return d
 
 
-def auto_costs(target, draft, batch, capacity, depth, gammas, sp, rule, drafter):
-  """The chooser's costs at this batch: from --auto_costs or measured now."""
+def auto_costs(target, draft, batch, capacity, depth, pl: plan.Plan, sp):
+  """The chooser's costs at this batch: from --auto_costs (--gamma=auto) or
+  measured now."""
+  if pl.auto == "tree":
+    cands = autotree.trees_of(pl)
+    return autotree.measure_costs(target, draft, batch, capacity, depth, cands, sp, pl.rule,
+                                  drafter=pl.drafter)
   if _AUTO_COSTS.value:
     try:
       with open(_AUTO_COSTS.value) as f:
@@ -136,84 +140,56 @@ def auto_costs(target, draft, batch, capacity, depth, gammas, sp, rule, drafter)
       raise ConfigError(f"--auto_costs {_AUTO_COSTS.value} holds no costs at batch {batch} "
                         f"(a batch sweep's costs.json has them)") from None
     return autogamma.BatchCosts.from_dict(d)
-  return autogamma.measure_costs(target, draft, batch, capacity, depth, gammas, sp, rule,
-                                 drafter=drafter)
+  gammas = [autogamma.gamma_of(k) for k in pl.configs]
+  return autogamma.measure_costs(target, draft, batch, capacity, depth, gammas, sp, pl.rule,
+                                 drafter=pl.drafter)
 
 
 def main(argv):
   del argv
-  gamma = cli.parse_gamma(_GAMMA.value)
-  auto = autogamma.parse_set(_AUTO_SET.value) if gamma == cli.AUTO else None
-  gamma = max(auto) if auto else gamma
-  rule = acceptance.parse_rule(_ACCEPT.value)
-  for g in auto or (gamma,):
-    rule.resolve(g)
-  rule = rule if auto else rule.resolve(gamma)
-  drafter = _drafter()
-  tree = None if auto else trees.parse(_TREE.value, gamma)
-  if tree is not None and not isinstance(tree, trees.AutoTree):
-    drafter.check_tree(tree)  # before any model loads (ngram: static trees only)
-  auto_tree = tree if isinstance(tree, trees.AutoTree) else None
-  cands = autotree.candidate_trees(auto_tree) if auto_tree else None
-  if auto_tree:
-    rule, tree = acceptance.parse_rule(_ACCEPT.value), None
-    gamma = max(t.max_depth for t in cands.values())
-  if isinstance(tree, trees.Tree) and tree.is_chain and tree.max_depth == gamma:
-    tree = None  # the chain itself
-  gamma = tree.max_depth if tree is not None else gamma
-  if tree is not None:
-    rule = acceptance.parse_rule(_ACCEPT.value).resolve(gamma)
-  if auto_tree and (_LOOP.value != "device" or _P_MIN.value or _AUTO_COSTS.value):
-    raise ConfigError("--tree=auto runs the device loop in chunks and measures its costs at "
-                      "start: no --loop=host, --p_min or --auto_costs")
+  sp = _GEN.sampling()
+  run_flags = plan.parse_flags(  # every flag checked before any model loads
+      drafter=_drafter(), gamma=cli.parse_gamma(_GAMMA.value), rule=_ACCEPT.value,
+      tree=_TREE.value, siblings=_SIBLINGS.value, sp=sp, p_min=_P_MIN.value,
+      auto_set=_AUTO_SET.value)
+  auto = run_flags.auto
+  if auto and _LOOP.value != "device":
+    raise ConfigError(f"--{auto}=auto runs the device loop in chunks: no --loop=host")
+  if auto == "tree" and _AUTO_COSTS.value:
+    raise ConfigError("--tree=auto measures its costs at start: no --auto_costs")
+  drafter = run_flags.drafter
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
   draft = None
   if drafter.needs_draft_model:
     dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value,
                                                 dtype=_DTYPE_DRAFT.value or _GEN.dtype,
                                                 seed=_GEN.seed + 1, role="draft")
-    speculative.check_vocabularies(tcfg, dcfg)
+    plan.check_vocabularies(tcfg, dcfg)
     tokenizer.check_same_tokens(tok, dtok)
     draft = steps.Runner(dcfg, dparams)
-  # the config the drafter runs (a layer subset of the target, None for ngram)
-  dcfg = speculative.SpecConfig(tcfg, draft and draft.cfg, gamma, drafter=drafter).draft
+  pl = run_flags.resolve(tcfg, draft and draft.cfg)
   prompts = _GEN.prompts(tok, tcfg.vocab_size)
-  sp = _GEN.sampling()
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)
   target = steps.Runner(tcfg, tparams)
   # One capacity for both sides: attention cost grows with it.
   depth = max(len(p) for p in prompts)
-  extra = ((gamma if tree is None else max(tree.n, getattr(tree, "n_fed", 0) - 1)) if not cands
-           else max(t.n for t in cands.values()))
-  capacity = generation.plan_capacity(tcfg, depth, _N_PREDICT.value, extra=extra,
-                                      ctx_size=_CTX.value)
+  capacity = pl.capacity(depth, _N_PREDICT.value, ctx_size=_CTX.value)
   kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)
-  if auto_tree:
-    cost = autotree.measure_costs(target, draft, len(prompts), capacity, depth, cands, sp, rule,
-                                  drafter=drafter)
-    akw = dict(sp=sp, rule=rule, every=_AUTO_EVERY.value, drafter=drafter,
-               siblings=_SIBLINGS.value, **kw)
-    spec = lambda: autotree.generate(target, draft, prompts, _N_PREDICT.value, cost, cands, **akw)
-    compile_s = autotree.warm_up(target, draft, prompts, _N_PREDICT.value, cost, cands, **akw)
+  n = _N_PREDICT.value
+  if auto:
+    cost = auto_costs(target, draft, len(prompts), capacity, depth, pl, sp)
+    tune = autogamma if auto == "gamma" else autotree
+    tune.check_batch(cost, len(prompts))
+    akw = dict(every=_AUTO_EVERY.value, **kw)
+    compile_s = adaptive.warm_up(target, draft, prompts, n, pl, **akw)
     if _AUTO_CALIBRATE.value:  # each candidate's loop step, timed in the loop itself
-      cost = autotree.calibrate(target, draft, prompts, _N_PREDICT.value, cost, cands, **akw)
-  elif auto:
-    if _LOOP.value != "device" or _P_MIN.value:
-      raise ConfigError("--gamma=auto runs the device loop in chunks: no --loop=host, no --p_min")
-    cost = auto_costs(target, draft, len(prompts), capacity, depth, auto, sp, rule, drafter)
-    akw = dict(sp=sp, rule=rule, every=_AUTO_EVERY.value, drafter=drafter, **kw)
-    spec = lambda: autogamma.generate(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
-    compile_s = autogamma.warm_up(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
-    if _AUTO_CALIBRATE.value:  # each gamma's loop step, timed in the loop itself
-      cost = autogamma.calibrate(target, draft, prompts, _N_PREDICT.value, cost, auto, **akw)
+      cost = tune.calibrate(target, draft, prompts, n, cost, pl, **akw)
+    chooser = autogamma.GammaChooser if auto == "gamma" else autotree.TreeChooser
+    spec = lambda: adaptive.generate(target, draft, prompts, n, pl, chooser(cost, pl), **akw)
   else:
-    spec = lambda: speculative.generate(target, draft, prompts, _N_PREDICT.value, gamma,
-                                        sp=sp, rule=rule, p_min=_P_MIN.value, loop=_LOOP.value,
-                                        drafter=drafter, tree=tree, siblings=_SIBLINGS.value,
-                                        **kw)
+    spec = lambda: speculative.run(target, draft, prompts, n, pl, loop=_LOOP.value, **kw)
     compile_s = spec().compile_s
-  base = lambda: generation.generate(target, prompts, _N_PREDICT.value, sp, loop=_LOOP.value,
-                                     **kw)
+  base = lambda: generation.generate(target, prompts, n, sp, loop=_LOOP.value, **kw)
   compile_s += base().compile_s if _BASELINE.value else 0.0  # warm-up
   spec_tps, base_tps = [], []
   for _ in range(_REPS.value):  # alternating, so both sides see the same machine state
@@ -222,12 +198,12 @@ def main(argv):
       base_tps.append(b.n_eval * len(prompts) / b.eval_s)
     res = spec()
     spec_tps.append(res.stats.tokens_per_s)
-  _report(tcfg, dcfg, drafter, tok, prompts, rule, res, b if _BASELINE.value else None,
+  _report(tcfg, pl, tok, prompts, res, b if _BASELINE.value else None,
           statistics.median(spec_tps), statistics.median(base_tps) if base_tps else None,
-          capacity, compile_s)
+          capacity, compile_s, dparams=drafter.draft_params(tparams, draft))
 
 
-def row_lines(res) -> list[str]:
+def row_lines(res, auto: str = "") -> list[str]:
   """Per-row statistics of a batch run, then the loop's steps (a batch runs
   until its slowest row is done)."""
   rec = res.records
@@ -241,22 +217,23 @@ def row_lines(res) -> list[str]:
   loop = int(rec.step.max()) + 1 if rec.step.size else 0
   lines.append(f"total: {len(res.tokens)} rows, {loop} loop steps (the slowest row), "
                f"{rec.step.size} row-steps, mean {rec.step.size / max(len(res.tokens), 1):.2f} per row")
-  if getattr(res, "gammas_used", None):
-    used = np.bincount(res.gammas_used)
+  if getattr(res, "chosen", None) and auto == "gamma":
+    used = np.bincount([autogamma.gamma_of(k) for k in res.chosen])
     lines.append("auto gamma: steps per gamma " + ", ".join(
         f"{g}: {n}" for g, n in enumerate(used) if n) + "; alpha estimates " + ", ".join(
-            f"{a:.2f}" for a in res.alphas))
-  if getattr(res, "trees_used", None):
-    names = sorted(set(res.trees_used), key=res.trees_used.index)
+            f"{a:.2f}" for a in res.estimates))
+  elif getattr(res, "chosen", None):
+    names = sorted(set(res.chosen), key=res.chosen.index)
     lines.append("auto tree: steps per tree " + ", ".join(
-        f"{k}: {res.trees_used.count(k)}" for k in names) + "; p by rank at the last choice "
-        + (", ".join(f"{x:.2f}" for x in res.ps[-1]) if res.ps else "-"))
+        f"{k}: {res.chosen.count(k)}" for k in names) + "; p by rank at the last choice "
+        + (", ".join(f"{x:.2f}" for x in res.estimates[-1]) if res.estimates else "-"))
   return lines
 
 
-def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_tps, capacity,
-            compile_s):
+def _report(tcfg, pl, tok, prompts, res, base, spec_tps, base_tps, capacity, compile_s,
+            dparams):
   st = res.stats
+  drafter, dcfg, rule = pl.drafter, pl.first.draft, pl.rule
   for p, out in zip(prompts, res.tokens):
     print(cli.detokenize(tok, p) + cli.detokenize(tok, out), flush=True)
     print()
@@ -268,17 +245,16 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
   print()
   print("\n".join(st.summary_lines()))
   print()
-  if len(prompts) > 1 or getattr(res, "gammas_used", None) or getattr(res, "trees_used", None):
-    print("\n".join(row_lines(res)))
+  if len(prompts) > 1 or getattr(res, "chosen", None):
+    print("\n".join(row_lines(res, pl.auto)))
     print()
-  if drafter.kind == "eagle":  # its config counts the target's embedding, which it only reads
-    own = model_lib.param_count(eagle.load_eagle(drafter.path)[1])
-    draft = (f"draft: {dcfg.name} ({own / 1e6:.1f} M params of its own; embedding and LM head: "
-             "the target's)")
-  elif dcfg is not None:
-    draft = f"draft: {dcfg.name} ({dcfg.num_params() / 1e6:.1f} M params)"
-  else:
+  own = drafter.own_params(dparams)  # not what it only reads of the target's
+  if dcfg is None:
     draft = "no draft model"
+  elif own < dcfg.num_params():
+    draft = f"draft: {dcfg.name} ({own / 1e6:.1f} M params of its own; the rest: the target's)"
+  else:
+    draft = f"draft: {dcfg.name} ({own / 1e6:.1f} M params)"
   print(f"target: {tcfg.name} ({tcfg.num_params() / 1e6:.1f} M params), drafter {drafter}, "
         f"{draft}, {tcfg.precision}, accept rule {rule}, loop={_LOOP.value}, cache capacity "
         f"{capacity}")
@@ -292,10 +268,10 @@ def _report(tcfg, dcfg, drafter, tok, prompts, rule, res, base, spec_tps, base_t
       spec_tps=spec_tps, prompt_s=res.prompt_s, compile_s=compile_s, env=wd.environment(),
       batch=len(prompts),
       **({"prompt_tokens": prompts[0], "tokens": res.tokens[0]} if len(prompts) == 1 else {}),
-      **({"auto_set": sorted(set(res.gammas_used)), "auto_every": _AUTO_EVERY.value}
-         if getattr(res, "gammas_used", None) else {}),
-      **({"auto_trees": sorted(set(res.trees_used)), "auto_every": _AUTO_EVERY.value}
-         if getattr(res, "trees_used", None) else {}))
+      **({"auto_set": sorted({autogamma.gamma_of(k) for k in res.chosen}),
+          "auto_every": _AUTO_EVERY.value} if pl.auto == "gamma" else {}),
+      **({"auto_trees": sorted(set(res.chosen)), "auto_every": _AUTO_EVERY.value}
+         if pl.auto == "tree" else {}))
   print(f"{'speculative':>18} = {spec_tps:9.3f} tokens per second (median of {_REPS.value})")
   if base is not None:
     print(f"{'target-only':>18} = {base_tps:9.3f} tokens per second (median of {_REPS.value}, "

@@ -8,9 +8,10 @@ loop, time per repetition.
                   otherwise). n = 1 is a decode step; n = gamma + 1 a verify.
   ProposeProbe    a model-free drafter's proposal (n-gram lookup), per token.
   accept_cost     one accept phase plus the step's bookkeeping (keep_tokens,
-                  commit) for a rule kind, gamma and sampling settings.
+                  commit) for a rule kind, gamma and sampling settings;
+                  tree_accept_cost the same for a token tree (its judge).
 Auto gamma measures its costs with these at start; the sweep's cost model
-(specjax/bench/costs.py) predicts speedups from them."""
+(specjax/bench/sweep/costs.py) predicts speedups from them."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ import numpy as np
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model_lib
 from specjax.model import sampling
+from specjax.decode import plan
 from specjax.decode import speculative
 from specjax.model import steps
 from specjax.metrics import timing
 from specjax.model.sampling import SamplingParams
 from specjax.drafters import draft_model
+from specjax.drafters.base import Drafted, DraftedTree
 
 
 REPEATS = 8  # forwards (or accept phases) per timed repetition
@@ -133,7 +136,7 @@ class ProposeProbe:
 
   def __init__(self, drafter, target_cfg, gamma: int, capacity: int, depth: int, seed: int = 0,
                k: int = REPEATS, target: steps.Runner | None = None):
-    self.sc = speculative.SpecConfig(target_cfg, None, gamma, drafter=drafter, simulated=True)
+    self.sc = plan.SpecConfig(target_cfg, None, gamma, drafter=drafter, simulated=True)
     self.k, self.capacity, self.depth = k, capacity, depth
     rng = np.random.RandomState(seed)
     prompt = rng.randint(0, target_cfg.vocab_size, depth - 1).tolist()
@@ -180,8 +183,7 @@ def _repeat_accept(key, accept_probs, p, drafted, tail, n, out, *, sc, k: int):
 
   def body(i, carry):
     acc, out = carry
-    j = speculative.accept_phase(jax.random.fold_in(key, i), accept_probs, p, drafted,
-                                 tail, n, live, sc)
+    j = sc.step.judge(jax.random.fold_in(key, i), accept_probs, p, drafted, tail, n, live, sc)
     out, count, _, kept = speculative.keep_tokens(out, jnp.ones((b,), jnp.int32), ~live,
                                                   j, -1, out.shape[1])
     return acc + jnp.sum(count + kept + j.t_len + j.d_len), out
@@ -189,7 +191,7 @@ def _repeat_accept(key, accept_probs, p, drafted, tail, n, out, *, sc, k: int):
   return jax.lax.fori_loop(0, k, body, (jnp.int32(0), out))
 
 
-def accept_cost(sc: speculative.SpecConfig, reps: int, seed: int = 0,
+def accept_cost(sc: plan.SpecConfig, reps: int, seed: int = 0,
                 k: int = REPEATS, batch: int = 1) -> timing.Timing:
   """Time of one accept phase and its bookkeeping (batch `batch`, 1 by
   default) for `sc`'s rule kind, gamma and sampling settings, on random
@@ -198,7 +200,7 @@ def accept_cost(sc: speculative.SpecConfig, reps: int, seed: int = 0,
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
   p = jax.nn.softmax(4 * jax.random.normal(keys[0], (b, gamma + 1, v)), -1)
   q = jax.nn.softmax(4 * jax.random.normal(keys[1], (b, gamma, v)), -1)
-  drafted = speculative.Drafted(
+  drafted = Drafted(
       tokens=jax.random.randint(keys[2], (b, gamma), 0, v),
       q=q if sc.needs_q else q[..., :0], n_drafted=jnp.full((b,), gamma, jnp.int32),
       caught_up=jnp.zeros((b,), bool))
@@ -206,5 +208,53 @@ def accept_cost(sc: speculative.SpecConfig, reps: int, seed: int = 0,
   out = jnp.zeros((b, 4 * (gamma + 1)), jnp.int32)
   probs = jnp.full((gamma,), 0.5)
   run = lambda: _repeat_accept(keys[3], probs, p, drafted, tail, n, out, sc=sc, k=k)
+  t = timing.measure(run, reps=max(reps, 5))
+  return dataclasses.replace(t, times=[x / k for x in t.times])
+
+
+def _stand_in_parents(tree) -> np.ndarray:
+  """Parents [N] of a tree of `tree`'s shape: a static tree's own; for a
+  dynamic one (per-row topology), BFS with up to `width` children per node
+  and `max_depth` levels, N nodes: what its judge walks at most."""
+  if getattr(tree, "parents", None) is not None:
+    return np.asarray(tree.parents, np.int32)
+  parents, depth, frontier = [], [], [-1]
+  while len(parents) < tree.n:
+    nxt = []
+    for u in frontier:
+      for _ in range(tree.width):
+        if len(parents) == tree.n:
+          break
+        parents.append(u)
+        depth.append(1 if u < 0 else depth[u] + 1)
+        if depth[-1] < tree.max_depth:
+          nxt.append(len(parents) - 1)
+    frontier = nxt or frontier
+  return np.asarray(parents, np.int32)
+
+
+def tree_accept_cost(sc: plan.SpecConfig, tree, reps: int, seed: int = 0,
+                     k: int = REPEATS, batch: int = 1) -> timing.Timing:
+  """Time of one token tree's accept phase (tree_acceptance.judge_tree through
+  the tree step's judge) and its bookkeeping (keep_tokens), for `sc`'s rule
+  kind, sampling settings and drafter, on random [B, 1+N, V] distributions;
+  per phase. `tree`: a static tree, or a dynamic one (judged on a stand-in
+  topology of its shape: _stand_in_parents). accept_cost prices a chain."""
+  sc = dataclasses.replace(sc, gamma=tree.max_depth, tree=tree)
+  v, n, b, d = sc.target.vocab_size, tree.n, batch, tree.max_depth
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  p = jax.nn.softmax(4 * jax.random.normal(keys[0], (b, n + 1, v)), -1)
+  q = jax.nn.softmax(4 * jax.random.normal(keys[1], (b, n + 1, v)), -1)
+  dynamic = getattr(tree, "parents", None) is None
+  rows = lambda x: jnp.broadcast_to(jnp.asarray(x)[None], (b, *np.shape(x)))
+  drafted = DraftedTree(
+      tokens=jax.random.randint(keys[2], (b, n), 0, v), q=q if sc.needs_q else q[..., :0],
+      caught_up=jnp.zeros((b,), bool),
+      parents=rows(_stand_in_parents(tree)) if dynamic else None,
+      fed=rows(np.arange(n + 1, dtype=np.int32)) if dynamic else None)
+  tail, n_len = jnp.zeros((b, 2), jnp.int32), jnp.full((b,), 8, jnp.int32)
+  out = jnp.zeros((b, 4 * (d + 1)), jnp.int32)
+  probs = jnp.full((d, tree.width), 0.5)
+  run = lambda: _repeat_accept(keys[3], probs, p, drafted, tail, n_len, out, sc=sc, k=k)
   t = timing.measure(run, reps=max(reps, 5))
   return dataclasses.replace(t, times=[x / k for x in t.times])

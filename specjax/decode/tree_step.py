@@ -1,30 +1,27 @@
-"""One speculative step over a token tree (--tree): verify and accept.
-
-The chain's step (speculative.py) with three phases changed, everything
-else (the loops, keep_tokens, records, the drafter's commit) shared:
-  draft:   the drafter's `propose_tree` (drafters/base.py) drafts sc.tree's
-           N nodes per row and the q they were drawn from
-  verify:  one target forward over the block [last, node_0 .. node_{N-1}]
-           at fixed shape (steps.tree_verify: each node at position
-           length + depth, attending to the cache and its own ancestors);
-           the block stays in scratch slots
-  accept:  tree_acceptance.judge_tree: the accepted path (greedy: the
-           deepest matching one; sampling: SpecInfer's multi-draft rejection
-           sampling; a simulated rule: its table by depth and sibling rank)
-           and the token after it
-  commit:  kv_cache.commit_path moves the kept path's K/V into place (the
-           draft cache's too, where the drafter keeps one).
-A chain-shaped tree is the chain, token for token (tests/decode/test_trees.py).
+"""A token tree's speculative step (--tree): the verify of [last, node_0 ..
+node_{N-1}] in one pass under the tree mask (steps.tree_verify: each node at
+position length + depth, the block in scratch slots), the judge
+(tree_acceptance.judge_tree: greedy's deepest matching path, SpecInfer's
+multi-draft rejection sampling, or a simulated rule's table by depth and
+rank), and the verdict `TreeJudged`, which commits itself: the kept path's
+K/V moved into place (kv_cache.commit_path) in the target's cache, and the
+draft's through drafters.base.TreeCommitted. The same signature as
+chain_step.ChainStep; a chain-shaped tree is the chain, token for token
+(tests/decode/test_trees.py). docs/trees.md.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from specjax.decode import tree_acceptance
 from specjax.decode.acceptance import AcceptRule
-from specjax.drafters.base import DraftedTree
+from specjax.decode.chain_step import Judged
+from specjax.drafters.base import DraftedTree, TreeCommitted
+from specjax.model import kv_cache as kvc
 from specjax.model import sampling
 from specjax.model import steps
 from specjax.model.tree import Tree
@@ -34,6 +31,28 @@ def accept_probs(rule: AcceptRule, tree: Tree) -> np.ndarray:
   """The traced acceptance table of a simulated rule on `tree`
   [max_depth, width] (ones for the real rule: unused)."""
   return tree_acceptance.accept_table(rule, tree.max_depth, tree.width)
+
+
+@struct.dataclass
+class TreeJudged(Judged):
+  """A tree step's verdict: the chain's, with the accepted path."""
+  path: jax.Array = None        # [B, D] the accepted nodes' block indices (-1 past n_acc)
+  draft_path: jax.Array = None  # [B, D] ... their slots in the draft's scratch layout (-1: never fed)
+
+  @property
+  def leaf(self) -> jax.Array:
+    return jnp.take_along_axis(jnp.concatenate([jnp.zeros_like(self.path[:, :1]), self.path], 1),
+                               self.n_acc[:, None], 1)[:, 0]
+
+  def commit_target(self, tcache, kept, dropped, live, features):
+    """The kept path's K/V into place (root + kept - 1 nodes), its features in order."""
+    del dropped
+    tcache = kvc.commit_path(tcache, self.path, jnp.where(live, kept - 1, -1))
+    return tcache, None if features is None else path_features(features, self.path)
+
+  def committed(self, **kw) -> TreeCommitted:
+    return TreeCommitted(n_acc=self.n_acc, emitted=self.emitted, d_len=self.d_len,
+                         path=self.path, draft_path=self.draft_path, **kw)
 
 
 def verify_phase(tparams, tcache, tail, d: DraftedTree, sc):
@@ -48,7 +67,7 @@ def verify_phase(tparams, tcache, tail, d: DraftedTree, sc):
   return sampling.probs(out[0], sc.sp), out[1], feats
 
 
-def judge(key, accept_table, p, d: DraftedTree, sc) -> tree_acceptance.TreeVerdict:
+def verdict(key, accept_table, p, d: DraftedTree, sc) -> tree_acceptance.TreeVerdict:
   """The accepted path of each row's tree and the target's token after it."""
   tree = sc.tree
   parents = np.asarray(tree.parents, np.int32) if d.parents is None else d.parents
@@ -63,7 +82,7 @@ def judge(key, accept_table, p, d: DraftedTree, sc) -> tree_acceptance.TreeVerdi
 def draft_path(d: DraftedTree, path, sc):
   """The accepted nodes' slots in the draft's scratch layout [B, D] (-1:
   never fed): DraftedTree.fed, or a static tree's own block indices above
-  its deepest level (draft_model.draft_tree_phase's layout)."""
+  its deepest level (drafters/walkers.py `static_tree`'s layout)."""
   if d.fed is None:
     depths = sc.tree.block_depths()
     fed = jnp.asarray(np.where(depths < sc.tree.max_depth, np.arange(len(depths)), -1),
@@ -90,3 +109,47 @@ def path_features(feats, path):
   d_k] (EAGLE's features)."""
   idx = jnp.concatenate([jnp.zeros_like(path[:, :1]), jnp.maximum(path, 0)], 1)
   return jnp.take_along_axis(feats, idx[:, :, None], 1)
+
+
+def accept_phase(key, accept_table, p, drafted: DraftedTree, tail, n, live, sc) -> TreeJudged:
+  """The accepted path's tokens then the target's token, as a chain of that
+  length would emit them; rows that are not `live` keep their state."""
+  v = verdict(key, accept_table, p, drafted, sc)
+  block = jnp.concatenate([tail[:, 1:], drafted.tokens], 1)  # [B, 1+N]
+  toks = emitted(block, v)  # [B, D+1]
+  last = jnp.take_along_axis(toks, v.n_accepted[:, None], 1)[:, 0]
+  prev = jnp.take_along_axis(jnp.concatenate([tail[:, 1:], toks], 1),
+                             v.n_accepted[:, None], 1)[:, 0]
+  keep = lambda new, old: jnp.where(live, new, old)
+  new_n = n + v.n_accepted + 1
+  # The draft fed the root and every accepted node but perhaps the last (a
+  # static tree's deepest level, a dynamic tree's node outside its frontier).
+  dpath = draft_path(drafted, v.path, sc)
+  n_fed = jnp.sum(dpath >= 0, -1)
+  return TreeJudged(n_acc=v.n_accepted, emitted=toks,
+                    tail=jnp.where(live[:, None], jnp.stack([prev, last], 1), tail),
+                    n=keep(new_n, n), t_len=keep(new_n - 1, n - 1),
+                    d_len=keep(n + n_fed, n - 1), path=v.path, draft_path=dpath)
+
+
+class TreeStep:
+  """A token tree's phases (module docstring)."""
+
+  @staticmethod
+  def propose(dparams, dstate, tcache, tail, n, live, key, sc):
+    return sc.drafter.propose_tree(dparams, dstate, tcache, tail, n, live, key, sc)
+
+  @staticmethod
+  def verify(tparams, tcache, tail, drafted: DraftedTree, sc):
+    return verify_phase(tparams, tcache, tail, drafted, sc)
+
+  @staticmethod
+  def judge(key, accept_table, p, drafted, tail, n, live, sc) -> TreeJudged:
+    return accept_phase(key, accept_table, p, drafted, tail, n, live, sc)
+
+  @staticmethod
+  def accept_table(rule: AcceptRule, sc) -> np.ndarray:
+    return accept_probs(rule, sc.tree)
+
+
+TREE = TreeStep()

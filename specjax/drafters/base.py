@@ -108,8 +108,8 @@ class DraftedTree:
 
 @struct.dataclass
 class Committed:
-  """What a step kept, as a drafter's commit sees it (live rows; a finished
-  row's fields say it kept nothing: n == n_prev, kept == 0)."""
+  """What a chain step kept, as a drafter's commit sees it (live rows; a
+  finished row's fields say it kept nothing: n == n_prev, kept == 0)."""
   n_prev: jax.Array    # [B] sequence length before the step
   n: jax.Array         # [B] sequence length after it (prompt + kept tokens)
   n_acc: jax.Array     # [B] drafts accepted
@@ -119,10 +119,23 @@ class Committed:
   d_len: jax.Array     # [B] a gamma-step draft cache's length after the step (catch-up rule)
   features: Any = None  # [B, gamma+1, E] target hidden states at [last, d_1..d_gamma]
                         # (needs_features), else None
-  path: Any = None      # a token tree's step: [B, D] block indices of the accepted
-                        # nodes (emitted follows them), else None
-  draft_path: Any = None  # the same nodes' slots in the draft's scratch layout
-                          # (DraftedTree.fed; -1: never fed)
+
+  def roll(self, dcache: kvc.KVCache) -> kvc.KVCache:
+    """A draft cache after the step: d_len, cut to what was kept."""
+    return kvc.rollback(dcache, jnp.minimum(self.d_len, self.n - 1))
+
+
+@struct.dataclass
+class TreeCommitted(Committed):
+  """What a tree step kept: the chain's, with the accepted path."""
+  path: jax.Array = None        # [B, D] block indices of the accepted nodes
+  draft_path: jax.Array = None  # [B, D] their slots in the draft's layout (-1: never fed)
+
+  def roll(self, dcache: kvc.KVCache) -> kvc.KVCache:
+    """The draft's block sits in scratch slots (lengths n_prev - 1): the
+    accepted path's fed nodes move into place, up to the chain's length."""
+    length = jnp.minimum(self.d_len, self.n - 1)
+    return kvc.commit_path(dcache, self.draft_path, length - self.n_prev)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,15 +190,3 @@ class Drafter:
     """propose for a token tree (sc.tree): (DraftedTree, dstate, tcache)."""
     raise ConfigError(f"drafter {self.spec} cannot draft a token tree (--tree); "
                       f"use --tree=chain")
-
-
-def rollback_draft_cache(dcache: kvc.KVCache, c: Committed) -> kvc.KVCache:
-  """A gamma-step draft cache after commit: d_len, cut to what was kept.
-
-  A token tree's draft cache (lengths n_prev - 1, its block in scratch
-  slots) keeps the accepted path's nodes it fed: commit_path moves them
-  into place, up to the same length."""
-  length = jnp.minimum(c.d_len, c.n - 1)
-  if c.path is None:
-    return kvc.rollback(dcache, length)
-  return kvc.commit_path(dcache, c.draft_path, length - c.n_prev)

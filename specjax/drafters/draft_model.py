@@ -17,7 +17,6 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from specjax.drafters import network
-from specjax.drafters.base import rollback_draft_cache
 from specjax.errors import ConfigError
 from specjax.model import kv_cache as kvc
 from specjax.model import llama
@@ -67,7 +66,7 @@ class ModelDrafter(network.NetworkDrafter):
     return kvc.rollback(fst.cache, fst.base), tcache
 
   def commit(self, dstate, c):
-    return rollback_draft_cache(dstate, c)
+    return c.roll(dstate)
 
 
 MODEL = ModelDrafter()

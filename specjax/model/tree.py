@@ -48,8 +48,6 @@ from specjax.metrics import tree_theory
 MAX_NODES = 1024                 # a bigger static tree is surely a typo
 SEQUOIA_P = (0.6, 0.2, 0.1)      # sequoia:N,D's positional acceptance unless given
 MARGINAL_SUM_ONE = 1e-4          # marginal w this close to summing to 1: P(none) left in
-AUTO_SIZES = (4, 8, 16, 32, 64)  # `auto`'s candidate tree sizes unless given
-AUTO_DEPTH = 8                   # `auto`'s depth bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,18 +297,6 @@ class DynamicTree:
     return f"dynamic:{self.k},{self.depth},{self.n_nodes}{graft}"
 
 
-@dataclasses.dataclass(frozen=True)
-class AutoTree:
-  """`auto`: the loop chooses among chains and the best trees of these sizes
-  (tree_theory.candidates) from measured costs and the acceptance by rank."""
-  sizes: tuple[int, ...] = AUTO_SIZES
-  max_depth: int = AUTO_DEPTH
-
-  @property
-  def spec(self) -> str:
-    return "auto:" + ",".join(str(n) for n in self.sizes)
-
-
 def check_capacity(tree, capacity: int, length) -> None:
   """Raises CacheOverflowError (one line) when a verify block of the tree at
   cache `length` (an int or per-row lengths: the longest counts) runs past
@@ -377,7 +363,7 @@ def _sequoia_spec(s: str, body: str, p: Sequence[float] | None) -> Tree:
 
 
 def parse(spec: str, gamma: int, p: Sequence[float] | None = None):
-  """`--tree=SPEC` (module docstring) -> a Tree, DynamicTree or AutoTree.
+  """`--tree=SPEC` (module docstring) -> a Tree or DynamicTree.
 
   `gamma` is the chain's length for `chain`; `p` the positional acceptance
   (conditional) for `sequoia:N,D` without its own (default SEQUOIA_P).
@@ -414,13 +400,8 @@ def parse(spec: str, gamma: int, p: Sequence[float] | None = None):
       raise ConfigError(f"--tree={s}: the grafted prompt-lookup chain takes 1 to 64 tokens, "
                         f"got {n_chain}")
     return DynamicTree(*_ints(s, base, 3), n_chain)
-  if s == "auto":
-    return AutoTree()
   if head == "auto":
-    sizes = tuple(_ints(s, body, len(body.split(","))))
-    if min(sizes) < 1:
-      raise ConfigError(f"--tree={s}: sizes must be >= 1")
-    return AutoTree(tuple(sorted(set(sizes))))
+    raise ConfigError(f"--tree={s} is a run mode, not a tree: decode/plan.py resolves it")
   raise ConfigError(f"--tree={s}: unknown spec; use chain, chain:G, a JSON list of rank paths, "
                     "FILE.json, kary:K,D, sequoia:N,D[:p1,..|:marginal=w1,..], "
                     "dynamic:K,D,N[+ngram:L] or auto")

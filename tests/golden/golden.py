@@ -35,10 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specjax.decode import adaptive
 from specjax.decode import autogamma
 from specjax.decode import autotree
+from specjax.decode import plan
 from specjax.decode import speculative
-from specjax.model import tree as trees
 from specjax.formats import checkpoint
 from specjax.model import steps
 from specjax.model.sampling import SamplingParams
@@ -160,22 +161,26 @@ def run(models: Models, case: Case) -> dict:
   target, draft, prompts = models.get(case.pair)
   sp = SAMPLINGS[case.sampling]
   drafter = drafter_spec(case.pair, case.drafter)
-  kw = dict(sp=sp, seed=case.seed, drafter=drafter)
   if case.shape == "auto-gamma":
+    p = plan.resolve(target.cfg, draft.cfg, drafter=drafter, gamma="auto", auto_set=GAMMAS,
+                     sp=sp)
     cost = autogamma.BatchCosts(len(prompts), {n: _t_target(n) for n in range(1, 10)}, 0.08)
-    res = autogamma.generate(target, draft, prompts, case.n_predict, cost, GAMMAS, **kw)
-    extra = {"chosen": [f"chain:{g}" for g in res.gammas_used]}
+    res = adaptive.generate(target, draft, prompts, case.n_predict, p,
+                            autogamma.GammaChooser(cost, p), seed=case.seed)
+    extra = {"chosen": res.chosen}
   elif case.shape == "auto-tree":
-    cands = {k: trees.parse(v, 4) for k, v in AUTO_TREES.items()}
+    p = plan.resolve(target.cfg, draft.cfg, drafter=drafter, gamma=4, auto_trees=AUTO_TREES,
+                     sp=sp)
     cost = autotree.TreeCosts(len(prompts), {n: _t_target(n) for n in range(1, 20)},
                               {w: 0.08 + 0.01 * (w - 1) for w in range(1, 9)})
-    res = autotree.generate(target, draft, prompts, case.n_predict, cost, cands, **kw)
-    extra = {"chosen": res.trees_used}
+    res = adaptive.generate(target, draft, prompts, case.n_predict, p,
+                            autotree.TreeChooser(cost, p), seed=case.seed)
+    extra = {"chosen": res.chosen}
   else:
     gamma = int(case.shape.split(":")[1]) if case.shape.startswith("chain:") else 4
-    tree = None if case.shape.startswith("chain:") else trees.parse(case.shape, gamma)
-    res = speculative.generate(target, draft, prompts, case.n_predict, gamma, tree=tree,
-                               siblings=case.siblings, **kw)
+    p = plan.resolve(target.cfg, draft.cfg, drafter=drafter, gamma=gamma, tree=case.shape,
+                     siblings=case.siblings, sp=sp)
+    res = speculative.run(target, draft, prompts, case.n_predict, p, seed=case.seed)
     extra = {}
   return entry(res, extra)
 

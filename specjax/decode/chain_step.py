@@ -1,0 +1,106 @@
+"""The chain's speculative step: gamma drafts, one verify over [last, d_1..
+d_gamma], the accepted prefix and the target's token after it.
+
+`ChainStep` and tree_step.TreeStep share one signature (propose -> verify
+-> judge; the verdict commits itself), and SpecConfig.step picks one, so
+no phase asks which shape it runs. The verdict `Judged` owns its commit:
+the target cache rolled back by length (O(1), no copy), the drafter told
+through a drafters.base.Committed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.decode import acceptance
+from specjax.drafters.base import Committed, Drafted
+from specjax.model import kv_cache as kvc
+from specjax.model import llama as model
+from specjax.model import sampling
+
+
+@struct.dataclass
+class Judged:
+  """What the accept phase decided, and the bookkeeping it implies."""
+  n_acc: jax.Array    # [B] drafts accepted
+  emitted: jax.Array  # [B, gamma+1] d_1..d_k then the target's token (valid up to n_acc+1)
+  tail: jax.Array     # [B, 2]
+  n: jax.Array        # [B] sequence length after the step
+  t_len: jax.Array    # [B] target cache length to roll back to
+  d_len: jax.Array    # [B] a gamma-step draft cache's length to roll back to
+
+  @property
+  def leaf(self) -> jax.Array:
+    """[B] the block index of the last accepted node (0: none): n_acc."""
+    return self.n_acc
+
+  def commit_target(self, tcache: kvc.KVCache, kept, dropped, live, features):
+    """The target cache after the step (what the row kept, less what
+    n_predict / EOS dropped) and the verify's features for the drafter."""
+    del kept, live
+    return kvc.rollback(tcache, self.t_len - dropped), features
+
+  def committed(self, **kw) -> Committed:
+    return Committed(n_acc=self.n_acc, emitted=self.emitted, d_len=self.d_len, **kw)
+
+
+def verify_phase(tparams, tcache, tail, drafts, sc):
+  """Target distributions p [B, gamma+1, V] at [last, d_1..d_gamma], tcache +
+  gamma+1, and for a drafter that `needs_features` the target's final-normed
+  hidden states there [B, gamma+1, E] (else None)."""
+  tokens = jnp.concatenate([tail[:, 1:], drafts], 1)  # [B, gamma+1]
+  if sc.drafter.needs_features:
+    logits, tcache, feats = model.forward(tparams, tokens, tcache, sc.target,
+                                          return_hidden=True)
+    return sampling.probs(logits, sc.sp), tcache, feats
+  logits, tcache = model.forward(tparams, tokens, tcache, sc.target)
+  return sampling.probs(logits, sc.sp), tcache, None
+
+
+def accept_phase(key, accept_probs, p, drafted: Drafted, tail, n, live, sc) -> Judged:
+  """Judges the drafts and advances the sequence bookkeeping; rows that are
+  not `live` (finished) keep their state."""
+  gamma, drafts = sc.gamma, drafted.tokens
+  n_acc, nxt = acceptance.judge(key, sc.simulated, accept_probs, sc.sp, drafts, drafted.q,
+                                p, drafted.n_drafted, sc.drafter.deterministic)
+  pos = jnp.arange(gamma + 1)[None, :]
+  padded = jnp.concatenate([drafts, drafts[:, :1]], 1)
+  emitted = jnp.where(pos == n_acc[:, None], nxt[:, None], padded)
+  prev_last = jnp.take_along_axis(drafts, jnp.maximum(n_acc - 1, 0)[:, None], 1)[:, 0]
+  prev = jnp.where(n_acc > 0, prev_last, tail[:, 1])
+  keep = lambda new, old: jnp.where(live, new, old)
+  new_n = n + n_acc + 1
+  return Judged(
+      n_acc=n_acc, emitted=emitted,
+      tail=jnp.where(live[:, None], jnp.stack([prev, nxt], 1), tail),
+      n=keep(new_n, n), t_len=keep(new_n - 1, n - 1),
+      # The draft fed n-1+gamma entries (s_{n-1}, d_1..d_{gamma-1}); d_gamma
+      # never entered it, so only a fully accepted step leaves it behind.
+      d_len=keep(jnp.minimum(new_n - 1, n - 1 + gamma), n - 1))
+
+
+class ChainStep:
+  """A chain's phases (module docstring)."""
+
+  @staticmethod
+  def propose(dparams, dstate, tcache, tail, n, live, key, sc):
+    return sc.drafter.propose(dparams, dstate, tcache, tail, n, live, key, sc)
+
+  @staticmethod
+  def verify(tparams, tcache, tail, drafted: Drafted, sc):
+    return verify_phase(tparams, tcache, tail, drafted.tokens, sc)
+
+  @staticmethod
+  def judge(key, accept_probs, p, drafted, tail, n, live, sc) -> Judged:
+    return accept_phase(key, accept_probs, p, drafted, tail, n, live, sc)
+
+  @staticmethod
+  def accept_table(rule: acceptance.AcceptRule, sc) -> np.ndarray:
+    """The traced per-position probabilities of a simulated rule [gamma]."""
+    return acceptance.position_probs(rule, sc.gamma)
+
+
+CHAIN = ChainStep()
