@@ -6,6 +6,10 @@ import numpy as np
 import pytest
 
 from specjax.decode import acceptance
+from specjax.decode import chain_step
+from specjax.decode import plan
+from specjax.drafters.base import Drafted
+from specjax.drafters.draft_model import MODEL
 from specjax.model import config
 from specjax.decode import generation
 from specjax.model import kv_cache
@@ -182,11 +186,11 @@ def test_bad_settings(pair):
   target, _ = pair
   other = config.get_preset("tiny").replace(name="other", vocab_size=300)
   with pytest.raises(ConfigError, match="vocabularies differ"):
-    speculative.SpecConfig(target.cfg, other, 4)
+    plan.SpecConfig(target.cfg, other, 4)
   with pytest.raises(ConfigError, match="vocabularies differ"):
     speculative.generate(target, steps.Runner(other, model.init_params(other)), [[1]], 4, 2)
   with pytest.raises(ConfigError, match="gamma"):
-    speculative.SpecConfig(target.cfg, target.cfg, 0)
+    plan.SpecConfig(target.cfg, target.cfg, 0)
   for bad in ["sometimes", "bernoulli:1.5", "bernoulli:x", "always:1"]:
     with pytest.raises(ConfigError):
       acceptance.parse_rule(bad)
@@ -211,13 +215,13 @@ def test_draft_cache_is_behind_only_after_full_acceptance(n_acc):
   never saw d_gamma), which the next draft phase then feeds."""
   cfg = config.get_preset("tiny")
   gamma, n, v = 3, 10, cfg.vocab_size
-  sc = speculative.SpecConfig(cfg, cfg, gamma, simulated=True)
-  drafted = speculative.Drafted(tokens=jnp.asarray([[11, 12, 13]]), q=jnp.zeros((1, gamma, 0)),
-                                n_drafted=jnp.asarray([gamma]), caught_up=jnp.asarray([False]))
+  sc = plan.SpecConfig(cfg, cfg, gamma, simulated=True)
+  drafted = Drafted(tokens=jnp.asarray([[11, 12, 13]]), q=jnp.zeros((1, gamma, 0)),
+                    n_drafted=jnp.asarray([gamma]), caught_up=jnp.asarray([False]))
   probs = (np.arange(gamma) < n_acc).astype(np.float32)   # accept exactly n_acc
   p = jax.nn.one_hot(jnp.full((1, gamma + 1), 7), v)
-  j = speculative.accept_phase(jax.random.PRNGKey(0), jnp.asarray(probs), p, drafted,
-                               jnp.asarray([[5, 6]]), jnp.asarray([n]), jnp.asarray([True]), sc)
+  j = chain_step.accept_phase(jax.random.PRNGKey(0), jnp.asarray(probs), p, drafted,
+                              jnp.asarray([[5, 6]]), jnp.asarray([n]), jnp.asarray([True]), sc)
   new_n = n + n_acc + 1
   assert int(j.n[0]) == new_n and int(j.t_len[0]) == new_n - 1
   assert int(j.d_len[0]) == (new_n - 2 if n_acc == gamma else new_n - 1)
@@ -232,11 +236,11 @@ def test_commit_cuts_a_finished_row_back_to_what_it_kept(kept):
   cfg = config.get_preset("tiny")
   gamma, n = 3, 10
   cache = kv_cache.init_cache(cfg, 1, 32)
-  j = speculative.Judged(n_acc=jnp.asarray([3]), emitted=jnp.asarray([[11, 12, 13, 7]]),
-                         tail=jnp.asarray([[13, 7]]), n=jnp.asarray([n + 4]),
-                         t_len=jnp.asarray([n + 3]), d_len=jnp.asarray([n - 1 + gamma]))
+  j = chain_step.Judged(n_acc=jnp.asarray([3]), emitted=jnp.asarray([[11, 12, 13, 7]]),
+                        tail=jnp.asarray([[13, 7]]), n=jnp.asarray([n + 4]),
+                        t_len=jnp.asarray([n + 3]), d_len=jnp.asarray([n - 1 + gamma]))
   st = speculative.commit(cache, cache, jnp.asarray([[5, 6]]), j, jnp.asarray([kept]),
-                          jnp.asarray([True]))
+                          jnp.asarray([True]), MODEL)
   assert int(st.n[0]) == n + kept and int(st.tcache.lengths[0]) == n + kept - 1
   assert int(st.dcache.lengths[0]) == n + kept - 1
   assert st.tail[0].tolist() == [[6, 11, 12, 13][kept - 1], [11, 12, 13][kept - 1]]
