@@ -191,11 +191,11 @@ def test_sampled_tree_speculation_follows_the_target(pair, name, siblings):
 
 
 def _siblings_visible(orig):
-  def verify_phase(tparams, tcache, tail, tokens, sc):  # a causal mask over the block
+  def verify_phase(tparams, tcache, tail, drafted, sc):  # a causal mask over the block
     import dataclasses
     t = sc.tree.block_size
     chainish = dataclasses.replace(sc, tree=_Masked(sc.tree, np.tril(np.ones((t, t), bool))))
-    return orig(tparams, tcache, tail, tokens, chainish)
+    return orig(tparams, tcache, tail, drafted, chainish)
   return verify_phase
 
 
@@ -218,15 +218,16 @@ def _commit_wrong_path(orig):
 
 
 def _draft_commit_skipped(orig):
-  def rollback_draft_cache(dcache, c):  # the draft keeps its scratch where it lies
-    return orig(dcache, c.replace(path=None))
-  return rollback_draft_cache
+  del orig
+  def roll(self, dcache):  # the draft keeps its scratch where it lies: a chain's rollback
+    return drafters_base.Committed.roll(self, dcache)
+  return roll
 
 
 def _draft_commit_by_the_verify_path(orig):
-  def rollback_draft_cache(dcache, c):  # a dynamic draft's slots taken for the block's
-    return orig(dcache, c.replace(draft_path=c.path))
-  return rollback_draft_cache
+  def roll(self, dcache):  # a dynamic draft's slots taken for the block's
+    return orig(self.replace(draft_path=self.path), dcache)
+  return roll
 
 
 MUTATIONS = {
@@ -236,10 +237,10 @@ MUTATIONS = {
     "the commit moves the wrong path": (
         kvc, "commit_path", _commit_wrong_path, lambda r, p: cache_mismatches(r, MEDUSA)),
     "the draft cache's path not moved into place": (
-        drafters_base, "rollback_draft_cache", _draft_commit_skipped,
+        drafters_base.TreeCommitted, "roll", _draft_commit_skipped,
         lambda r, p: cache_mismatches(r, MEDUSA)),
     "a dynamic draft commits the verify block's slots": (
-        drafters_base, "rollback_draft_cache", _draft_commit_by_the_verify_path,
+        drafters_base.TreeCommitted, "roll", _draft_commit_by_the_verify_path,
         lambda r, p: cache_mismatches((sharpen(r[0], 30.0),) * 2 + (None,), NARROW)),
 }
 
@@ -249,9 +250,6 @@ def test_each_deliberate_bug_fails(runners, pair, monkeypatch, bug):
   module, name, make, check = MUTATIONS[bug]
   jax.clear_caches()
   monkeypatch.setattr(module, name, make(getattr(module, name)))
-  if name == "rollback_draft_cache":  # imported by name into the drafter's module
-    from specjax.drafters import draft_model
-    monkeypatch.setattr(draft_model, name, getattr(module, name))
   try:
     bad = check(runners, pair)
   finally:
