@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from specjax.decode import acceptance
+from specjax.decode import chain_step
 from specjax.decode import generation
 from specjax.decode import speculative
-from specjax.drafters import draft_model
+from specjax.drafters import walkers
 from specjax.model.sampling import SamplingParams
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -94,11 +95,12 @@ def _p_and_q_swapped(orig):
 def _top_p_on_p_only(orig):
   """The draft samples and is judged without top-p; the target keeps it.
   (The output law survives this one: rejection sampling is exact for any q.
-  The acceptance law does not.)"""
-  def draft_phase(dparams, dcache, tail, n, live, key, sc):
+  The acceptance law does not.) walkers.chain draws a network drafter's
+  chain, the draft model's included."""
+  def chain(feeder, dparams, fst, root, key, sc):
     sp = dataclasses.replace(sc.sp, top_p=1.0)
-    return orig(dparams, dcache, tail, n, live, key, dataclasses.replace(sc, sp=sp))
-  return draft_phase
+    return orig(feeder, dparams, fst, root, key, dataclasses.replace(sc, sp=sp))
+  return chain
 
 
 def _draft_not_fed_after_full_acceptance(orig):
@@ -114,8 +116,8 @@ MUTATIONS = {
     "correction drawn from p, not the residual": (acceptance, "target_token_dist",
                                                   _correction_from_p),
     "acceptance test with p and q swapped": (acceptance, "exact_accepts", _p_and_q_swapped),
-    "top-p applied to p only": (draft_model, "draft_phase", _top_p_on_p_only),
-    "draft cache not fed after a fully accepted step": (speculative, "accept_phase",
+    "top-p applied to p only": (walkers, "chain", _top_p_on_p_only),
+    "draft cache not fed after a fully accepted step": (chain_step, "accept_phase",
                                                         _draft_not_fed_after_full_acceptance),
 }
 MUTATION_SETTING = ("top_p0.8", 2)  # one of the configurations above, same seed
