@@ -129,11 +129,11 @@ class LayerSkipDrafter(ModelDrafter):
   def init(self, sc, target, dparams, prompts, capacity, first):
     if self.prefix:
       return ()  # the target's cache holds the draft's layers
-    return super().init(sc, target, dparams, prompts, capacity, first)
+    return ModelDrafter.init(self, sc, target, dparams, prompts, capacity, first)
 
   def begin(self, dparams, dstate, tcache, tail, n, live, sc, width):
     if not self.prefix:
-      return super().begin(dparams, dstate, tcache, tail, n, live, sc, width)
+      return ModelDrafter.begin(self, dparams, dstate, tcache, tail, n, live, sc, width)
     # The target's cache holds the kept sequence minus `last` (n - 1): the
     # draft's own invariant, so it never catches up.
     k = len(self.layers)
@@ -142,10 +142,10 @@ class LayerSkipDrafter(ModelDrafter):
 
   def end(self, dparams, fst, dstate, tcache, n, sc):
     if not self.prefix:
-      return super().end(dparams, fst, dstate, tcache, n, sc)
+      return ModelDrafter.end(self, dparams, fst, dstate, tcache, n, sc)
     # the verify rewrites the slots the draft wrote, from the target's unchanged lengths
     k = len(self.layers)
     return dstate, tcache.replace(k=fst.cache.k + tcache.k[k:], v=fst.cache.v + tcache.v[k:])
 
   def commit(self, dstate, c):
-    return dstate if self.prefix else super().commit(dstate, c)
+    return dstate if self.prefix else c.roll(dstate)

@@ -355,7 +355,8 @@ class EagleDrafter(network.NetworkDrafter):
     return dstate.replace(hcache=kvc.rollback(fst.hcache, n - 1)), tcache
 
   def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
-    d, dstate, tcache = super().propose_tree(dparams, dstate, tcache, tail, n, live, key, sc)
+    d, dstate, tcache = network.NetworkDrafter.propose_tree(self, dparams, dstate, tcache, tail,
+                                                            n, live, key, sc)
     if sc.tree.graft:  # the prompt-lookup chain, grafted on
       chain, n_chain = ngram.ngram_propose(dstate.hist, n, sc.tree.graft, _LOOKUP.n_min,
                                            _LOOKUP.n_max)

@@ -15,8 +15,10 @@ import pytest
 
 from specjax.model import config
 from specjax.drafters import base as drafter_base
-from specjax.drafters import draft_model, ngram, registry
+from specjax.drafters import draft_model, network, ngram, registry
+from specjax.decode import adaptive
 from specjax.decode import generation
+from specjax.decode import plan
 from specjax.decode import speculative
 from specjax.model import steps
 from specjax.errors import ConfigError
@@ -168,15 +170,16 @@ def test_shared_prefix_drafts_what_its_own_cache_would(target):
   res = speculative.generate(target, None, [prompt], 13, 4, drafter="layerskip:2",
                              keep_state=True)
   st = res.state
-  sc = speculative.SpecConfig(target.cfg, None, 4, SamplingParams(1.0), drafter="layerskip:2")
+  sc = plan.SpecConfig(target.cfg, None, 4, SamplingParams(1.0), drafter="layerskip:2")
   dparams = sc.drafter.draft_params(target.params, None)
   live, key = jnp.ones((1,), bool), jax.random.PRNGKey(7)
   got = jax.jit(lambda tc: sc.drafter.propose(dparams, (), tc, st.tail, st.n, live, key,
                                               sc)[0])(st.tcache)
   sub = sub_runner(target, sc.drafter.layers)  # the two layers, not through draft_params
   own = sub.prefill([prompt + res.tokens[0][:-1]], sub.new_cache(1, st.tcache.capacity))[1]
-  want = jax.jit(lambda c: draft_model.draft_phase(sub.params, c, st.tail, st.n, live, key,
-                                                   sc)[0])(own)
+  sc_own = plan.SpecConfig(target.cfg, sub.cfg, 4, SamplingParams(1.0), drafter="model")
+  want = jax.jit(lambda c: draft_model.MODEL.propose(sub.params, c, None, st.tail, st.n, live,
+                                                     key, sc_own)[0])(own)
   assert not bool(want.caught_up[0])
   np.testing.assert_allclose(got.q, want.q, atol=1e-4)
 
@@ -225,7 +228,7 @@ def test_ngram_without_a_match_still_emits_the_target_token(target):
   b, gamma, v = 4000, 3, 8
   p = jnp.zeros((b, gamma + 1, v)).at[:, :, 5].set(1.0).at[:, 0].set(
       jnp.zeros(v).at[5].set(0.5).at[3].set(0.5))
-  sc = speculative.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter="ngram")
+  sc = plan.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter="ngram")
   d = drafter_base.Drafted(tokens=jnp.full((b, gamma), 5), q=jnp.zeros((b, gamma, 0)),
                        n_drafted=jnp.zeros((b,), jnp.int32), caught_up=jnp.zeros((b,), bool))
   j = speculative.accept_jit(jax.random.PRNGKey(0), jnp.ones((gamma,)), p, d,
@@ -371,12 +374,12 @@ def test_bad_specs(spec, match):
 
 def test_bad_settings_against_the_models(target):
   with pytest.raises(ConfigError, match="out of range"):
-    speculative.SpecConfig(target.cfg, None, 4, drafter="layerskip:4")
+    plan.SpecConfig(target.cfg, None, 4, drafter="layerskip:4")
   with pytest.raises(ConfigError, match="out of range"):
     speculative.generate(target, None, [[1, 2]], 4, 2, drafter="layerskip:0,3")
   with pytest.raises(ConfigError, match="needs a draft model"):
     speculative.generate(target, None, [[1, 2]], 4, 2)
-  assert speculative.SpecConfig(target.cfg, None, 4, drafter="layerskip:3").draft.n_layers == 3
+  assert plan.SpecConfig(target.cfg, None, 4, drafter="layerskip:3").draft.n_layers == 3
 
 
 def test_ngram_cost_probe_times_a_proposal(target):
@@ -393,13 +396,12 @@ def test_auto_gamma_runs_a_model_free_drafter(target, base):
   """The n-gram history does not depend on gamma: chunks of gamma 1 and 4
   continue each other (greedy: target-only tokens); eagle's pending pairs
   are [B, gamma+1, E], so it is refused."""
-  from specjax.decode import autogamma  # pylint: disable=import-outside-toplevel
-  cost = autogamma.BatchCosts(3, {1: 1.0, 2: 1.1, 5: 1.5}, 0.0, {1: 0.0, 4: 0.0})
-  res = autogamma.generate(target, None, PROMPTS, N, cost, (1, 4), fixed=[1, 4, 4, 1],
-                           every=2, drafter="ngram")
-  assert res.tokens == base and set(res.gammas_used) == {1, 4}
+  p = plan.resolve(target.cfg, None, drafter="ngram", gamma="auto", auto_set=(1, 4))
+  res = adaptive.generate(target, None, PROMPTS, N, p,
+                          adaptive.Fixed(["chain:1", "chain:4", "chain:4", "chain:1"]), every=2)
+  assert res.tokens == base and set(res.chosen) == {"chain:1", "chain:4"}
   with pytest.raises(ConfigError, match="shaped by gamma"):
-    autogamma.generate(target, None, PROMPTS, N, cost, (1, 4), drafter="eagle")
+    plan.parse_flags(drafter="eagle", gamma="auto", auto_set=(1, 4))
 
 # ---------------------------------------------------------------- mutations
 # One-expression bugs in a drafter (lawcheck.mutant), each run through the
@@ -443,11 +445,11 @@ DRAFTER_MUTATIONS = {
         draft_model.LayerSkipDrafter, "draft_params", 'tparams[f"layers_{l}"]',
         'tparams[f"layers_{l + 1}"]', _fails_lossless("layerskip:1", 4)),
     "layerskip:N: the draft's lengths kept in the shared cache": (
-        draft_model.LayerSkipDrafter, "propose", "v=shared.v + tcache.v[k:])",
-        "v=shared.v + tcache.v[k:], lengths=shared.lengths)", _fails_ragged("layerskip:2")),
+        draft_model.LayerSkipDrafter, "end", "v=fst.cache.v + tcache.v[k:])",
+        "v=fst.cache.v + tcache.v[k:], lengths=fst.cache.lengths)", _fails_ragged("layerskip:2")),
     "layerskip list: the catch-up skipped (its record kept)": (
-        draft_model, "draft_phase", "jax.lax.cond(jnp.any(behind), catch_up",
-        "jax.lax.cond(jnp.any(behind) & False, catch_up", _fails_list_cache),
+        network, "catch_up", "jax.lax.cond(jnp.any(behind),",
+        "jax.lax.cond(jnp.any(behind) & False,", _fails_list_cache),
 }
 
 

@@ -19,6 +19,7 @@ from specjax.drafters import eagle
 from specjax.train import eagle as eagle_train
 from specjax.decode import generation
 from specjax.model import llama as model
+from specjax.decode import plan
 from specjax.decode import speculative
 from specjax.model import steps
 from specjax.train import loop as train
@@ -156,10 +157,11 @@ def test_drafts_equal_the_teacher_forced_head(shipped):
   res = speculative.generate(target, None, prompts, 24, gamma, keep_state=True,
                              drafter=drafter)
   st = res.state
-  sc = speculative.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter=drafter)
-  hcfg, hparams = sc.draft, drafter.draft_params(target.params, None)["head"]
-  d, _ = eagle.draft_phase(target.params, hparams, st.dcache.hcache, st.dcache.pending,
-                           st.n, jax.random.PRNGKey(5), sc)
+  sc = plan.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter=drafter)
+  dparams = drafter.draft_params(target.params, None)
+  hcfg, hparams = sc.draft, dparams["head"]
+  d = drafter.propose(dparams, st.dcache, None, st.tail, st.n, jnp.ones(st.n.shape, bool),
+                      jax.random.PRNGKey(5), sc)[0]
   for b, p in enumerate(prompts):
     seq = jnp.asarray([p + res.tokens[b]], jnp.int32)  # x_0 .. x_{n-1}
     n = seq.shape[1]
@@ -306,7 +308,7 @@ HEAD_MUTATIONS = {
         eagle.EagleDrafter, "commit", "Pending(feats=c.features,",
         "Pending(feats=dstate.pending.feats,"),
     "the wrong output index taken (k + 1)": (
-        eagle, "draft_phase", "idx = jnp.clip(n - 2 - pending.start",
+        eagle, "refresh", "idx = jnp.clip(n - 2 - pending.start",
         "idx = jnp.clip(n - 1 - pending.start"),
     "pending tokens not shifted (pair (f_i, x_i), not (f_i, x_{i+1}))": (
         eagle.EagleDrafter, "commit", "tokens=c.emitted,", "tokens=jnp.roll(c.emitted, 1, 1),"),
@@ -337,11 +339,11 @@ def test_eagle_specs_and_errors(tmp_path):
   d = registry.parse(f"eagle:{tmp_path}")
   assert registry.parse(d.spec) == d and hash(d) == hash(registry.parse(d.spec))
   with pytest.raises(CheckpointError, match="not found"):
-    speculative.SpecConfig(CFG, None, 2, drafter=d)
+    plan.SpecConfig(CFG, None, 2, drafter=d)
   eagle.save_head(tmp_path / "h", eagle.head_config(CFG), eagle.init_head(eagle.head_config(CFG)),
                   CFG, "tiny")
   with pytest.raises(ConfigError, match="does not fit"):  # a tiny head on a wider target
-    speculative.SpecConfig(get_preset("tiny-draft").replace(vocab_size=256, dim=128), None, 2,
+    plan.SpecConfig(get_preset("tiny-draft").replace(vocab_size=256, dim=128), None, 2,
                            drafter=f"eagle:{tmp_path / 'h'}")
 
 
@@ -352,3 +354,4 @@ def test_own_param_count_is_the_layer_and_fc_not_the_shared_vocabulary():
   e = hcfg.dim
   want = hcfg.num_params() - hcfg.vocab_size * e - e + (2 * e * e + e)  # no final norm; the fc
   assert model.param_count(eagle.load_eagle("stdlib-eagle")[1]) == want == 856_832
+  assert eagle.EagleDrafter().own_params(eagle.EagleDrafter().draft_params({}, None)) == want
