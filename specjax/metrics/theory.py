@@ -327,14 +327,9 @@ def measured_cost_speedup(
   return _out(np.asarray(tokens_per_step, dtype=float) * _positive(t_target, "t_target") / step_time)
 
 
-def measured_cost_speedup_at_alpha(
-    alpha: ArrayLike,
-    gamma: ArrayLike,
-    t_draft: ArrayLike,
-    t_target: ArrayLike,
-    t_verify: ArrayLike,
-    t_overhead: ArrayLike = 0.0,
-) -> float | np.ndarray:
+def measured_cost_speedup_at_alpha(alpha: ArrayLike, gamma: ArrayLike, t_draft: ArrayLike,
+                                   t_target: ArrayLike, t_verify: ArrayLike,
+                                   t_overhead: ArrayLike = 0.0) -> float | np.ndarray:
   """`measured_cost_speedup` with Equation (1) tokens per step at this alpha."""
   tokens = expected_tokens_per_step(alpha, gamma)
   return measured_cost_speedup(tokens, gamma, t_draft, t_target, t_verify, t_overhead)
