@@ -20,7 +20,7 @@ template; a target without one is refused):
       --config.target=/path/to/instruct --config.drafters="('ngram','layerskip:4')" \
       --workdir=/tmp/specjax_chat
 Chains next to token trees (tokens/step and speedup measured vs predicted, the crossover batch,
-auto vs the best fixed tree; bench/tree_sweep.py, docs/trees.md):
+auto vs the best fixed tree; bench/sweep/trees.py, docs/trees.md):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees --workdir=/tmp/specjax_trees
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees_quick --workdir=/tmp/specjax_tq
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees \
@@ -61,7 +61,13 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.auto_gamma = False           # also points whose gamma is chosen at run time from gammas
   c.auto_calibrate = True        # ... from each gamma's loop step timed after warm-up
   c.auto_every = 8               # ... re-chosen after chunks of 1, 2, 4, .. this many steps
-  c.trees = ()                   # token trees (model.tree specs, auto): bench/tree_sweep.py
+  c.trees = ()                   # token trees (model.tree specs, auto): bench/sweep/trees.py
+  c.siblings = "topk"            # ... a tree's siblings: the draft's top-k | stochastic (from q)
+  c.taskbench = ()               # task suite categories: bench/sweep/taskbench_run.py
+  c.taskbench_category = ""      # ... the category one of its sweeps runs (set by the runner)
+  c.taskbench_prompts = 0        # ... conversations per category (0 = all)
+  c.taskbench_trees = ()         # ... tree rows, DRAFTER@TREE
+  c.noise_threshold = 0.15       # flag the run when target-only speed or T(1) spreads more
   if arg == "quick":
     c.gammas = (1, 2, 4, 8)
     c.accepts = ("bernoulli:0.8", "always")
@@ -120,7 +126,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.heldout_prompts = 8
     c.ctx_size = 256
     c.measure_split = False
-  elif arg in ("trees", "trees_quick"):  # chains next to token trees (bench/tree_sweep.py)
+  elif arg in ("trees", "trees_quick"):  # chains next to token trees (bench/sweep/trees.py)
     # Chains of 1, 2, 4, 8 drafts next to Sequoia's best trees of 4..64 nodes (depth <= 8) at
     # model.tree's default p (0.6, 0.2, 0.1): one fixed topology per size for every point, so
     # measured and predicted differ only by the acceptance, not by the tree; auto chooses
@@ -137,7 +143,6 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.ctx_size = 256
     c.reps = 2
     c.measure_split = False
-    c.siblings = "topk"
     if arg == "trees_quick":  # a few minutes on 2 cores: tiny models, simulated ranks
       c.target, c.draft, c.dtype = "tiny", "tiny-draft", "float32"
       c.drafters = ("model",)
@@ -154,7 +159,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
 
 
 def taskbench_config(arg: str) -> ml_collections.ConfigDict:
-  """The task suite (bench/taskbench_run.py; specjax/assets/taskbench): SmolLM2-135M-Instruct,
+  """The task suite (bench/sweep/taskbench_run.py; specjax/assets/taskbench): SmolLM2-135M-Instruct,
   every category through its chat template, real acceptance at T = 0 and 1. The report:
   WORKDIR/taskbench.md (a Spec-Bench-shaped leaderboard, the published MATs, the issue's goals),
   taskbench.png. `taskbench_trees` rows (DRAFTER@TREE) run through the trees sweep per category
@@ -166,13 +171,11 @@ def taskbench_config(arg: str) -> ml_collections.ConfigDict:
   c.target, c.dtype = "smollm2-135m", "float32"
   c.draft = "smollm2-draft"     # the distilled draft (drafter "model"); loaded only if one runs
   c.taskbench = ("multi_turn", "code_completion", "code_editing", "summarization", "qa", "math")
-  c.taskbench_category = ""     # set per category by the runner
-  c.taskbench_prompts = 0       # conversations per category (0 = all)
   c.chat = True
   # Chains: n-gram lookup, the target's first 8 of 30 layers (the quick run's better layerskip),
   # the distilled draft and the EAGLE head trained here (specjax/assets/smollm2-*).
   c.drafters = ("ngram", "layerskip:8", "model", "eagle:smollm2-eagle")
-  # Token trees, DRAFTER@TREE, each a leaderboard row of its own (bench/tree_sweep.py per
+  # Token trees, DRAFTER@TREE, each a leaderboard row of its own (bench/sweep/trees.py per
   # category): the EAGLE head drafting EAGLE-2's dynamic tree, sized for this CPU (top 4
   # per node, 4 levels, the 16 best nodes verified) and at EAGLE-2's published setting
   # (top 10, 6 levels, 60 nodes: the MAT to set beside the paper's), then that tree with the

@@ -12,7 +12,7 @@ masked pass over the whole capacity (attn_block 0), alternating, medians of
 
 from absl import flags
 
-from specjax.bench import llama_bench as bench
+from specjax.bench.studies import llama_bench as bench
 from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli

@@ -13,7 +13,7 @@ import os
 
 from absl import flags
 
-from specjax.bench import batch_scaling
+from specjax.bench.studies import batch_scaling
 from specjax import cli
 
 _CONFIG = cli.DEFINE_config_file(

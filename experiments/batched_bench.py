@@ -10,7 +10,7 @@ N_KV = B*(PP+TG), S_PP = B*PP/T_PP, S_TG = B*TG/T_TG, T = T_PP+T_TG, S = N_KV/T.
 
 from absl import flags
 
-from specjax.bench import llama_bench as bench
+from specjax.bench.studies import llama_bench as bench
 from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli

@@ -13,7 +13,7 @@ on random weights: speed does not depend on their values.
 
 from absl import flags
 
-from specjax.bench import llama_bench as bench
+from specjax.bench.studies import llama_bench as bench
 from specjax.bench import tables
 from specjax import cli
 

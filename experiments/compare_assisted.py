@@ -20,7 +20,7 @@ import os
 
 from absl import flags
 
-from specjax.bench import assisted
+from specjax.bench.studies import assisted
 from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from specjax.bench import roofline
+from specjax.bench.studies import roofline
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.decode import probes

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from specjax.bench import roofline
+from specjax.bench.studies import roofline
 from specjax import cli
 from specjax.metrics import timing
 from specjax import workdir as wd

@@ -17,7 +17,7 @@ gpu_summary.md (rewritten after every part) and gpu_check.jsonl (one record
 per measurement, with the environment) to --workdir. `--smoke` runs the same
 path on tiny models on any backend (the tests use it). What each part
 measures: docs/results.md, "On a GPU"; each part's runner and its summary
-section: specjax.bench.gpu_study.
+section: specjax.bench.studies.gpu_study.
 """
 
 import os
@@ -30,14 +30,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # noqa: E402
 from specjax import cli
 from specjax import workdir as wd
-from specjax.bench import gpu_study as gs
-from specjax.bench import roofline
+from specjax.bench.studies import gpu_study as gs
+from specjax.bench.studies import roofline
+from specjax.bench.sweep.config import SweepConfig
 from specjax.errors import SpecjaxError
 from specjax.model import config
 from specjax.model import sharding
 from specjax.parallel import mesh_plan
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_gpu", "Output folder.")
+_OVERWRITE = flags.DEFINE_bool("overwrite", False, "A workdir that holds a check: move its "
+                               "outputs aside (replaced-STAMP/) and run again.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny models on any backend: checks the script only.")
 _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", None, "Peak memory bandwidth (GB/s); default: "
                                 "looked up from the device kind.", lower_bound=1.0)
@@ -79,7 +82,7 @@ def taskbench_part(cfg, workdir: str, out, note: str) -> list[str]:
   smollm2 package not installed) is one line in the summary, not the end of
   the check."""
   try:
-    records, dropped = gs.taskbench_part_run(cfg, workdir)
+    records, dropped = gs.taskbench_part_run(cfg, workdir, overwrite=out.overwrite)
   except SpecjaxError as e:
     records, dropped = [], [f"not run: {str(e).splitlines()[0][:300]}"]
   for r in records:
@@ -95,7 +98,7 @@ def main(argv):
                        f"{jax.devices()}); see BUILD.md, or pass --smoke")
   print(f"backend {jax.default_backend()}, device {dev.device_kind}, jax {jax.__version__}",
         flush=True)
-  out, reps, skip = gs.Out(_WORKDIR.value), _REPS.value, set(_SKIP.value)
+  out, reps, skip = gs.Out(_WORKDIR.value, _OVERWRITE.value), _REPS.value, set(_SKIP.value)
   scfg, bcfg = sweep_gamma.get_config("gpu"), sweep_gamma.get_config("gpu_batch")
   tcfg, tnote = sweep_gamma.get_config("taskbench_quick"), ""
   if _TREES.value:
@@ -118,6 +121,7 @@ def main(argv):
     models, n_prompt, n_gen, depth = ["llama-160m", "llama-7b"], [1, 2, 4, 8, 16, 32, 64], 64, 128
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
     tree_model, tree_batches, tree_sizes = "llama-7b", (1, 4, 16, 32), (4, 8, 16, 32, 64)
+  scfg, bcfg, tcfg = (SweepConfig.from_mapping(c) for c in (scfg, bcfg, tcfg))
   bandwidth = _BANDWIDTH.value or roofline.device_bandwidth_gbs(dev.device_kind)
   lines = [f"# GPU check: {dev.device_kind}", ""]
   measured = {}  # filled by the peaks part
@@ -130,8 +134,10 @@ def main(argv):
       ("attention", lambda: gs.attention_section(
           gs.attention_run(attn_model, scfg.dtype, attn_points, attn_gen, reps, out),
           attn_model, attn_points)),
-      ("sweep", lambda: gs.sweep_section(gs.sweep_run(scfg, _WORKDIR.value, "sweep"), scfg)),
-      ("batch", lambda: gs.batch_section(gs.sweep_run(bcfg, _WORKDIR.value, "sweep_batch"),
+      ("sweep", lambda: gs.sweep_section(gs.sweep_run(scfg, _WORKDIR.value, "sweep",
+                                                      _OVERWRITE.value), scfg)),
+      ("batch", lambda: gs.batch_section(gs.sweep_run(bcfg, _WORKDIR.value, "sweep_batch",
+                                                      _OVERWRITE.value),
                                          bcfg)),
       ("overhead", lambda: gs.overhead_section(
           gs.overhead_run(scfg.target, scfg.draft, scfg.dtype, gamma, reps, out), scfg.target,

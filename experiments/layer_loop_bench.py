@@ -14,7 +14,7 @@ allocated, nothing runs; only compile seconds are reported.
 from absl import flags
 
 from specjax import cli
-from specjax.bench import layer_loop
+from specjax.bench.studies import layer_loop
 
 _MODEL = flags.DEFINE_string("model", "llama-160m", "Model whose decode is timed: preset, HF or orbax directory.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute and parameter dtype.")

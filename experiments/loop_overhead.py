@@ -17,10 +17,10 @@ from absl import flags
 
 from specjax.formats import checkpoint
 from specjax import cli
-from specjax.bench import costs
+from specjax.bench.studies import loop_overhead
 from specjax.decode import probes
 from specjax.drafters import registry
-from specjax.decode import speculative
+from specjax.decode import plan
 from specjax.model import steps
 
 _MODEL = flags.DEFINE_string("model", "cpu-target", "Target: preset name, HF directory or orbax directory.")
@@ -44,13 +44,13 @@ def main(argv):
   if drafter.needs_draft_model:
     dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE.value,
                                              seed=_SEED.value + 1, role="draft")
-    speculative.check_vocabularies(tcfg, dcfg)
+    plan.check_vocabularies(tcfg, dcfg)
     draft = steps.Runner(dcfg, dparams)
   dname = draft.cfg.name if draft is not None else drafter.spec
   prompt = probes.random_tokens(np.random.RandomState(_SEED.value),
                                tcfg.vocab_size, 1, _N_PROMPT.value)[0].tolist()
-  rec = costs.loop_overhead(steps.Runner(tcfg, tparams), draft, prompt,
-                            _GAMMA.value, _N_STEPS.value, _REPS.value, drafter=drafter)
+  rec = loop_overhead.loop_overhead(steps.Runner(tcfg, tparams), draft, prompt,
+                                    _GAMMA.value, _N_STEPS.value, _REPS.value, drafter=drafter)
   rec.update(target=tcfg.name, draft=dname, drafter=drafter.spec, precision=tcfg.precision,
              n_prompt=len(prompt))
   print(f"{tcfg.name} / {dname} ({tcfg.precision}), gamma {rec['gamma']}, "

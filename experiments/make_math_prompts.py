@@ -12,7 +12,7 @@ import sys
 from absl import flags
 
 from specjax import cli
-from specjax.bench import taskbench
+from specjax.bench.sweep import taskbench
 
 _N = flags.DEFINE_integer("n", taskbench.MATH_N, "Problems to write (the suite: 10-20).")
 _SEED = flags.DEFINE_integer("seed", taskbench.MATH_SEED, "Seed of the numbers.")

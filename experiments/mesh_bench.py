@@ -16,7 +16,7 @@ Part `plan`: `mesh_plan.plan` compiles the decode step, the verify step and
 the speculative loop of --plan_model / --plan_model_draft from shapes alone
 on --plan_mesh and reports the bytes per device for each --draft_modes,
 against an 80 GB A100/H100 and a 141 GB H200. The figures: docs/mesh.md.
-The loop part and the report: specjax.bench.mesh_study.
+The loop part and the report: specjax.bench.studies.mesh_study.
 """
 
 import os
@@ -32,7 +32,7 @@ from absl import flags
 
 from specjax import cli
 from specjax import workdir
-from specjax.bench import mesh_study
+from specjax.bench.studies import mesh_study
 from specjax.bench import tables
 from specjax.model import sharding
 from specjax.parallel import mesh_plan

@@ -6,14 +6,14 @@ Run (after `pip install -e .`):
 
 No model, no accelerator. Writes speedup_vs_gamma.png,
 optimal_gamma_vs_alpha.png, summary.md, results.csv, results.jsonl and
-config.json into --workdir (specjax/bench/paper.py says what each holds) and prints
+config.json into --workdir (specjax/bench/studies/paper.py says what each holds) and prints
 summary.md.
 """
 
 from absl import flags
 
 from specjax import cli
-from specjax.bench import paper
+from specjax.bench.studies import paper
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/specjax_paper", "Output folder (created if missing).")
 _MAX_GAMMA = flags.DEFINE_integer("max_gamma", 10, "Largest draft length gamma in the plot and tables.",

@@ -2,45 +2,21 @@
 
 Built-in defaults (random weights at the CPU pair's real shapes, no download):
   python experiments/speculative.py --gamma=4 --accept=bernoulli:0.8
-
-Drafters beyond a second model (--drafter):
-  --drafter=ngram            prompt lookup (no draft model; ngram:2-4 for sizes 2..4)
-  --drafter=layerskip:6      the target's first 6 layers as its own draft
-  --drafter=layerskip:0-5,9  the listed target layers
-
-The seed thread's experiments as settings:
-  --accept=real              the real rule (greedy at --temp=0, exact sampling otherwise)
-  --accept=bernoulli:0.8     accept each draft with probability 0.8 until the first miss
-  --accept=fraction:0.8      accept the first 80% of every draft
-  --accept=always            accept every draft
-  --accept=mean_length:3     a per-token probability giving 3 accepted per step
-
-Instruct models (docs/models.md, Chat models):
-  --chat --system=TEXT       the prompt as a user turn through the model's chat template
-
-Batches and gamma chosen at run time:
-  --prompt_file=prompts.txt  one prompt per line (text with a tokenizer, else comma-separated ids);
-                             a .jsonl file: {"prompt": TEXT} or, with --chat, conversations
-  --n_parallel=4             each prompt repeated 4 times (rows of one batch)
-  --gamma=auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps from costs
-                             measured at start (or --auto_costs=<sweep workdir>/costs.json);
-                             each gamma's loop step timed after warm-up (--auto_calibrate)
-  --tree=auto | auto:8,16,32  the token tree re-chosen every --auto_every steps among chains
-                             1,2,4,8 and Sequoia's best trees of those sizes (decode/autotree.py),
-                             from costs measured at start and p by sibling rank so far
-
-Each run also times target-only generation on the same prompt and the same
-cache capacity (--baseline), the two alternating over --reps repetitions, and
-prints the median speedup. --gamma is the draft length (an integer, or auto);
---draft is its alias, llama.cpp's name for the flag. --json_out keeps every
-row: its prompt ids, its tokens and the target-only baseline's tokens.
-
-Greedy with the real rule (--temp=0, --accept=real), the run also says where
-the speculative tokens first differ from the target-only tokens, or that they
-agree (the record's `first_divergence`, per row in `rows`). In float32 they
-agree (tested); in bfloat16 they can part at a near-tie: the verify of
-gamma+1 rows and the decode of one row round differently
-(specjax/metrics/divergence.py, docs/results.md).
+Drafters, shapes and rules:
+  --drafter=ngram | layerskip:6 | layerskip:0-5,9 | eagle[:PATH]
+  --tree=kary:2,3 | sequoia:16,4 | dynamic:10,6,60 | dynamic:4,4,16+ngram:8
+  --accept=real | bernoulli:0.8 | fraction:0.8 | always | mean_length:3
+Chat models, batches, shapes chosen at run time:
+  --chat --system=TEXT       the prompt as a user turn through the chat template
+  --prompt_file=F --n_parallel=4   one prompt per line (.jsonl: conversations)
+  --gamma=auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps
+  --tree=auto | auto:8,16,32       the tree re-chosen among chains and Sequoia's trees
+Each run also times target-only generation on the same prompts and cache
+capacity (--baseline), alternating over --reps, and prints the median
+speedup; greedy with the real rule, it says where the outputs first differ
+(in float32 they agree; docs/results.md for bfloat16). --json_out keeps every
+row. Every flag is checked before a model loads (decode/plan.py); the flags
+in full: docs/scripts.md.
 """
 
 import json

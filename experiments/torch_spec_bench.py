@@ -5,27 +5,27 @@
 For every (B, gamma, rule) each engine runs target-only and speculative
 greedy generation for B ragged prompts, the two alternating over --reps
 after an untimed warm-up; the speedup is the median of each repetition's
-ratio (sweep.run_group's pairing).
+ratio (gamma.run_group's pairing).
   torch    backends/torch_spec.TorchSpec: a host loop of torch.compile'd
            forwards (T = 1 decode and draft, T = gamma + 1 verify).
   specjax  speculative.generate / generation.generate (device loops).
 --costs adds T(B, N) for N = 1 and every gamma + 1. With auto among the
 gammas (specjax), the chooser's costs are measured first
 (autogamma.measure_costs) and a point with gamma chosen at run time
-(autogamma.generate; --auto_calibrate times each gamma's step first) follows
+(decode/adaptive.py's loop; --auto_calibrate times each gamma's step first) follows
 each rule's fixed gammas, timed with the same pairing. With --out_dir:
 summary.md (speedups, the crossover batch per engine, rule and gamma, auto
 against the best fixed gamma, the cost surfaces), speedup_vs_batch.png and
 verify_surface_<engine>.png, rewritten after every batch. Every point record
 keeps its rows' tokens. How it measures (threads, the simulated rules'
 draws) and the figures: docs/batches.md. The runner and the report:
-specjax.bench.torch_study.
+specjax.bench.studies.torch_study.
 """
 
 from absl import flags
 
 from specjax import cli
-from specjax.bench import torch_study
+from specjax.bench.studies import torch_study
 from specjax.decode import autogamma
 from specjax.errors import ConfigError
 

@@ -1,2 +1,3 @@
-"""Studies and benchmarks: cost probes, llama-bench, the roofline, the gamma
-sweep, batch scaling, the PyTorch and llama.cpp backends and their reports."""
+"""Benchmarks: the sweep harness and its reports (sweep/), the one-off
+studies (studies/), the engines compared (backends/), and the text helpers
+of their reports and scripts (tables.py)."""

@@ -1,29 +1,13 @@
 """How drafted tokens are judged: the real rules and the seed thread's simulations.
 
-Every rule returns, per row, the number of accepted draft tokens k and the one
-token the target emits after them (the correction at the first rejection, or
-the bonus token when every drafted token is accepted).
-
-  real            greedy (temperature 0): accept while draft == target argmax.
-                  Otherwise exact speculative sampling (Leviathan et al. 2023,
-                  Chen et al. 2023): accept x with probability min(1, p(x)/q(x));
-                  at the first rejection sample norm(max(0, p - q)). A
-                  deterministic drafter (n-gram lookup) has q = onehot(x):
-                  accept x with probability p(x), at a rejection sample
-                  norm(max(0, p - onehot(x))); no q array is carried.
-  bernoulli:P     each drafted token, in order, accepted with probability P
-                  (the thread's `frand() < p`).
-  fraction:F      drafted positions i (0-based) with i < F * gamma are accepted
-                  (the thread's `i_dft < 0.8*N`: ceil(F * gamma) tokens).
-  always          every drafted token accepted.
-  mean_length:L   bernoulli with the P whose expected accepted count is L.
-  siblings:P1,P2  Sequoia's positional acceptance, for token trees
-                  (decode/tree_acceptance.py): the k-th child tried is
-                  accepted with probability P_k given that the ones before
-                  it were rejected; ranks past the list take its last value
-                  (end the list with 0 to stop there). On a chain only P1
-                  is used: siblings:P equals bernoulli:P.
-Simulated rules emit the target's own token at the first rejected position.
+Every rule returns, per row, the number k of accepted drafts and the one
+token the target emits after them (the correction at the first rejection,
+or the bonus when every draft is accepted). `real` is greedy at T = 0 and
+exact speculative sampling otherwise (a deterministic drafter's q is
+onehot(x), never carried); `bernoulli:P`, `fraction:F`, `always`,
+`mean_length:L` and `siblings:P1,..` are simulations whose per-position
+probabilities are traced, so one compilation serves every rate. The rules
+and their sources: docs/sweep.md (the acceptance rules).
 """
 
 from __future__ import annotations

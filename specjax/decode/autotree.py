@@ -128,9 +128,9 @@ def measure_costs(target: steps.Runner, draft: steps.Runner | None, batch: int, 
                   sp: SamplingParams = SamplingParams(), rule: AcceptRule | str = "real",
                   reps: int = 3, drafter: drafters.Drafter | str = "model") -> TreeCosts:
   """T_target(B, 1 and every N + 1), T_draft(B, w) at every level width of
-  the candidates, and T_accept per candidate (a tree's priced as a chain's
-  accept over as many drafts: the same [B, 1 + N, V] distributions), measured
-  now (the probes compile, untimed)."""
+  the candidates, and T_accept per candidate (a chain's accept phase, a
+  tree's on the tree judge: probes.tree_accept_cost), measured now (the
+  probes compile, untimed)."""
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
   drafter = registry.parse(drafter)
   deepest = max(t.max_depth for t in cands.values())
@@ -145,10 +145,10 @@ def measure_costs(target: steps.Runner, draft: steps.Runner | None, batch: int, 
     one = pd.times([1], reps, sp=sp)[1].median
     t_draft = {w: one * w for w in widths}
   sc = plan.SpecConfig(target.cfg, draft and draft.cfg, 1, drafter=drafter)
-  t_accept = {}
-  for name, t in cands.items():
-    t_accept[name] = probes.accept_cost(dataclasses.replace(
-        sc, gamma=t.n, sp=sp, simulated=rule.simulated), reps, batch=batch).median
+  sc = dataclasses.replace(sc, sp=sp, simulated=rule.simulated)
+  t_accept = {name: (probes.accept_cost(dataclasses.replace(sc, gamma=t.n), reps, batch=batch)
+                     if t.is_chain else probes.tree_accept_cost(sc, t, reps, batch=batch)).median
+              for name, t in cands.items()}
   return TreeCosts(batch, t_target, t_draft, t_accept)
 
 

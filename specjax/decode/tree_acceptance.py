@@ -1,46 +1,15 @@
 """How a drafted token tree is judged: the path the target keeps and its next token.
 
-The tree follows the shared conventions (issue 25): N draft nodes in BFS order,
-siblings in rank order; parents[i] = -1 for a child of the root. The verify
-block is [root, node_0 .. node_{N-1}], so block index j = 0 is the root (the
-step's tail token) and j = i + 1 is node i; p[:, j] is the target's
-distribution for block j's children and q[:, j] the draft distribution they
-were drawn from. Every rule returns the accepted path (block indices, depth 1
-first), its length, the one token the target emits after it, and per-rank
-counts of the children tried and accepted: accepts[k] / tries[k] estimates
-P(rank k accepted | ranks < k rejected), the conditional vector siblings:
-takes; Sequoia's unconditional p_k (a node's weight in the expected tokens per
-step is the product of p_rank along its path) is that times prod_{j<k} (1 -
-c_j), or accepts[k] / tries[0].
-
-  greedy      the deepest path whose every token equals the target's argmax
-              at its parent (p one-hot; of equally deep paths the first in
-              BFS order); the next token is the argmax at its last node.
-  exact       SpecInfer's multi-draft rejection sampling (Miao et al. 2024):
-              walk from the root; at each level try the accepted node's
-              children in rank order against a residual r, r = p at the node
-              before its first child.
-                stochastic siblings (i.i.d. from q): accept x with probability
-                  min(1, r(x)/q(x)); on a rejection r <- norm(max(0, r - q)).
-                top-k siblings (deterministic, q = onehot(x)): accept x with
-                  probability r(x); on a rejection r(x) <- 0, renormalized.
-              When every child is rejected the token is drawn from the final
-              r; when a leaf is accepted, from p at the leaf (the bonus).
-              Either way the emitted sequence follows the target's own law.
-              (With top-k siblings the rank order changes nothing but which
-              rank is counted: candidate x is kept with probability p(x).)
-  simulated   a table accept_p [Dmax, K] from `accept_table`: the rank-k child
-              tried at depth d + 1 is accepted when u < accept_p[d, k]; the
-              token is then drawn from p at the last accepted node, as the
-              chain's simulated rules do (acceptance.judge).
-
-One uniform per (row, depth, rank), u [B, max_depth, max_children], drives
-every rule: on a chain (max_children 1) this judge is acceptance.judge draw for
-draw, and a tree that contains a chain as its rank-0 path, judged with the
-same key and bounds, accepts at least as much as the chain, row by row. All
-shapes are fixed by (B, N, V) and the static (max_depth, max_children): two
-lax loops, over depth and over the children of the node reached, vectorized
-over the batch.
+The verify block is [root, node_0 .. node_{N-1}] in BFS order (parents[i] =
+-1 for a child of the root); p[:, j] is the target's law for block j's
+children and q[:, j] the draft's. `judge_tree` returns the accepted path,
+its length, the token after it and per-rank counts of the children tried
+and accepted, for the greedy rule (the deepest matching path), SpecInfer's
+multi-draft rejection sampling (stochastic or top-k siblings; the emitted
+sequence follows the target's law) and the simulated table rules. One
+uniform per (row, depth, rank) drives every rule, so on a chain it is
+acceptance.judge draw for draw. The rules, the per-rank estimates and
+Sequoia's unconditional p: docs/trees.md (judging a tree).
 """
 
 from __future__ import annotations

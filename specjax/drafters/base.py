@@ -1,60 +1,15 @@
-"""Drafters: what proposes the gamma tokens a speculative step verifies.
+"""Drafters: what proposes the tokens a speculative step verifies.
 
 A drafter is static config (a frozen, hashable dataclass, part of
-SpecConfig and so a jit static argument), parsed from one spec string
-(`parse`, the scripts' --drafter):
-  model           the draft model (--model_draft): gamma T=1 steps over its own
-                  KV cache (speculative.draft_phase), with the catch-up after a
-                  fully accepted step. The engine's original behaviour.
-  ngram[:A-B]     prompt lookup (no model): the most recent earlier occurrence
-                  of the last n tokens of the row's history (prompt and
-                  output), n from B down to A, proposes the tokens that
-                  followed it. Default 1-4, llama.cpp's lookup range
-                  (LLAMA_NGRAM_MIN / MAX in common/ngram-cache.h); vLLM's
-                  `ngram` method defaults to 5-5 (prompt_lookup_min / max),
-                  HF's prompt lookup to n = 2 only.
-  layerskip:N     self-speculation by early exit: the target's first N layers,
-                  then its final norm and LM head, on the target's own weight
-                  arrays. Those layers' K/V for a token depend only on the
-                  tokens, so the draft shares the target's cache of them: the
-                  verify rewrites the slots the draft wrote, and no catch-up is
-                  ever needed. N = n_layers is the target itself.
-  layerskip:0-9,12,15
-                  the listed target layers (strictly increasing). A list that
-                  is exactly 0..N-1 is layerskip:N; any other keeps its own
-                  cache for the kept layers, handled like the draft model's
-                  (catch-up included).
-  eagle[:PATH]    an EAGLE-1 head (specjax/eagle.py) over the target's
-                  features, with the target's embedding and LM head; PATH a
-                  head directory, default the shipped stdlib-eagle.
-
-The interface (speculative.py calls only these; every method but `init` and
-`draft_params` runs traced inside the jitted step):
-  draft_config(target, draft)  -> the ModelConfig the drafter runs (None for
-                                  ngram); raises ConfigError for a bad spec
-  draft_params(tparams, draft) -> the pytree passed to propose as `dparams`
-                                  (host side; references arrays, no copy)
-  init(sc, target, dparams, prompts, capacity, first) -> dstate
-                                  (host side, after the target's prefill):
-                                  the drafter's state, any pytree, carried in
-                                  SpecState.dcache
-  check_tree(tree)             -> None, or ConfigError for a tree it cannot draft
-                                  (ngram: no dynamic tree)
-  propose(dparams, dstate, tcache, tail, n, live, key, sc)
-                               -> (Drafted, dstate, tcache): gamma tokens per
-                                  row, their q (or none: `deterministic`),
-                                  n_drafted (0..gamma); may write the target's
-                                  cache (layerskip's shared layers) but must
-                                  leave its lengths as they were
-  commit(dstate, c: Committed) -> dstate: told what the step kept (tokens,
-                                  counts, new lengths and, for drafters with
-                                  `needs_features`, the target's hidden
-                                  states at the verified positions)
-and three flags: `deterministic` (q = onehot(x): accept phase uses p(x) and
-the residual max(0, p - onehot(x)); no V-wide q is carried),
-`needs_draft_model` (speculative.generate requires a draft Runner) and
-`needs_features` (the verify returns the target's final-normed hidden
-states [B, gamma+1, E], passed to commit).
+SpecConfig and so a jit static argument), parsed from one spec string by
+drafters/registry.py (`model`, `ngram[:A-B]`, `layerskip:N`,
+`layerskip:LIST`, `eagle[:PATH]`). The loops call `init` on the host, then,
+traced in the jitted step, `propose` (a chain) or `propose_tree` (a token
+tree) and `commit`; what differs between drafters is a property of the
+class (`deterministic`, `needs_draft_model`, `needs_features`,
+`gamma_free_state`, `catches_up`, `can_graft`, `own_params`). A drafter
+that runs a network is a feeder (drafters/network.py). The drafters and
+their caches: docs/drafters.md; a new one: ARCHITECTURE.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
-"""EAGLE-2's dynamic draft tree (model.tree.DynamicTree k, depth, N): the
-selection every drafter that drafts one shares (draft_model.py's draft
-model and layer skip, eagle.py's head), apart from how a node is fed.
+"""EAGLE-2's dynamic draft tree (model.tree.DynamicTree k, depth, N), drafted
+from any feeder (drafters/walkers.py), and a prompt-lookup chain grafted on.
 
 Per row: feed the root, take the top-k children of every fed node by
 cumulative draft log-probability, make the level's top k candidates the
-next frontier and feed it, for `depth` levels (k + (depth - 1) k^2
-candidates); then keep the N candidates with the highest cumulative
-log-probability (ties: the shallower first, so a kept node's parent is
-kept), in BFS order, siblings by probability.
-
-The feed layout: the root at fed index 0, level d's frontier (d >= 1) at
-fed indices 1 + (d - 1) k .. d k. `feed(state, tokens, lo, anc, parent)` is
-called once per level (drafters/walkers.py's feeder protocol: tokens [B, w]
-at fed indices lo .. lo + w - 1, anc [B, w, lo + w] their ancestors-or-self,
-parent [B, w] their parents' fed indices) and returns (logits, state).
+next frontier and feed it, for `depth` levels; then keep the N candidates
+with the highest cumulative log-probability (ties: the shallower first, so
+a kept node's parent is kept), in BFS order, siblings by probability. The
+feed layout: the root at fed index 0, level d's frontier (d >= 1) at fed
+indices 1 + (d - 1) k .. d k; `feed(state, tokens, lo, anc, parent)` runs
+one level and returns (logits, state). docs/trees.md (EAGLE-2's dynamic
+tree).
 """
 
 from __future__ import annotations

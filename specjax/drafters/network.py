@@ -1,20 +1,17 @@
 """Network drafters: a drafter that runs a network is a feeder; the walkers
 (drafters/walkers.py) draft every shape from it.
 
-A subclass provides three traced functions and its properties:
+A subclass provides its properties and three traced functions:
   begin(dparams, dstate, tcache, tail, n, live, sc, width) -> (fst, caught_up)
-      the feeding state for one step (width: the feed layout's slots), after
-      whatever the step owes first (a chain's catch-up of d_gamma, EAGLE's
-      pending pairs)
-  feed(dparams, fst, tokens, lo, anc, parent, sc) -> (logits, fst)
-      fed indices lo .. lo + w - 1 (0: the root, the step's last token):
-      tokens [B, w], anc [w or B, w, lo + w] ancestors-or-self in the feed
-      layout (None: a chain, each token after the ones before), parent [B, w]
-      their parents' fed indices (None for the root); lo is a Python int
-      except inside the chain's scan, where it is traced and >= 1
+      the step's feeding state (width: its feed layout's slots), after what
+      the step owes first (a chain's catch-up, EAGLE's pending pairs)
+  feed(dparams, fst, tokens [B, w], lo, anc, parent, sc) -> (logits, fst)
+      fed indices lo .. lo + w - 1 (0: the root); anc their ancestors-or-self
+      (None: a chain), parent their parents' fed indices; lo is a Python int
+      but inside the chain's scan (traced, >= 1)
   end(dparams, fst, dstate, tcache, n, sc) -> (dstate, tcache)
-`CacheFeed` and `catch_up` are the parts a KV-cached model shares
-(draft_model.py); a new drafter is one such class (ARCHITECTURE.md).
+`CacheFeed` and `catch_up` are what a KV-cached model shares
+(draft_model.py); a new drafter in one class: ARCHITECTURE.md.
 """
 
 from __future__ import annotations

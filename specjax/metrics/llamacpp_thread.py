@@ -5,7 +5,7 @@ on A100" (Oct 2023). The maintainers predicted speedups from llama-bench
 speeds (tokens/s) rather than times: ggerganov's cost coefficient from a
 mean of two speeds, his V100 prediction, and his accounting of the 70B/7B
 run. They are approximations by design; specjax.metrics.theory holds the
-exact models, and specjax.bench.paper reproduces the thread's numbers with
+exact models, and specjax.bench.studies.paper reproduces the thread's numbers with
 both.
 """
 

@@ -52,6 +52,7 @@ FIELDS: dict[str, str] = {
     **_STATS,
     # speed
     "baseline_tps": "target-only decode tokens/s (first token excluded), median",
+    "baseline_tps_reps": "each repetition's target-only tokens/s (the sweep's noise check)",
     "spec_tps": "speculative decode tokens/s (first token excluded), median",
     "speedup": "speculative over target-only speed: same prompts, same cache capacity, "
                "same run (the sweep: median over repetitions of each repetition's ratio)",
@@ -59,6 +60,7 @@ FIELDS: dict[str, str] = {
     "compile_s": "compilation seconds, excluded from every timing",
     # measured costs (costs.py), seconds, medians
     "t_target_s": "T_target(1): one target-only decode step",
+    "t_target_s_reps": "each repetition's T_target(1) probe (the sweep's noise check)",
     "t_target_gamma_s": "T_target(gamma)",
     "t_verify_s": "T_target(gamma+1): the verify",
     "t_draft_s": "T_draft(1)",

@@ -1,35 +1,15 @@
-"""Static token-tree topologies and the `--tree=SPEC` flag.
+"""Token-tree shapes and the `--tree=SPEC` flag.
 
-A `Tree` is N draft nodes in BFS order (depth non-decreasing, siblings in
-rank order; rank 0 = the draft's first child), hung below an implicit root:
-the step's tail token, the last emitted one, not yet in the target cache.
-The verify block is T = 1 + N tokens, [tail, node_0 .. node_{N-1}]: block
-index 0 is the root, block index i + 1 is node i. Its RoPE position is the
-cache length + its depth (root 0), not its slot, and it attends to the cache
-and to itself and its ancestors (`mask`). A chain of gamma nodes is exactly
-today's verify: a lower-triangular mask, positions length + j.
-
-The topology is static (a frozen, hashable dataclass of tuples: a jit static
-argument); the model and acceptance code take its arrays (`mask`,
-`block_depths`, `block_parents`, `child_table`). Dynamic trees (EAGLE-2 style,
-one per row) are only described here (`DynamicTree`: fixed shapes by K, D, N);
-their arrays are built on device. Path checks and the tree theory live in
-specjax.metrics.tree_theory (pure numpy, below this layer).
-
-Specs (`parse`), one line of error for each bad one:
-  chain | chain:G            a chain of --gamma (or G) nodes (the default)
-  [[0],[1],[0,0],...]        Medusa-style rank paths, a JSON list literal
-  FILE.json                  a JSON file holding such a list
-  kary:K,D                   the full K-ary tree of depth D
-  sequoia:N,D[:p1,p2,..]     the best tree of <= N nodes, depth <= D, at the
-                             conditional p (default SEQUOIA_P); Sequoia's own
-                             vector (marginal) goes in as :marginal=w1,w2,..
-  dynamic:K,D,N              EAGLE-2: top-K children per frontier node, D
-                             levels, the N best nodes kept (per row)
-  dynamic:K,D,N+ngram:L      that tree with a prompt-lookup chain of up to L
-                             tokens grafted on (EAGLE drafter; DynamicTree)
-  auto | auto:N1,N2,..       chosen at run time from measured costs (the loop
-                             resolves it; `AutoTree` holds the sizes)
+A `Tree` is N draft nodes in BFS order (siblings in rank order) below an
+implicit root, the step's last token; the verify block is [root, node_0 ..
+node_{N-1}], block j at RoPE position length + its depth, attending to the
+cache and its ancestors (`mask`). A `DynamicTree` (EAGLE-2, one per row) is
+described by its fixed shapes; its arrays are built on device. Both share
+one small protocol: `n`, `max_depth`, `block_size`, `fed_slots`, `width`,
+`graft`, `spec`. `parse` reads chain[:G], JSON rank paths or a .json file,
+kary:K,D, sequoia:N,D[:p..|:marginal=w..], dynamic:K,D,N[+ngram:L], one
+line of error for each bad spec (`auto` is a run mode: decode/plan.py).
+The specs and the theory: docs/trees.md.
 """
 
 from __future__ import annotations

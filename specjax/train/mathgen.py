@@ -1,5 +1,5 @@
 """Math word problems with known answers, generated from templates (seeded):
-the task suite's math category (bench/taskbench.py, SUITE_SEED / SUITE_N) and
+the task suite's math category (bench/sweep/taskbench.py, SUITE_SEED / SUITE_N) and
 the training prompt mix's (train/replies.py, another seed). Each problem's
 answer is `evaluate(expression)` of the numbers in its text."""
 

@@ -1,4 +1,4 @@
-"""specjax speculative decoding vs HF assisted generation (specjax.bench.assisted)."""
+"""specjax speculative decoding vs HF assisted generation (specjax.bench.studies.assisted)."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from specjax.bench import assisted
+from specjax.bench.studies import assisted
 from specjax.model import steps
 from specjax.model.config import get_preset
 

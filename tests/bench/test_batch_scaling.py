@@ -1,4 +1,4 @@
-"""The XLA / PyTorch / llama.cpp comparison (specjax.bench.batch_scaling, its report
+"""The XLA / PyTorch / llama.cpp comparison (specjax.bench.studies.batch_scaling, its report
 and specjax.bench.backends) on tiny models.
 
 Torch tests take the `transformers` fixture and are skipped without torch;
@@ -16,8 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from specjax.bench import batch_scaling
-from specjax.bench import batch_scaling_report
+from specjax.bench.studies import batch_scaling
+from specjax.bench.studies import batch_scaling_report
 from specjax.formats import gguf_write, hf
 from specjax.metrics import theory
 from specjax.bench.backends import base, llamacpp, pytorch

@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 
 from configs import sweep_gamma
-from specjax.decode import autogamma
+from specjax.decode import adaptive, autogamma, plan
 from specjax.model import config
 from specjax.decode import generation
 from specjax.decode import speculative
 from specjax.model import steps
-from specjax.bench import sweep
+from specjax.bench.sweep import engine, gamma, harness, points
+from specjax.bench.sweep.config import SweepConfig
 from specjax.metrics import theory
 from specjax.metrics import timing
 from specjax.errors import CacheOverflowError, ConfigError, SpecjaxError
+from specjax.model.sampling import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The runs share their compiled programs with the sweep below (same models,
@@ -62,19 +64,33 @@ def target_only(pair):
   return [generation.generate(t, [p], N_PREDICT, capacity=CAPACITY).tokens[0] for p in PROMPTS]
 
 
+def _plan(pair):
+  t, d = pair
+  return plan.resolve(t.cfg, d.cfg, gamma="auto", auto_set=AUTO_SET)
+
+
+def _run(pair, cost, chooser):
+  """adaptive.generate of the auto-gamma plan over PROMPTS."""
+  t, d = pair
+  return adaptive.generate(t, d, PROMPTS, N_PREDICT, _plan(pair), chooser, capacity=CAPACITY,
+                           every=EVERY)
+
+
+def _gammas(res) -> list[int]:
+  return [autogamma.gamma_of(k) for k in res.chosen]
+
+
 @pytest.fixture(scope="module")
 def fixed_runs(pair):
-  """autogamma.generate forcing each gamma of the set (compiles every chunk program)."""
-  t, d = pair
-  return {g: autogamma.generate(t, d, PROMPTS, N_PREDICT, _synthetic(len(PROMPTS)), AUTO_SET,
-                                capacity=CAPACITY, every=EVERY, fixed=[g]) for g in AUTO_SET}
+  """The adaptive loop forcing each gamma of the set (compiles every chunk program)."""
+  return {g: _run(pair, None, adaptive.Fixed([f"chain:{g}"])) for g in AUTO_SET}
 
 
 def test_batched_speculative_equals_target_only_row_by_row(pair, target_only, fixed_runs):
   t, d = pair
   for g, res in fixed_runs.items():  # the chunked loop, one gamma throughout
     assert res.tokens == target_only, g
-    assert set(res.gammas_used) == {g}
+    assert set(_gammas(res)) == {g}
   # the whole device loop (spec_loop) on the same ragged batch
   res = speculative.generate(t, d, PROMPTS, N_PREDICT, 2, capacity=CAPACITY)
   assert res.tokens == target_only
@@ -89,38 +105,38 @@ def test_auto_gamma_switches_emits_target_only_tokens_and_compiles_nothing(
   # 1.50 vs 1.39, at 0.67 1.12 vs 1.19)
   cost = autogamma.BatchCosts(len(PROMPTS), {1: 10.0, 2: 12.0, 3: 16.0}, 1.0)
   assert [autogamma.choose(cost, a, AUTO_SET) for a in (0.95, 0.67)] == [2, 1]
+  p = _plan(pair)
   with timing.CompileWatch() as cw:
     # a prior of 0.95 starts at gamma 2; the draft's acceptance is lower, so
     # the estimate falls and the chooser moves down to 1
-    auto = autogamma.generate(t, d, PROMPTS, N_PREDICT, cost, AUTO_SET, capacity=CAPACITY,
-                              every=EVERY, prior_alpha=0.95)
-    sched = autogamma.generate(t, d, PROMPTS, N_PREDICT, cost, AUTO_SET, capacity=CAPACITY,
-                               every=EVERY, fixed=[2, 1, 1, 2])
-    cal = autogamma.calibrate(t, d, PROMPTS, N_PREDICT, cost, AUTO_SET, capacity=CAPACITY,
+    auto = _run(pair, cost, autogamma.GammaChooser(cost, p, prior_alpha=0.95))
+    sched = _run(pair, cost, adaptive.Fixed(["chain:2", "chain:1", "chain:1", "chain:2"]))
+    cal = autogamma.calibrate(t, d, PROMPTS, N_PREDICT, cost, p, capacity=CAPACITY,
                               every=EVERY)
   assert cw.count == 0, dict(cw.names)
   assert sorted(cal.t_step) == sorted(AUTO_SET) and min(cal.t_step.values()) > 0
   assert autogamma.BatchCosts.from_dict(cal.to_dict()) == cal
   assert auto.tokens == target_only and sched.tokens == target_only
-  assert auto.gammas_used[0] == 2 and 1 in auto.gammas_used, auto.gammas_used
+  used = _gammas(auto)
+  assert used[0] == 2 and 1 in used, used
   # each choice's alpha is the estimate from every step before it
   # chunks of 1, 2, 4, .. EVERY steps: chunk c starts at step starts[c]
-  starts = np.cumsum([0] + [min(EVERY, 2 ** c) for c in range(len(auto.alphas))])
+  starts = np.cumsum([0] + [min(EVERY, 2 ** c) for c in range(len(auto.estimates))])
   rec = auto.records
-  for c, alpha in enumerate(auto.alphas):
+  for c, alpha in enumerate(auto.estimates):
     before = rec.step < starts[c]
     acc, rej = rec.n_acc[before].sum(), (rec.n_acc < rec.n_drafted)[before].sum()
     assert alpha == pytest.approx(autogamma.estimate_alpha(acc, rej, 0.95)), c
-  assert auto.alphas[-1] < 0.8
-  assert sched.gammas_used[:10] == [2, 1, 1, 1, 1, 1, 2, 2, 2, 2]
+  assert auto.estimates[-1] < 0.8
+  assert _gammas(sched)[:10] == [2, 1, 1, 1, 1, 1, 2, 2, 2, 2]
   # the records hold each step's own drafts: never more than its gamma
   live = auto.records
-  used = np.asarray(auto.gammas_used)[live.step]
-  assert (live.n_drafted == used).all()
+  per_step = np.asarray(used)[live.step]
+  assert (live.n_drafted == per_step).all()
   # ... and its gamma: alpha counts each step against the gamma it ran
-  assert live.gamma.tolist() == used.tolist()
+  assert live.gamma.tolist() == per_step.tolist()
   assert auto.stats.alpha == pytest.approx(
-      theory.alpha_from_accepted_steps(auto.stats.n_accept, used), abs=1e-12)
+      theory.alpha_from_accepted_steps(auto.stats.n_accept, per_step), abs=1e-12)
 
 
 def test_tail_model_against_monte_carlo():
@@ -147,12 +163,14 @@ def test_bad_input_is_one_clear_error(pair, tmp_path):
   t, d = pair
   for bad in ("", ",", "0,2", "1,x"):
     with pytest.raises(ConfigError, match="auto gamma set"):
-      autogamma.parse_set(bad)
+      plan.parse_gamma_set(bad)
   # a row that does not fit: prompt 13 + 20 + max gamma 2 > 34 slots
   with pytest.raises(CacheOverflowError, match="gamma"):
-    autogamma.generate(t, d, PROMPTS, N_PREDICT, _synthetic(4), AUTO_SET, capacity=34)
-  with pytest.raises(ConfigError, match="batch 1"):
-    autogamma.generate(t, d, PROMPTS, N_PREDICT, _synthetic(1), AUTO_SET, capacity=CAPACITY)
+    adaptive.generate(t, d, PROMPTS, N_PREDICT, _plan(pair), adaptive.Fixed(["chain:2"]),
+                      capacity=34)
+  with pytest.raises(ConfigError, match="batch 1"):  # the sweep's door checks the batch
+    engine.Loop(t, d, CAPACITY, N_PREDICT, 0).auto_chain(
+        PROMPTS, _synthetic(1), AUTO_SET, SamplingParams(), "real", "model", EVERY)
   # the script: an empty prompt line is one line on stderr, exit 1
   (tmp_path / "p.txt").write_text("1,2,3\n\n4,5\n")
   r = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "speculative.py"),
@@ -164,7 +182,7 @@ def test_bad_input_is_one_clear_error(pair, tmp_path):
   assert "line 2 is empty" in r.stderr
 
 
-def _batch_config(**kw):
+def _batch_config(**kw) -> SweepConfig:
   """Batches 1 and 4, gammas 1 and 2, the real rule (greedy), auto gamma: the
   shapes of the runs above (capacity = ctx_size + 2 = 48)."""
   c = sweep_gamma.get_config("batch_quick")
@@ -172,14 +190,16 @@ def _batch_config(**kw):
   c.target = c.draft = "tiny"  # the shapes of `pair` (random weights: seed, seed + 1)
   c.prompt_tokens = ",".join(str(t) for t in range(7, 19))  # 12 tokens
   c.n_predict, c.ctx_size, c.reps, c.auto_every = N_PREDICT, CAPACITY - 2, 1, EVERY
-  for k, v in kw.items():
-    setattr(c, k, v)
-  return c
+  return SweepConfig.from_mapping(c).replace(**kw)
+
+
+def run(cfg, workdir, **kw):
+  return harness.run(gamma.RUNNER, cfg, str(workdir), progress=False, **kw)
 
 
 def test_batch_sweep_end_to_end_and_resume(tmp_path, monkeypatch):
   cfg = _batch_config(auto_gamma=True)
-  records = sweep.run_sweep(cfg, str(tmp_path), progress=False)
+  records = run(cfg, tmp_path)
   keys = sorted((r["batch"], str(r["gamma"])) for r in records)
   assert keys == [(1, "1"), (1, "2"), (1, "auto"), (4, "1"), (4, "2"), (4, "auto")]
   assert all(r["capacity"] == CAPACITY for r in records)
@@ -204,20 +224,20 @@ def test_batch_sweep_end_to_end_and_resume(tmp_path, monkeypatch):
   lines = path.read_text().splitlines()
   path.write_text("\n".join(lines[:4]) + "\n")
   ran = []
-  real = sweep.run_group
-  monkeypatch.setattr(sweep, "run_group",
+  real = gamma.run_group
+  monkeypatch.setattr(gamma, "run_group",
                       lambda b, ps: ran.extend(p.key for p in ps) or real(b, ps))
-  again = sweep.run_sweep(cfg, str(tmp_path), resume=True, progress=False)
+  again = run(cfg, tmp_path, resume=True)
   assert len(again) == 6 and sorted(map(str, ran)) == sorted(
-      str(sweep.point_key(json.loads(l))) for l in lines[4:])
+      str(points.point_key(json.loads(l))) for l in lines[4:])
   assert path.read_text().splitlines()[:4] == lines[:4]
   with pytest.raises(SpecjaxError, match="batches"):
-    sweep.run_sweep(_batch_config(batches=(0, 2)), str(tmp_path / "bad"), progress=False)
+    _batch_config(batches=(0, 2))
 
 
 def test_batch_prompts_are_ragged_and_batch_one_is_unchanged():
   p = [list(range(1, 11))]
-  assert sweep.batch_prompts(p, 1) == [p]
-  rows = sweep.batch_prompts(p, 8)[0]
+  assert points.batch_prompts(p, 1) == [p]
+  rows = points.batch_prompts(p, 8)[0]
   assert len(rows) == 8 and rows[0] == p[0] and len({len(r) for r in rows}) == 5
   assert all(r == p[0][:len(r)] and r for r in rows)

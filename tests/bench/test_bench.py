@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.bench import llama_bench as bench
-from specjax.bench import roofline
+from specjax.bench.studies import llama_bench as bench
+from specjax.bench.studies import roofline
 from specjax.bench import tables
 from specjax.model import config
 from specjax.model import kv_cache
-from specjax.bench import layer_loop
+from specjax.bench.studies import layer_loop
 from specjax.model import llama as model
 from specjax.model import steps
 from specjax import workdir as wd

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specjax.model import config
-from specjax.bench import costs
+from specjax.bench.sweep import costs
 from specjax.decode import probes
 from specjax.model import llama as model
 from specjax.decode import speculative

@@ -1,7 +1,7 @@
-"""The task suite (bench/taskbench.py): its files load, every category has
+"""The task suite (bench/sweep/taskbench.py): its files load, every category has
 10-20 conversations ending in a user turn, every math answer is right, QA
 answers copy from their passage; the quick config runs end to end on tiny
-models (bench/taskbench_run.py), its token-tree rows (an EAGLE head's
+models (bench/sweep/taskbench_run.py), its token-tree rows (an EAGLE head's
 dynamic tree through the trees sweep) included; the report's goals come
 from the records."""
 
@@ -11,8 +11,16 @@ import statistics
 import pytest
 
 import lawcheck
-from specjax.bench import taskbench
+from configs import sweep_gamma
+from specjax.bench.sweep import config as sweep_config
+from specjax.bench.sweep import taskbench, taskbench_report, taskbench_run
+from specjax.bench.sweep.config import SweepConfig
 from specjax.errors import ConfigError
+
+
+def quick(**kw) -> SweepConfig:
+  """configs/sweep_gamma.py:taskbench_quick, typed, with `kw` replaced."""
+  return SweepConfig.from_mapping(sweep_gamma.get_config("taskbench_quick")).replace(**kw)
 
 
 @pytest.fixture(scope="module")
@@ -99,27 +107,22 @@ def quick_run(tmp_path_factory, tiny_head):
   """configs/sweep_gamma.py:taskbench_quick on the tiny pair (random weights,
   no tokenizer: every category runs the same ids), as a user would override it,
   with one EAGLE dynamic-tree row (a random head for the tiny target)."""
-  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
-  c = sweep_gamma.get_config("taskbench_quick")
-  assert len(c.taskbench_trees) == 1 and "@dynamic:" in c.taskbench_trees[0]
-  c.target, c.draft, c.chat = "tiny", "tiny-draft", False
-  c.prompt_tokens = "1,5,9,200,3,7,7,7,7,7,7,7,7,7,7,7"  # repeats: the n-gram drafter matches
-  c.drafters = ("ngram", "model")
-  c.taskbench_trees = (f"eagle:{tiny_head}@{TREE}",)
-  c.n_predict, c.ctx_size = 16, 64
-  c.taskbench = ("code_editing", "math")  # two categories: CI time (each compiles its own sweep)
+  assert len(quick().taskbench_trees) == 1 and "@dynamic:" in quick().taskbench_trees[0]
+  c = quick(target="tiny", draft="tiny-draft", chat=False,
+            prompt_tokens="1,5,9,200,3,7,7,7,7,7,7,7,7,7,7,7",  # repeats: n-gram matches
+            drafters=("ngram", "model"), taskbench_trees=(f"eagle:{tiny_head}@{TREE}",),
+            n_predict=16, ctx_size=64,
+            taskbench=("code_editing", "math"))  # two categories: CI time
   workdir = tmp_path_factory.mktemp("taskbench")
   return workdir, c, taskbench_run.run_taskbench(c, str(workdir), progress=False)
 
 
 def test_quick_config_runs_every_category_and_writes_the_report(quick_run, tiny_head):
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
   workdir, cfg, records = quick_run
   tree_row = f"eagle:{tiny_head} {TREE}"
   assert {(r["category"], r["drafter"]) for r in records} == {
       (c, d) for c in cfg.taskbench for d in ("ngram:1-4", "model", tree_row)}
-  text = (workdir / taskbench_run.REPORT).read_text()
+  text = (workdir / taskbench_report.REPORT).read_text()
   table = [ln for ln in text.splitlines() if ln.startswith("| ngram") or ln.startswith("| model")
            or ln.startswith("| eagle")]
   assert len(table) == 3 and all(ln.count("x |") == len(cfg.taskbench) + 1 for ln in table)
@@ -130,8 +133,8 @@ def test_quick_config_runs_every_category_and_writes_the_report(quick_run, tiny_
   assert cells[3] == TREE and cells[-2].endswith("x") and cells[-1] == "n/a"
   assert text.startswith("# Task suite") and "EAGLE 3.61, EAGLE-2 4.36" in text
   assert "## Goals" in text and f"{tree_row}, T=0: MAT" in text
-  assert (workdir / taskbench_run.PLOT).stat().st_size > 0
-  assert len((workdir / taskbench_run.RECORDS).read_text().splitlines()) == len(records)
+  assert (workdir / taskbench_report.PLOT).stat().st_size > 0
+  assert len((workdir / taskbench_report.RECORDS).read_text().splitlines()) == len(records)
   assert sweep_gamma_categories() == taskbench.CATEGORIES
   for cat in cfg.taskbench:  # each drafter's trees sweep in its own subdirectory
     assert (workdir / cat / taskbench_run.tree_dir(f"eagle:{tiny_head}") / "results.jsonl").is_file()
@@ -145,57 +148,53 @@ def test_quick_config_runs_every_category_and_writes_the_report(quick_run, tiny_
 
 def test_resume_runs_nothing_again(quick_run, monkeypatch):
   """A resumed run finds every point (chains and trees) finished: nothing is
-  measured, and the records are the same."""
-  from specjax.bench import sweep, taskbench_run, tree_sweep  # pylint: disable=import-outside-toplevel
+  measured, and the records are the same; a rerun without --resume is
+  refused before anything is written."""
+  from specjax.bench.sweep import gamma, trees  # pylint: disable=import-outside-toplevel
+  from specjax.errors import OutputError  # pylint: disable=import-outside-toplevel
   workdir, cfg, records = quick_run
   def boom(*a, **k):
     raise AssertionError("a finished point ran again")
-  monkeypatch.setattr(sweep, "run_group", boom)
-  monkeypatch.setattr(tree_sweep, "run_point", boom)
+  monkeypatch.setattr(gamma, "run_group", boom)
+  monkeypatch.setattr(trees, "run_point", boom)
   again = taskbench_run.run_taskbench(cfg, str(workdir), resume=True, progress=False)
   key = lambda r: (r["category"], r["drafter"], r["gamma"], r["speedup"])
   assert sorted(map(key, again)) == sorted(map(key, records))
+  report = (workdir / taskbench_report.REPORT).read_bytes()
+  with pytest.raises(OutputError, match="holds"):
+    taskbench_run.run_taskbench(cfg, str(workdir), progress=False)
+  assert (workdir / taskbench_report.REPORT).read_bytes() == report
 
 
 def test_tree_rows_are_checked():
-  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
-  c = sweep_gamma.get_config("taskbench")
-  assert taskbench_run.tree_rows(c) == [("eagle:smollm2-eagle", "dynamic:4,4,16"),
-                                        ("eagle:smollm2-eagle", "dynamic:10,6,60"),
-                                        ("eagle:smollm2-eagle", "dynamic:10,6,60+ngram:8")]
+  c = SweepConfig.from_mapping(sweep_gamma.get_config("taskbench"))
+  assert sweep_config.tree_rows(c) == [("eagle:smollm2-eagle", "dynamic:4,4,16"),
+                                       ("eagle:smollm2-eagle", "dynamic:10,6,60"),
+                                       ("eagle:smollm2-eagle", "dynamic:10,6,60+ngram:8")]
   assert c.draft == "smollm2-draft" and "model" in c.drafters and "eagle:smollm2-eagle" in c.drafters
   for bad, msg in (("dynamic:2,2,3", "not DRAFTER@TREE"), ("eagle@auto", "not a fixed tree"),
                    ("eagle@dynamic:2,2,30", "more nodes"), ("bogus@chain:2", "unknown drafter")):
-    c.taskbench_trees = (bad,)
     with pytest.raises(ConfigError, match=msg):
-      taskbench_run.tree_rows(c)
+      c.replace(taskbench_trees=(bad,))
 
 
 APART_ROWS = ("eagle:/heads/a_b@dynamic:2,2,3", "eagle:/heads/a/b@dynamic:2,2,3",
               "ngram@dynamic:2,2,3")
 
 
-def apart_mismatches(taskbench_run, monkeypatch, tmp_path) -> list[str]:
+def apart_mismatches(taskbench_run) -> list[str]:
   """Three tree rows whose drafters sanitise alike or draft nothing
-  (APART_ROWS), through run_taskbench with a stand-in trees sweep that
-  returns every drafter's record whatever it was asked (as a shared or
-  stale directory would): each drafter's sweep must get a directory of its
-  own and each row only its own drafter's records."""
-  from specjax.bench import tree_sweep  # pylint: disable=import-outside-toplevel
-  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
-  c = sweep_gamma.get_config("taskbench_quick")
-  c.drafters, c.taskbench, c.taskbench_trees = (), ("math",), APART_ROWS
-  outs = []
-  def fake_sweep(sub, out, resume=False, progress=True):
-    outs.append(out)
-    return [dict(drafter=d, tree=t, origin=d) for d, t in taskbench_run.tree_rows(c)]
-  monkeypatch.setattr(tree_sweep, "run_tree_sweep", fake_sweep)
-  monkeypatch.setattr(taskbench_run, "write_report", lambda *a, **k: None)
-  records = taskbench_run.run_taskbench(c, str(tmp_path), progress=False)
+  (APART_ROWS), planned by taskbench_run.sweeps, each sweep's rows taken
+  from records of every drafter (as a shared or stale directory would hold
+  them): each drafter's sweep must get a directory of its own and each row
+  only its own drafter's records."""
+  c = quick(drafters=(), taskbench=("math",), taskbench_trees=APART_ROWS)
+  plan = taskbench_run.sweeps(c, "/w")
+  everyone = [dict(drafter=d, tree=t, origin=d) for d, t in sweep_config.tree_rows(c)]
+  records = [r for s in plan for r in s.rows(everyone)]
   bad = []
-  if len(set(outs)) != 3:
-    bad.append(f"shared directories {outs}")
+  if len({s.workdir for s in plan}) != 3:
+    bad.append(f"shared directories {[s.workdir for s in plan]}")
   if sorted(r["origin"] for r in records) != ["eagle:/heads/a/b", "eagle:/heads/a_b", "ngram:1-4"]:
     bad.append(f"records {[(r['tree_drafter'], r['origin']) for r in records]}")
   bad += [f"{r['tree_drafter']} took {r['origin']}'s record" for r in records
@@ -203,71 +202,66 @@ def apart_mismatches(taskbench_run, monkeypatch, tmp_path) -> list[str]:
   return bad
 
 
-def test_tree_rows_keep_each_drafter_apart(monkeypatch, tmp_path):
+def test_tree_rows_keep_each_drafter_apart():
   """Two drafter specs that sanitise to one name get two directories, a
   tree sweep's records are taken by drafter as well as tree, and an n-gram
   dynamic-tree row is accepted by the checks (the trees sweep skips it with
   one line: tests/bench/test_tree_sweep.py)."""
-  from specjax.bench import taskbench_run, tree_sweep  # pylint: disable=import-outside-toplevel
+  from specjax.bench.sweep import trees  # pylint: disable=import-outside-toplevel
   a, b = taskbench_run.tree_dir("eagle:/heads/a_b"), taskbench_run.tree_dir("eagle:/heads/a/b")
   assert a != b and a.startswith("trees-eagle_heads_a_b-") and b.startswith("trees-eagle_heads_a_b-")
   assert taskbench_run.tree_dir("ngram:1-4") == taskbench_run.tree_dir("ngram:1-4")
-  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
-  c = sweep_gamma.get_config("taskbench_quick")
-  c.taskbench_trees = APART_ROWS
-  assert taskbench_run.tree_rows(c)[-1] == ("ngram:1-4", "dynamic:2,2,3")
-  tree_sweep.validate(taskbench_run.tree_config(c, "math", "ngram:1-4", ["dynamic:2,2,3"]))
-  assert apart_mismatches(taskbench_run, monkeypatch, tmp_path) == []
+  c = quick(taskbench_trees=APART_ROWS)
+  assert sweep_config.tree_rows(c)[-1] == ("ngram:1-4", "dynamic:2,2,3")
+  trees.RUNNER.check(taskbench_run.tree_config(c, "math", "ngram:1-4", ["dynamic:2,2,3"]))
+  assert apart_mismatches(taskbench_run) == []
 
 
 APART_MUTATIONS = {
-    "tree_dir without the spec's hash": ("tree_dir", ' + "-" + digest', ""),
+    "tree_dir without the spec's hash": (taskbench_run, "tree_dir", ' + "-" + digest', ""),
     "a trees sweep's records taken by tree only": (
-        "run_taskbench", ' and rec.get("drafter") == d', ""),
+        taskbench_run.Sweep, "rows", ' and r.get("drafter") == self.drafter', ""),
 }
 
 
 @pytest.mark.parametrize("bug", list(APART_MUTATIONS))
-def test_each_deliberate_apart_bug_fails(bug, monkeypatch, tmp_path):
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
-  name, old, new = APART_MUTATIONS[bug]
-  monkeypatch.setattr(taskbench_run, name, lawcheck.mutant(getattr(taskbench_run, name), old, new))
-  bad = apart_mismatches(taskbench_run, monkeypatch, tmp_path)
+def test_each_deliberate_apart_bug_fails(bug, monkeypatch):
+  owner, name, old, new = APART_MUTATIONS[bug]
+  monkeypatch.setattr(owner, name, lawcheck.mutant(getattr(owner, name), old, new))
+  bad = apart_mismatches(taskbench_run)
   print(f"MUTATION | {bug} | {bad[:2]}")
   assert bad, f"{bug}: not caught"
 
 
 def sweep_gamma_categories():
-  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
-  return tuple(sweep_gamma.get_config("taskbench_quick").taskbench)
+  return quick().taskbench
 
 
 def test_leaderboard_takes_each_points_own_numbers(quick_run):
   """The overall column is the mean of the row's category speedups and MAT
   the mean tokens per step; a record moved to another category moves its cell."""
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
   _, _, records = quick_run
   recs = [dict(r) for r in records]
   for r in recs:
     r["speedup"] = 2.0 if r["category"] == "math" else 1.0
     r["tokens_per_step"] = 3.0
-  row = next(ln for ln in taskbench_run.leaderboard(recs).splitlines() if ln.startswith("| model"))
+  row = next(ln for ln in taskbench_report.leaderboard(recs).splitlines() if ln.startswith("| model"))
   cells = [c.strip() for c in row.strip("|").split("|")]
   assert cells[2:] == ["1.00x", "2.00x", "3.00", "1.50x"]
   # Deliberate bug: the overall column as the best category, not the mean.
   mean = statistics.mean
   statistics.mean = max
   try:
-    bad = next(ln for ln in taskbench_run.leaderboard(recs).splitlines() if ln.startswith("| model"))
+    bad = next(ln for ln in taskbench_report.leaderboard(recs).splitlines() if ln.startswith("| model"))
   finally:
     statistics.mean = mean
   assert bad != row
 
 
 def test_sweep_renders_a_category_with_the_chat_template():
-  """sweep_points.sweep_prompts with config.taskbench_category: the category's
+  """prompts.sweep_prompts with config.taskbench_category: the category's
   conversations through the target's chat template (SmolLM2's tokenizer)."""
-  from specjax.bench import sweep_points  # pylint: disable=import-outside-toplevel
+  from specjax.bench.sweep import prompts  # pylint: disable=import-outside-toplevel
   from specjax.errors import CheckpointError  # pylint: disable=import-outside-toplevel
   from specjax.formats import checkpoint, gguf, gguf_tokenizer  # pylint: disable=import-outside-toplevel
   try:
@@ -275,15 +269,13 @@ def test_sweep_renders_a_category_with_the_chat_template():
   except CheckpointError as e:
     pytest.skip(str(e))
   tok = gguf_tokenizer.gguf_tokenizer(gguf.open_reader(path), str(path))
-  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
-  c = sweep_gamma.get_config("taskbench_quick")
-  c.taskbench_category = "math"
-  got = sweep_points.sweep_prompts(c, tok, 49152)
+  c = quick(taskbench_category="math")
+  got = prompts.sweep_prompts(c, tok, 49152)
   want = [tok.encode_chat(r["messages"]) for r in taskbench.load_category("math")[:2]]
   assert got == want and len(got) == c.taskbench_prompts == 2
   assert got[0].count(1) == 3  # <|im_start|> (id 1): system, user, assistant
-  c.taskbench_category = "qa"  # deliberate bug: another category's prompts
-  assert sweep_points.sweep_prompts(c, tok, 49152) != want
+  # deliberate bug: another category's prompts
+  assert prompts.sweep_prompts(c.replace(taskbench_category="qa"), tok, 49152) != want
 
 
 # ------------------------------------------------------------ the goals, from records
@@ -330,18 +322,17 @@ def _check_goals(g) -> list[str]:
 
 
 def test_goals_come_from_the_records():
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
-  g = taskbench_run.goals(_goal_records())
+  g = taskbench_report.goals(_goal_records())
   assert _check_goals(g) == []
-  text = "\n".join(taskbench_run.goals_lines(g))
+  text = "\n".join(taskbench_report.goals_lines(g))
   assert "MAT 3.40 on code editing (goal >= 3: met), 2.70 averaged over 2 categories" in text
   assert "3 of 5 points" in text and "| Math | ngram:1-4 | 0 | 4 | 0.80x | 0.70x | 1.14 |" in text
   assert "| Math | eagle:smollm2-eagle dynamic:4,4,16 | 0.90x | no | 2.00 | 2.00 | 1.20 |" in text
   # an EAGLE dynamic tree short of its goals says so
   low = [dict(r, tokens_per_step=2.0) if r["drafter"] == LABEL else r for r in _goal_records()]
-  assert "NOT met" in "\n".join(taskbench_run.goals_lines(taskbench_run.goals(low)))
+  assert "NOT met" in "\n".join(taskbench_report.goals_lines(taskbench_report.goals(low)))
   # a run with T=1 rows only: one line, not an empty table
-  t1 = "\n".join(taskbench_run.goals_lines(taskbench_run.goals(
+  t1 = "\n".join(taskbench_report.goals_lines(taskbench_report.goals(
       [r for r in _goal_records() if r["temperature"] == 1.0])))
   assert "against target-only: no T=0 rows in this run." in t1 and "| Category |" not in t1
 
@@ -358,8 +349,7 @@ GOAL_MUTATIONS = {
 
 @pytest.mark.parametrize("bug", list(GOAL_MUTATIONS))
 def test_each_deliberate_goals_bug_fails(bug):
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
-  bugged = lawcheck.mutant(taskbench_run.goals, *GOAL_MUTATIONS[bug])
+  bugged = lawcheck.mutant(taskbench_report.goals, *GOAL_MUTATIONS[bug])
   bad = _check_goals(bugged(_goal_records()))
   print(f"MUTATION | {bug} | {bad[:2]}")
   assert bad, f"{bug}: not caught"
@@ -368,12 +358,10 @@ def test_each_deliberate_goals_bug_fails(bug):
 def test_gpu_part_leaves_out_missing_drafts(tmp_path, tiny_head):
   """gpu_study.taskbench_available: a drafter or tree row whose trained
   draft is missing is left out with one line; the others stay."""
-  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
-  from specjax.bench import gpu_study  # pylint: disable=import-outside-toplevel
-  c = sweep_gamma.get_config("taskbench_quick")
+  from specjax.bench.studies import gpu_study  # pylint: disable=import-outside-toplevel
   gone = str(tmp_path / "no-head")
-  c.drafters = ("ngram", f"eagle:{gone}", f"eagle:{tiny_head}")
-  c.taskbench_trees = (f"eagle:{gone}@dynamic:2,2,3", f"eagle:{tiny_head}@dynamic:2,2,3")
+  c = quick(drafters=("ngram", f"eagle:{gone}", f"eagle:{tiny_head}"),
+            taskbench_trees=(f"eagle:{gone}@dynamic:2,2,3", f"eagle:{tiny_head}@dynamic:2,2,3"))
   sub, dropped = gpu_study.taskbench_available(c)
   assert sub.drafters == ("ngram", f"eagle:{tiny_head}")
   assert sub.taskbench_trees == (f"eagle:{tiny_head}@dynamic:2,2,3",)
@@ -412,7 +400,7 @@ def _check_parts(run_parts, tmp_path):
 
 
 def test_gpu_parts_a_failing_part_is_one_line(tmp_path):
-  from specjax.bench import gpu_study  # pylint: disable=import-outside-toplevel
+  from specjax.bench.studies import gpu_study  # pylint: disable=import-outside-toplevel
   _check_parts(gpu_study.run_parts, tmp_path)
 
 

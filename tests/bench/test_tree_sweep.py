@@ -1,4 +1,4 @@
-"""The trees sweep (bench/tree_sweep.py, tree_report.py): the crossover batch
+"""The trees sweep (bench/sweep/trees.py, tree_report.py): the crossover batch
 and the best tree/chain/auto per batch on synthetic records; the rule's p;
 the sweep on tiny models, interrupted and resumed without losing or redoing
 a finished point; a dynamic tree drafted on the target's own cache
@@ -10,11 +10,23 @@ import json
 import pytest
 
 from configs import sweep_gamma
-from specjax.bench import tree_report
-from specjax.bench import tree_sweep
-from specjax.bench import sweep
+from specjax.bench.sweep import harness, points, tree_report
+from specjax.bench.sweep import trees as tree_sweep
+from specjax.bench.sweep.config import SweepConfig
 from specjax.errors import ConfigError
 from specjax.metrics import schema
+
+
+def config(variant: str, **kw) -> SweepConfig:
+  return SweepConfig.from_mapping(sweep_gamma.get_config(variant)).replace(**kw)
+
+
+def run(cfg: SweepConfig, workdir, only: int | None = None, **kw):
+  """The trees sweep into workdir; `only`: at most that many new points (an
+  interrupted run)."""
+  plan = harness.prepare(tree_sweep.RUNNER, cfg, str(workdir), **kw)
+  plan.todo = plan.todo[:only]
+  return harness.execute(plan, progress=False)
 
 
 def _rec(batch, tree, speedup, nodes=None):
@@ -67,42 +79,37 @@ def test_rule_p_and_config():
   assert tree_sweep.rule_p("bernoulli:0.7", 2) == [0.7, 0.7]
   assert tree_sweep.rule_p("always", 1) == [1.0]
   assert tree_sweep.rule_p("real") is None
-  c = sweep_gamma.get_config("trees")
-  tree_sweep.validate(c)
+  c = config("trees")
+  tree_sweep.RUNNER.check(c)
   assert {t.n for t in tree_sweep.fixed_trees(c).values()} == {1, 2, 4, 8, 16, 32, 64}
   assert c.batches == (1, 4, 16, 32) and set(c.drafters) == {"model", "eagle"}
   assert set(c.temps) == {0.0, 1.0}
-  assert sweep_gamma.get_config("trees_quick").trees[-1] == "auto"
-  c.trees = ("auto",)
+  assert config("trees_quick").trees[-1] == "auto"
   with pytest.raises(ConfigError, match="fixed trees"):
-    tree_sweep.validate(c)
-  c.trees = ("dynamic:2,2,4", "auto")  # a dynamic tree runs as a point of its own, never auto's
+    tree_sweep.RUNNER.check(c.replace(trees=("auto",)))
+  # a dynamic tree runs as a point of its own, never auto's
   with pytest.raises(ConfigError, match="fixed trees"):
-    tree_sweep.validate(c)
-  c.trees = ("dynamic:2,2,4",)
-  tree_sweep.validate(c)
+    tree_sweep.RUNNER.check(c.replace(trees=("dynamic:2,2,4", "auto")))
+  c = c.replace(trees=("dynamic:2,2,4",))
+  tree_sweep.RUNNER.check(c)
   assert tree_sweep.static_trees(tree_sweep.fixed_trees(c)) == {}
-  c.trees = ("auto:4,8",)
   with pytest.raises(ConfigError, match="not a fixed tree"):
-    tree_sweep.validate(c)
+    c.replace(trees=("auto:4,8",))
 
 
-def _micro():
-  c = sweep_gamma.get_config("trees_quick")
-  c.trees = ("chain:2", "kary:2,2", "auto")
-  c.batches = (2,)
-  c.n_predict, c.ctx_size, c.reps = 10, 48, 1
-  return c
+def _micro() -> SweepConfig:
+  return config("trees_quick", trees=("chain:2", "kary:2,2", "auto"), batches=(2,),
+                n_predict=10, ctx_size=48, reps=1)
 
 
 def check_resume(tmp_path):
   c = _micro()
-  first = tree_sweep.run_tree_sweep(c, str(tmp_path), only=2)
+  first = run(c, tmp_path, only=2)
   assert [r["tree"] for r in first] == ["chain:2", "kary:2,2"]
   path = tmp_path / "results.jsonl"
   lines = path.read_text().splitlines()
   path.write_text(lines[0] + "\n" + lines[1][:30])  # killed while writing the second
-  records = sweep.run_sweep(c, str(tmp_path), resume=True)  # delegates to the trees sweep
+  records = run(c, tmp_path, resume=True)
   assert [r["tree"] for r in records] == ["chain:2", "kary:2,2", "auto"]
   kept = [json.loads(l) for l in path.read_text().splitlines()]
   assert len(kept) == 3 and kept[0] == json.loads(lines[0])  # not redone
@@ -119,7 +126,7 @@ def test_tree_sweep_resumes_after_an_interruption(tmp_path):
   assert kary["p_by_rank"][0] == pytest.approx(0.8, abs=0.25)
   assert records[2]["auto_trees"] == ["chain:2", "kary:2,2"]
   summary = (tmp_path / "summary.md").read_text()
-  assert "Crossover batch" in summary and "Machine: " in summary
+  assert "Crossover batch" in summary and "Machine: " in summary and "## Noise" in summary
   assert (tmp_path / "trees.png").stat().st_size > 0
 
 
@@ -128,10 +135,10 @@ def test_dynamic_trees_of_a_shared_cache_drafter_and_of_ngram(tmp_path, capsys):
   (DynamicCostProbe) runs on a prefilled one and the point is measured; the
   n-gram drafter has no draft distribution to rank a dynamic tree with, so
   its point is skipped with one line and the sweep goes on."""
-  c = _micro()
-  c.target, c.drafters, c.trees = "tiny", ("ngram", "layerskip:1"), ("dynamic:2,2,3",)
-  c.batches, c.temps, c.accepts, c.n_predict = (1,), (0.0,), ("real",), 8
-  records = tree_sweep.run_tree_sweep(c, str(tmp_path), progress=False)
+  c = _micro().replace(target="tiny", drafters=("ngram", "layerskip:1"),
+                       trees=("dynamic:2,2,3",), batches=(1,), temps=(0.0,), accepts=("real",),
+                       n_predict=8)
+  records = run(c, tmp_path)
   assert [(r["drafter"], r["tree"]) for r in records] == [("layerskip:1", "dynamic:2,2,3")]
   assert records[0]["t_draft_s"] > 0 and records[0]["tokens_per_step"] >= 1
   line = "drafter ngram:1-4, dynamic points: skipped (drafter ngram:1-4 drafts static trees only"
@@ -155,7 +162,7 @@ def _resume_forgets(orig):
 MUTATIONS = {
     "crossover at the first chain win": (tree_report, "crossover", _crossover_first_win,
                                          lambda tmp: check_crossover()),
-    "finished points forgotten on resume": (tree_sweep, "record_key", _resume_forgets,
+    "finished points forgotten on resume": (points, "tree_point_key", _resume_forgets,
                                             check_resume),
 }
 

@@ -6,7 +6,7 @@ MUTATIONS are deliberate bugs, each failing the check."""
 import numpy as np
 import pytest
 
-from specjax.bench import tree_verify_cost as tvc
+from specjax.bench.studies import tree_verify_cost as tvc
 from specjax.bench.backends import torch_spec as ts
 from specjax.model import config
 from specjax.model import steps

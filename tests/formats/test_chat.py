@@ -327,20 +327,21 @@ def test_chat_without_a_template_is_one_line(model_dirs):
 def test_sweep_chat_form(dirs, theirs):
   """config.chat: the shipped prompts as user turns through the target's
   template; a target without one is refused in one line naming the field."""
-  import ml_collections  # pylint: disable=import-outside-toplevel
-  from specjax.bench import sweep_points  # pylint: disable=import-outside-toplevel
+  from configs import sweep_gamma  # pylint: disable=import-outside-toplevel
+  from specjax.bench.sweep import prompts  # pylint: disable=import-outside-toplevel
+  from specjax.bench.sweep.config import SweepConfig  # pylint: disable=import-outside-toplevel
   from specjax.train import pair  # pylint: disable=import-outside-toplevel
-  cfg = ml_collections.ConfigDict({"heldout_prompts": 2, "prompt_set": "continuation",
-                                   "chat": True, "prompt": "", "prompt_tokens": ""})
+  cfg = SweepConfig.from_mapping(sweep_gamma.get_config()).replace(
+      heldout_prompts=2, prompt_set="continuation", chat=True, prompt="", prompt_tokens="")
   tok = ours(dirs["llama3"])
   texts = pair.shipped_prompts(2)
-  assert sweep_points.sweep_prompts(cfg, tok, 10 ** 6) == [
+  assert prompts.sweep_prompts(cfg, tok, 10 ** 6) == [
       reference(theirs["llama3"], chat.user_turn(t)) for t in texts]
-  cfg.chat = False
-  assert sweep_points.sweep_prompts(cfg, tok, 10 ** 6) == [tok.encode(t) for t in texts]
-  cfg.chat, cfg.heldout_prompts = True, 0
+  assert prompts.sweep_prompts(cfg.replace(chat=False), tok, 10 ** 6) == [
+      tok.encode(t) for t in texts]
   with pytest.raises(ConfigError, match="^config.chat: .* has no chat template"):
-    sweep_points.sweep_prompts(cfg, ours(dirs["llama3 (no template)"]), 10 ** 6)
+    prompts.sweep_prompts(cfg.replace(heldout_prompts=0), ours(dirs["llama3 (no template)"]),
+                          10 ** 6)
 
 
 # ------------------------------------------------------------ a real file

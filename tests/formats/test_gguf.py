@@ -703,7 +703,7 @@ def test_batch_scaling_runs_llama_cpp_on_the_given_file(llama_cpp, tmp_path, mon
   under the file's tolerance (measured 4.5e-3 to 7e-3 of max |logit|)."""
   sys.path.insert(0, ROOT)
   import configs.batch_scaling as bs_config  # pylint: disable=import-outside-toplevel
-  from specjax.bench import batch_scaling  # pylint: disable=import-outside-toplevel
+  from specjax.bench.studies import batch_scaling  # pylint: disable=import-outside-toplevel
   from specjax.bench.backends import llamacpp  # pylint: disable=import-outside-toplevel
   del llama_cpp
   cfg, params, _ = checkpoint.load_model("stdlib-draft", "float32")

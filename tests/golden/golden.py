@@ -113,9 +113,8 @@ def cases(pair: str) -> list[Case]:
 # The CI subset (tests/decode/test_golden.py): each drafter and each shape once.
 CI_KEYS = (
     "stdlib|model|chain:3|t1", "stdlib|model|" + STATIC + "|t1|stochastic",
-    "stdlib|model|dynamic:3,3,6|greedy", "stdlib|ngram|" + STATIC + "|greedy",
-    "stdlib|layerskip-prefix|chain:3|t1", "stdlib|layerskip-list|dynamic:3,3,6|t1",
-    "stdlib|eagle|" + STATIC + "|t1", "stdlib|eagle|dynamic:3,3,6+ngram:4|t1",
+    "stdlib|ngram|" + STATIC + "|greedy", "stdlib|layerskip-prefix|chain:3|t1",
+    "stdlib|layerskip-list|dynamic:3,3,6|t1", "stdlib|eagle|dynamic:3,3,6+ngram:4|t1",
     "stdlib|model|auto-gamma|t1", "stdlib|layerskip-list|auto-tree|t1",
 )
 

@@ -316,7 +316,7 @@ def test_geometric_check_accepts_the_law_and_rejects_all_or_nothing():
 
 
 def test_paper_outputs_reproduce_the_published_numbers(tmp_path):
-  from specjax.bench import paper  # pylint: disable=import-outside-toplevel
+  from specjax.bench.studies import paper  # pylint: disable=import-outside-toplevel
   summary = paper.write_outputs(str(tmp_path), 6)
   for printed in ("2.1594861448542773", "2.7629832057356403", "| 0.8 | 5 | 1.63× |"):
     assert printed in summary, printed

@@ -99,7 +99,7 @@ def test_no_recompile_as_the_used_length_grows(pair):
 
 
 def test_attended_slots():
-  from specjax.bench import roofline  # pylint: disable=import-outside-toplevel
+  from specjax.bench.studies import roofline  # pylint: disable=import-outside-toplevel
   cfg = config.get_preset("llama-160m")
   assert cfg.attn_block == 256
   assert roofline.attended_slots(cfg, 4096, 128) == 256

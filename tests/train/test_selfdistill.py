@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from configs import train as train_configs
-from specjax.bench import taskbench
+from specjax.bench.sweep import taskbench
 from specjax.decode import generation, speculative
 from specjax.drafters import eagle
 from specjax.errors import ConfigError

@@ -5,7 +5,7 @@ capacity (388 slots), 3 repetitions each. Run from the checkout with specjax ins
 
   python docs/results/taskbench_graft_idle/probe_verify69.py
 """
-from specjax.bench import tree_sweep
+from specjax.bench.sweep import engine
 from specjax.decode import probes
 from specjax.model import steps
 from specjax.drafters import registry
@@ -18,7 +18,7 @@ tr = tree_lib.parse("dynamic:10,6,60+ngram:8", 4)
 for i in range(4):
   pt = probes.CostProbe(target, 388, 82, seed=i)
   t = {n: x.median for n, x in pt.times([1, tr.block_size], 3).items()}
-  pd = tree_sweep.DynamicCostProbe(drafter, target, None, tr, 388, 82, seed=i)
+  pd = engine.DynamicCostProbe(drafter, target, None, tr, 388, 82, seed=i)
   td = pd.time(3)
   print(f"instance {i}: T1 {1e3*t[1]:6.1f} Tverify(69) {1e3*t[69]:6.1f} Tdraft {1e3*td:6.1f} "
         f"step {1e3*(t[69]+td):6.1f} ms", flush=True)

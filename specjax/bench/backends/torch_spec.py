@@ -1,242 +1,36 @@
 """Batched greedy speculative decoding in PyTorch, on the weights of an HF
-`LlamaForCausalLM` (`hf.to_torch_model`: the one conversion), the PyTorch
-side of the XLA-vs-PyTorch comparison at batch > 1.
-
-The model is a small functional LLaMA forward (`TorchLlama`) over the HF
-model's weight tensors, written like specjax's `model.forward`: a static
-(preallocated) KV cache per layer [B, K, S, D], explicit per-row `lengths`
-[B], writes at slots lengths[b] .. lengths[b] + T - 1, a query at position p
-attends to slots <= p (one masked pass over the capacity S, as specjax's
-`attend_masked`), rolling back = setting `lengths`. Its one timed call, a
-forward over T new tokens per row followed by the argmax of its logits, is
-`torch.compile`d (`compile=True`) per static shape: T = 1 (decode, draft) and
-T = gamma + 1 (verify). Prefill runs eager (untimed, as specjax's).
-
-`TorchSpec` runs, at batch B with ragged prompts:
-  target-only greedy generation of n_predict tokens per row, and
-  speculative greedy generation (`speculative.py`'s step, phase by phase, in
-  a host loop): draft gamma tokens (after the catch-up feed of d_gamma when
-  the last step accepted every draft), verify gamma + 1 on the target,
-  accept (`real`: while draft == target argmax; simulated rules
-  `bernoulli:P` (a torch.Generator seeded per run), `fraction:F`, `always`,
-  emitting the target's argmax at the first rejected position), keep at most
-  n_predict tokens per row, commit by cache lengths. Rows that finished ride
-  along with their lengths cut back to what they kept; the loop ends when
-  the slowest row has n_predict tokens. Greedy only (temperature 0).
-Every row's tokens equal batch-1 target-only generation's and specjax's
-(tests/test_torch_spec.py); the per-step records and statistics are
-specjax's (`stats.Records`, `stats.SpecStats`).
-
-Timing (`time_point`, `TorchCostProbe`): the shape of specjax's sweep
-(`sweep.run_group`: target-only and speculative alternating, medians,
-compile / warm-up excluded and reported apart) and of `probes.CostProbe`
-(T(n): k forwards from the same cache state, time per forward), with the
-batch as a dimension. torch is imported on first use.
+`LlamaForCausalLM` through torch_llama.py's `TorchLlama` (the PyTorch side of
+the XLA-vs-PyTorch comparison at batch > 1). `TorchSpec` runs, at batch B
+with ragged prompts, target-only greedy generation and speculative greedy
+generation (`speculative.py`'s step, phase by phase, in a host loop: draft
+gamma tokens after the catch-up feed, verify gamma + 1, accept by `real` or
+a simulated rule, keep at most n_predict tokens per row, commit by cache
+lengths; finished rows ride along). Every row's tokens equal batch-1
+target-only generation's and specjax's (tests/bench/test_torch_spec.py); the
+records and statistics are specjax's. Timing (`time_point`,
+`TorchCostProbe`) has the shape of the gamma sweep's (`gamma.run_group`) and
+of `probes.CostProbe`, with the batch as a dimension. docs/batches.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
+from specjax.bench.backends.torch_llama import Cache, TorchLlama, dynamo_graphs
 from specjax.decode import acceptance
 from specjax.decode import generation
-from specjax.formats import hf
+from specjax.errors import ConfigError
 from specjax.metrics import timing
-from specjax.model import kv_cache as kvc
-from specjax.bench.backends.pytorch import import_torch
-from specjax.model.config import ModelConfig
-from specjax.errors import CacheOverflowError, ConfigError
 from specjax.metrics.stats import Records, SpecStats
-from specjax.bench.backends.base import first_line
+from specjax.model import kv_cache as kvc
+from specjax.model.config import ModelConfig
 
 REPEATS = 8  # forwards per timed repetition of a cost probe (probes.REPEATS)
-
-
-def _dynamo_graphs() -> int:
-  """Graphs torch.compile has built so far in this process (recompiles count)."""
-  import_torch()
-  from torch._dynamo.utils import counters  # pylint: disable=import-outside-toplevel
-  return int(counters["stats"]["unique_graphs"])
-
-
-def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: int,
-             n_kv_heads: int, eps: float, logits: bool = False, tree=None):
-  """T new tokens per row against the cache; the caches are written in place.
-
-  w: weights (torch layout, [out, in]); tokens [B, T] int64; lengths [B]
-  int64 (row b is written at slots lengths[b]..); ks, vs: L x [B, K, S, D].
-  tree: None (a chain: causal), or (mask [T, T] bool, depths [T] int64) of a
-  token tree's verify block (model.tree.Tree.mask, block_depths): RoPE at
-  lengths + depth, attention to the cache's slots < lengths and to the
-  block's slots the mask allows (an additive mask over [cache; block]).
-  Returns the argmax [B, T] of the logits (or the f32 logits [B, T, V]).
-  """
-  torch = import_torch()
-  b, t = tokens.shape
-  h, k = n_heads, n_kv_heads
-  s_cap = ks[0].shape[2]
-  slots = lengths[:, None] + torch.arange(t, device=tokens.device)[None, :]  # [B, T]
-  rows = torch.arange(b, device=tokens.device)[:, None]  # [B, 1]
-  cols = torch.arange(s_cap, device=tokens.device)[None, None, :]  # [1, 1, S]
-  if tree is None:
-    positions, mask = slots, cols <= slots[:, :, None]
-  else:
-    positions = lengths[:, None] + tree[1][None, :]
-    j = cols - lengths[:, None, None]  # [B, 1, S] block index of each slot
-    allowed = tree[0][None].expand(b, t, t).gather(2, j.clamp(0, t - 1).expand(b, t, s_cap))
-    mask = (j < 0) | ((j < t) & allowed)
-  bias = torch.zeros(mask.shape, dtype=torch.float32, device=tokens.device)
-  bias = bias.masked_fill(~mask, float("-inf"))[:, None, None]  # [B, 1, 1, T, S]
-  freqs = positions[..., None].float() * w["inv_freq"]  # [B, T, D/2]
-  emb = torch.cat([freqs, freqs], -1)[:, :, None, :]    # [B, T, 1, D]
-  cos, sin = emb.cos(), emb.sin()
-
-  def norm(x, scale):  # RMSNorm in f32 (HF's LlamaRMSNorm)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return scale * x32.to(x.dtype)
-
-  def rope(x):  # x [B, T, N, D], HF's rotate_half
-    x1, x2 = x.chunk(2, -1)
-    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
-
-  lin = torch.nn.functional.linear
-  x = w["embed"][tokens]  # [B, T, E]
-  for i, (kc, vc) in enumerate(zip(ks, vs)):
-    lw = w["layers"][i]
-    y = norm(x, lw["attn_norm"])
-    d = kc.shape[3]
-    q = rope(lin(y, lw["wq"]).view(b, t, h, d))
-    kk = rope(lin(y, lw["wk"]).view(b, t, k, d))
-    vv = lin(y, lw["wv"]).view(b, t, k, d)
-    kc[rows, :, slots] = kk.to(kc.dtype)  # write first: the new tokens see themselves
-    vc[rows, :, slots] = vv.to(vc.dtype)
-    qg = q.view(b, t, k, h // k, d).permute(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-    scores = torch.matmul(qg.float(), kc[:, :, None].transpose(-1, -2).float())
-    scores = scores / math.sqrt(d) + bias  # [B, K, G, T, S]
-    probs = torch.softmax(scores, -1).to(x.dtype)
-    out = torch.matmul(probs, vc[:, :, None])  # [B, K, G, T, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
-    x = x + lin(out, lw["wo"])
-    y = norm(x, lw["mlp_norm"])
-    x = x + lin(torch.nn.functional.silu(lin(y, lw["w_gate"])) * lin(y, lw["w_up"]),
-                lw["w_down"])
-  out = lin(norm(x, w["final_norm"]), w["lm_head"]).float()
-  return out if logits else torch.argmax(out, -1)
-
-
-class TorchLlama:
-  """A LLaMA model in torch over an HF LlamaForCausalLM's weights, with a
-  static cache. `step(tokens, cache)` is the timed call (forward + argmax;
-  `torch.compile`d when `compile`), `logits` the same forward eager."""
-
-  def __init__(self, cfg: ModelConfig, params=None, model=None, compile: bool = True,
-               threads: int | None = None):
-    torch = self.torch = import_torch()
-    if threads:
-      torch.set_num_threads(threads)
-    self.cfg = cfg
-    if model is None:
-      model = hf.to_torch_model(cfg, params)
-    self.model = model
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    layer = lambda i, n: sd[f"model.layers.{i}.{n}.weight"]
-    self.w = {
-        "embed": sd["model.embed_tokens.weight"],
-        "final_norm": sd["model.norm.weight"],
-        "lm_head": sd.get("lm_head.weight", sd["model.embed_tokens.weight"]),
-        "inv_freq": model.model.rotary_emb.inv_freq.detach().float(),
-        "layers": [{"attn_norm": layer(i, "input_layernorm"),
-                    "wq": layer(i, "self_attn.q_proj"), "wk": layer(i, "self_attn.k_proj"),
-                    "wv": layer(i, "self_attn.v_proj"), "wo": layer(i, "self_attn.o_proj"),
-                    "mlp_norm": layer(i, "post_attention_layernorm"),
-                    "w_gate": layer(i, "mlp.gate_proj"), "w_up": layer(i, "mlp.up_proj"),
-                    "w_down": layer(i, "mlp.down_proj")} for i in range(cfg.n_layers)]}
-    if float(getattr(model.model.rotary_emb, "attention_scaling", 1.0)) != 1.0:
-      raise ConfigError(f"{cfg.name}: RoPE attention scaling != 1 is not supported")
-    self.dtype = self.w["embed"].dtype
-    self.compiled = bool(compile)
-    self.compile_note = None
-    kw = dict(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, eps=cfg.norm_eps)
-    eager = lambda w, tok, lens, ks, vs, tree=None: _forward(w, tok, lens, ks, vs, **kw, tree=tree)
-    self._eager_logits = lambda w, tok, lens, ks, vs, tree=None: _forward(
-        w, tok, lens, ks, vs, **kw, logits=True, tree=tree)
-    self._eager = eager
-    self._fn = eager
-    if self.compiled:
-      for limit in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, limit):  # pylint: disable=protected-access
-          setattr(torch._dynamo.config, limit, 256)  # pylint: disable=protected-access
-      self._fn = torch.compile(eager, dynamic=False)
-
-  def new_cache(self, batch: int, capacity: int) -> "Cache":
-    if capacity <= 0 or batch <= 0:
-      raise CacheOverflowError(f"cache needs batch>0 and capacity>0, got "
-                                   f"batch={batch}, capacity={capacity}")
-    torch, c = self.torch, self.cfg
-    shape = (batch, c.n_kv_heads, capacity, c.d_head)  # [B, K, S, D]
-    zeros = lambda: [torch.zeros(shape, dtype=self.dtype) for _ in range(c.n_layers)]
-    return Cache(zeros(), zeros(), torch.zeros((batch,), dtype=torch.int64))
-
-  def _check(self, tokens, cache: "Cache", live=None) -> None:
-    lens = cache.lengths.numpy()
-    kvc.check_capacity(lens if live is None else lens[live], tokens.shape[1], cache.capacity)
-
-  def step(self, tokens, cache: "Cache", live=None, tree=None):
-    """argmax [B, T] of a forward over tokens [B, T]; lengths += T. Capacity
-    is checked first (for the `live` rows when given: the others ride
-    along, their writes inside the capacity by construction)."""
-    self._check(tokens, cache, live)
-    with self.torch.inference_mode():
-      try:
-        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
-      except Exception as e:  # pylint: disable=broad-except
-        if not self.compiled:
-          raise
-        # torch.compile broken here: record why, go on eager.
-        self.compile_note = f"torch.compile failed, eager fallback: {first_line(e)}"
-        self.compiled, self._fn = False, self._eager
-        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
-    cache.lengths += tokens.shape[1]
-    return out
-
-  def logits(self, tokens, cache: "Cache", tree=None):
-    """f32 logits [B, T, V] of the same forward, eager (`tree`: a tree
-    verify, see _forward); lengths += T."""
-    self._check(tokens, cache)
-    with self.torch.inference_mode():
-      out = self._eager_logits(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
-    cache.lengths += tokens.shape[1]
-    return out
-
-  def prefill(self, prompts: Sequence[Sequence[int]], cache: "Cache"):
-    """Writes each row's prompt at slots 0..len-1 (right-padded batch, eager);
-    returns the argmax [B] at each row's last prompt token."""
-    torch = self.torch
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-    pad = max(len(p) for p in prompts)
-    ids = torch.tensor([list(p) + [0] * (pad - len(p)) for p in prompts], dtype=torch.int64)
-    cache.lengths.zero_()
-    logits = self.logits(ids, cache)
-    cache.lengths.copy_(lens)  # padding slots are past the lengths: never attended
-    return torch.argmax(logits[torch.arange(len(prompts)), lens - 1], -1)
-
-
-@dataclasses.dataclass
-class Cache:
-  k: list   # L x [B, K, S, D]
-  v: list
-  lengths: Any  # [B] int64
-
-  @property
-  def capacity(self) -> int:
-    return self.k[0].shape[2]
 
 
 def check_prompts(prompts, vocab_size: int) -> None:
@@ -409,21 +203,21 @@ def time_point(engine: TorchSpec, prompts, n_predict: int, gamma: int, rule: str
   """Target-only and speculative tokens/s at batch B = len(prompts), summed
   over rows (first token excluded, as specjax's), each repetition running
   both, the order alternating; medians over repetitions, speedup the median
-  of each repetition's ratio (sweep.run_group's pairing). The first call of
+  of each repetition's ratio (gamma.run_group's pairing). The first call of
   each (warm-up: torch.compile) is timed apart (`warmup_s`); a graph built
   during the timed repetitions raises (shapes changed)."""
   cap = capacity or generation.plan_capacity(
       engine.target.cfg, max(len(p) for p in prompts), n_predict, extra=gamma)
   base = lambda: engine.generate_target(prompts, n_predict, capacity=cap)
   spec = lambda: engine.generate(prompts, n_predict, gamma, rule=rule, seed=seed, capacity=cap)
-  graphs0 = _dynamo_graphs()
+  graphs0 = dynamo_graphs()
   t0 = time.perf_counter()
   base(), spec()
   warmup_s = time.perf_counter() - t0
-  graphs = _dynamo_graphs()
+  graphs = dynamo_graphs()
   rows, res, _ = paired_reps(base, spec, reps, len(prompts))
-  if _dynamo_graphs() != graphs:
-    raise RuntimeError(f"{_dynamo_graphs() - graphs} torch.compile graph(s) built inside "
+  if dynamo_graphs() != graphs:
+    raise RuntimeError(f"{dynamo_graphs() - graphs} torch.compile graph(s) built inside "
                        f"the timed repetitions: shapes changed between runs")
   return {"engine": "torch" + ("-compile" if engine.target.compiled else "-eager"),
           "batch": len(prompts), "gamma": gamma, "accept_rule": str(rule),
@@ -434,10 +228,10 @@ def time_point(engine: TorchSpec, prompts, n_predict: int, gamma: int, rule: str
 
 def paired_reps(base, spec, reps: int, n_rows: int):
   """`reps` repetitions of target-only and speculative generation, the order
-  alternating (sweep.run_group's pairing). Returns (rows of per-token
+  alternating (gamma.run_group's pairing). Returns (rows of per-token
   seconds {base_s, spec_s}, the last speculative result, the last
   target-only result); any engine whose results carry eval_s, n_eval and
-  stats.n_kept."""
+  the SpecStats n_kept."""
   rows, res, b = [], None, None
   for rep in range(reps):
     if rep % 2:

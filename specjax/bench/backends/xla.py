@@ -10,7 +10,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.bench import llama_bench as bench
+from specjax.bench.studies import llama_bench as bench
 from specjax.decode import probes
 from specjax.model import steps
 from specjax.metrics import timing

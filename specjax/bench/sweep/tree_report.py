@@ -1,4 +1,4 @@
-"""The trees sweep's report (bench/tree_sweep.py): summary.md and trees.png.
+"""The trees sweep's report (trees.py): the summary's text and trees.png.
 
 For each (drafter, acceptance rule, temperature):
   - per batch, each tree's tokens per step and speedup, measured and
@@ -153,10 +153,10 @@ def plot(path: str, records: Sequence[Record]) -> None:
 
 
 def write_report(workdir: str, records: Sequence[Record], env: Record,
-                 skipped: Sequence[str] = ()) -> None:
+                 skipped: Sequence[str] = ()) -> str:
+  """trees.png; returns the summary's text (the harness writes summary.md)."""
   lines = summary_lines(records, skipped)
   lines += ["", f"Machine: {wd.machine_line(env)}"]
-  with open(os.path.join(workdir, "summary.md"), "w") as f:
-    f.write("\n".join(lines) + "\n")
   if records:
     plot(os.path.join(workdir, "trees.png"), records)
+  return "\n".join(lines) + "\n"

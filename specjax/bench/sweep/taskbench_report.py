@@ -1,155 +1,24 @@
-"""Runs the task suite through the sweep and writes a Spec-Bench-style report.
-
-configs/sweep_gamma.py:taskbench (and :taskbench_quick) name the categories
-in `config.taskbench`; each category is one ordinary sweep (bench/sweep.py:
-every drafter x temperature x gamma, the category's conversations run in
-turn) in WORKDIR/CATEGORY/, and this module gathers their records into
-
-  WORKDIR/taskbench.md    the leaderboard: per drafter and temperature, the
-                          speedup in each category, the mean accepted tokens
-                          (MAT) and the overall speedup (Spec-Bench's
-                          columns), then per category and drafter: MAT, alpha,
-                          tokens/s, speedup and both predictions
-  WORKDIR/taskbench.png   MAT and speedup per category, one bar per drafter
-  WORKDIR/taskbench.jsonl every point's record with its "category"
-
-MAT is stats.SpecStats.tokens_per_step (tokens kept per loop step: the
-accepted drafts plus the target's token, as Spec-Bench counts them). Where a
-category ran several gammas, the row takes the gamma of the best measured
-speedup (and names it).
-
-Token trees: `config.taskbench_trees` lists rows "DRAFTER@TREE" (e.g.
-"eagle:smollm2-eagle@dynamic:4,4,16"); per category, each drafter's trees
-run through the trees sweep (bench/tree_sweep.py, the category's prompts,
-batch 1, the config's rules and temperatures) in WORKDIR/CATEGORY/trees-NAME-HASH/
-and each (drafter, tree) becomes a leaderboard row of its own, labelled
-"DRAFTER TREE". Its columns: MAT and alpha as the trees sweep measures them
-(alpha: the i.i.d. rate whose capped geometric over the tree's depth gives
-the measured mean accepted length), tokens/s and speedup, the trees sweep's
-own measured-cost prediction (a static tree: tree_theory at the measured p by
-rank over the measured costs; a dynamic tree: the measured MAT over the
-measured step costs); no Leviathan prediction (a chain's theorem).
-
-The report opens with the published MATs next to ours and ends with the
-goals (issue 27), computed from the records (`goals`): the EAGLE dynamic
-tree's MAT on code editing and averaged over the categories at T = 0; the
-points within 10 % of their measured-cost prediction (those outside listed);
-per category at T = 0, whether the best drafter beats target-only (if not,
-the measured costs that say why).
-
-An interrupted run loses no finished point: every sweep (chains and trees)
-appends each point as it finishes, and `resume` skips them.
-
-With `config.prompt_tokens` set (models without a tokenizer: the tests'
-tiny pair) every category runs those ids instead of its conversations.
-"""
+"""The task suite's report (taskbench_run.py): taskbench.md, a Spec-Bench-
+shaped leaderboard (per drafter and temperature the speedup in each
+category, MAT and the overall speedup; per category and drafter MAT, alpha,
+tokens/s, speedup and both predictions, at the gamma of the best measured
+speedup), the published MATs beside ours, and issue 27's goals computed
+from the records (`goals`); taskbench.png, MAT and speedup per category.
+MAT is stats.SpecStats.tokens_per_step (accepted drafts + 1 per step)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import statistics
 
-import ml_collections
-
 from specjax import workdir as wd
-from specjax.bench import sweep
-from specjax.bench import taskbench
-from specjax.bench import tree_sweep
-from specjax.drafters import registry
-from specjax.errors import ConfigError
-from specjax.model import tree as trees
+from specjax.bench.sweep import taskbench
 
 REPORT, PLOT, RECORDS = "taskbench.md", "taskbench.png", "taskbench.jsonl"
 PUBLISHED = ("Published MATs (mean accepted tokens per step, Spec-Bench, Vicuna-7B, T=0): "
              "EAGLE 3.61, EAGLE-2 4.36")
 GOAL_EDIT_MAT, GOAL_MEAN_MAT = 3.0, 2.5  # EAGLE dynamic tree at T = 0 (issue 27)
 GOAL_EFFICIENCY = 0.10  # |measured / measured-cost prediction - 1| at every point
-
-
-def categories(cfg) -> tuple[str, ...]:
-  cats = tuple(str(c) for c in cfg.get("taskbench", ()))
-  for c in cats:
-    if c not in taskbench.CATEGORIES:
-      raise ConfigError(f"config.taskbench: unknown category {c!r}; valid: "
-                        f"{', '.join(taskbench.CATEGORIES)}")
-  return cats
-
-
-def tree_rows(cfg) -> list[tuple[str, str]]:
-  """config.taskbench_trees ("DRAFTER@TREE", ...) -> [(drafter spec, tree
-  spec)], each checked (the drafter parses, the tree is a fixed one)."""
-  rows = []
-  for row in cfg.get("taskbench_trees", ()) or ():
-    drafter, sep, tree = str(row).rpartition("@")
-    if not sep or not drafter or not tree:
-      raise ConfigError(f"config.taskbench_trees: {row!r} is not DRAFTER@TREE "
-                        "(e.g. eagle:smollm2-eagle@dynamic:4,4,16)")
-    t = trees.parse(tree, 1)
-    if not isinstance(t, (trees.Tree, trees.DynamicTree)):
-      raise ConfigError(f"config.taskbench_trees: {row!r}: {tree} is not a fixed tree "
-                        "(chain:G, kary:K,D, sequoia:N,D, dynamic:K,D,N)")
-    rows.append((registry.parse(drafter).spec, t.spec if hasattr(t, "spec") else tree))
-  if len(set(rows)) < len(rows):
-    raise ConfigError(f"config.taskbench_trees names a row twice: {list(cfg.taskbench_trees)}")
-  return rows
-
-
-def tree_label(drafter: str, tree: str) -> str:
-  """A tree row's name in the leaderboard."""
-  return f"{drafter} {tree}"
-
-
-def tree_dir(drafter: str) -> str:
-  """A drafter's trees sweep's subdirectory of its category's workdir: the
-  spec made filesystem-safe (readable), then a short hash of the spec itself,
-  since the sanitising maps different specs (eagle:/a/b_c, eagle:/a/b/c)
-  to one name and two drafters must never share a sweep's records."""
-  digest = hashlib.sha1(drafter.encode()).hexdigest()[:8]
-  return "trees-" + re.sub(r"[^A-Za-z0-9.,-]+", "_", drafter).strip("_") + "-" + digest
-
-
-def tree_config(cfg, cat: str, drafter: str, specs: list[str]):
-  """The trees sweep of one category and drafter: its trees at batch 1, the
-  config's rules and temperatures."""
-  sub = ml_collections.ConfigDict(cfg.to_dict())
-  sub.taskbench, sub.taskbench_trees, sub.taskbench_category = (), (), cat
-  sub.drafters, sub.trees, sub.batches = (drafter,), tuple(specs), (1,)
-  return sub
-
-
-def run_taskbench(cfg, workdir: str, resume: bool = False, progress: bool = True) -> list[dict]:
-  """One sweep per category of `cfg.taskbench`, and per category one trees
-  sweep per drafter of `cfg.taskbench_trees`; returns every record, each
-  with its "category" (a tree row's "drafter" is its label, the drafter's
-  spec in "tree_drafter"), and writes the report."""
-  cats = categories(cfg)
-  if not cats:
-    raise ConfigError("config.taskbench names no category")
-  rows = tree_rows(cfg)
-  by_drafter: dict[str, list[str]] = {}
-  for d, t in rows:
-    by_drafter.setdefault(d, []).append(t)
-  chains = bool(list(cfg.get("drafters", ()) or ())) or not rows  # () and rows: trees only
-  records = []
-  for cat in cats:
-    if chains:
-      sub = ml_collections.ConfigDict(cfg.to_dict())
-      sub.taskbench, sub.taskbench_trees = (), ()
-      sub.taskbench_category = cat
-      for rec in sweep.run_sweep(sub, os.path.join(workdir, cat), resume, progress):
-        records.append(dict(rec, category=cat))
-    for d, specs in by_drafter.items():
-      sub = tree_config(cfg, cat, d, specs)
-      out = os.path.join(workdir, cat, tree_dir(d))
-      for rec in tree_sweep.run_tree_sweep(sub, out, resume, progress):
-        if rec["tree"] in specs and rec.get("drafter") == d:  # this drafter's own points only
-          records.append(dict(rec, category=cat, tree_drafter=d,
-                              drafter=tree_label(d, rec["tree"])))
-  wd.restart_jsonl(os.path.join(workdir, RECORDS), records)
-  write_report(workdir, records, cfg)
-  return records
 
 
 def best_points(records: list[dict]) -> dict[tuple, dict]:
@@ -297,11 +166,13 @@ def goals_lines(g: dict) -> list[str]:
   return lines
 
 
-def write_report(workdir: str, records: list[dict], cfg) -> None:
-  """taskbench.md (config, machine, the tables) and taskbench.png."""
+def write_report(workdir: str, records: list[dict], cfg, notes: list[str] = ()) -> None:
+  """taskbench.md (config, machine, the tables, `notes`: each sweep's noise
+  verdict) and taskbench.png."""
   env = records[0].get("env", {}) if records else {}
   text = (f"# Task suite: {cfg.target}\n\n"
-          f"{int(cfg.n_predict)} tokens per prompt, {int(cfg.reps)} repetitions, "
+          + "".join(f"{n}\n\n" for n in notes)
+          + f"{cfg.n_predict} tokens per prompt, {cfg.reps} repetitions, "
           f"dtype {cfg.dtype or 'the model default'}, prompts through the chat template; "
           f"{wd.machine_line(env)}."
           f"\n\n{PUBLISHED}; ours (the leaderboard's MAT column): {_ours(records)}."

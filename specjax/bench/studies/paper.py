@@ -2,18 +2,13 @@
 
 No model, no accelerator: every number comes from the closed forms in
 specjax/metrics/theory.py and, for the llama.cpp thread's own
-approximations, specjax/metrics/llamacpp_thread.py. `write_outputs` writes into a workdir:
-  speedup_vs_gamma.png        Theorem 3.8 speedup vs gamma, one panel per c,
-                              one line per alpha (Leviathan et al. 2023).
-  optimal_gamma_vs_alpha.png  Optimal gamma vs alpha for several c, the
-                              paper's Figure 3 (our choice of c values).
-  summary.md                  Table 1 side by side with the paper, alpha x gamma
-                              speedups at c = 0, optimal gamma per (alpha, c),
-                              and the llama.cpp #3649 worked examples side by
-                              side with the numbers printed in the thread.
-  results.csv, results.jsonl  The (alpha, c, gamma) grid behind the plot.
-  config.json                 Settings and library versions.
-(experiments/reproduce_paper.py is the script.)
+approximations, specjax/metrics/llamacpp_thread.py. `write_outputs` writes
+speedup_vs_gamma.png (Theorem 3.8 per c and alpha), optimal_gamma_vs_alpha.png
+(the paper's Figure 3), summary.md (Table 1 beside the paper, the alpha x gamma
+speedups at c = 0, the optimal gamma per (alpha, c), the #3649 worked
+examples beside the thread's numbers), the grid as results.csv and
+results.jsonl, and config.json. experiments/reproduce_paper.py is the
+script; docs/sweep.md the results.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The layer loop: specjax's unrolled layers against a `lax.scan` over stacked weights.
 
-specjax's model (model.py) unrolls its layers in Python over separate
+specjax's model (llama.py) unrolls its layers in Python over separate
 per-layer weights and caches. The obvious alternative, one `lax.scan` over
 weights and caches stacked on a layer axis, compiles in constant time but
 decodes several times slower on XLA:CPU. This benchmark measures both, which
 is why it keeps a second formulation of the model (`scan_forward`): it is
 the thing being compared, built from the same linen blocks, and a test pins
-its logits to model.forward's.
+its logits to llama.forward's.
 
   layer_loop_decode   real weights, both variants compiled ahead of time,
                       decode ms/step, logits compared
@@ -63,7 +63,7 @@ def init_scan_cache(cfg: ModelConfig, batch: int, capacity: int):
 
 
 def scan_forward(params, tokens, cache, cfg: ModelConfig):
-  """The same model as model.forward, its layer loop a `lax.scan` over
+  """The same model as llama.forward, its layer loop a `lax.scan` over
   stacked weights and a stacked cache (the naive variant).
 
   tokens [B, T], cache (k, v, lengths) -> (logits [B, T, V] f32, cache).

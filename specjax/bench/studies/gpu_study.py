@@ -13,13 +13,14 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from specjax import workdir as wd
-from specjax.bench import costs
-from specjax.bench import llama_bench as bench
-from specjax.bench import roofline
-from specjax.bench import sweep
-from specjax.bench import sweep_report
 from specjax.bench import tables
-from specjax.bench.batch_scaling_report import FLAT_LIMIT, scaling_report
+from specjax.bench.studies import llama_bench as bench
+from specjax.bench.studies import loop_overhead
+from specjax.bench.studies import roofline
+from specjax.bench.studies.batch_scaling_report import FLAT_LIMIT, scaling_report
+from specjax.bench.sweep import batch_report, gamma, harness, outputs
+from specjax.bench.sweep import taskbench_report, taskbench_run
+from specjax.errors import OutputError
 from specjax.formats import checkpoint
 from specjax.model import config
 from specjax.model import steps
@@ -28,11 +29,19 @@ Records = list[dict[str, Any]]
 
 
 class Out:
-  """gpu_check.jsonl, appended as each record is finished."""
+  """gpu_check.jsonl, appended as each record is finished. A workdir that
+  holds a finished check is refused unless `overwrite`, which moves its
+  outputs aside (nothing is lost)."""
+  FILES = ("gpu_check.jsonl", "gpu_summary.md")
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, overwrite: bool = False):
+    self.path, self.overwrite = os.path.join(workdir, self.FILES[0]), overwrite
+    if wd.read_jsonl(self.path) and not overwrite:
+      raise OutputError(f"{workdir} holds a GPU check's records ({self.path}): pass "
+                        "--overwrite to move them aside, or another --workdir")
     os.makedirs(workdir, exist_ok=True)
-    self.path = os.path.join(workdir, "gpu_check.jsonl")
+    if overwrite:
+      outputs.move_aside(workdir, self.FILES)
     open(self.path, "w").close()  # pylint: disable=consider-using-with
     self.env = wd.environment()
 
@@ -161,9 +170,11 @@ def attention_section(rs: Records, spec, points) -> list[str]:
 # ---------------------------------------------------------------- the sweeps
 
 
-def sweep_run(cfg, workdir: str, name: str) -> Records:
-  """sweep.run_sweep of cfg into workdir/name (its own results.jsonl)."""
-  return sweep.run_sweep(cfg, os.path.join(workdir, name), progress=False)
+def sweep_run(cfg, workdir: str, name: str, overwrite: bool = False) -> Records:
+  """The gamma sweep of cfg (a SweepConfig) into workdir/name (its own
+  results.jsonl; a finished one moved aside with `overwrite`)."""
+  return harness.run(gamma.RUNNER, cfg, os.path.join(workdir, name), overwrite=overwrite,
+                     progress=False)
 
 
 def sweep_section(points: Records, cfg) -> list[str]:
@@ -191,7 +202,7 @@ def batch_section(points: Records, cfg) -> list[str]:
     for rule in sorted({r["accept_rule"] for r in points}):
       xs = [(r["batch"], r["speedup"]) for r in points
             if r["gamma"] == g and r["accept_rule"] == rule]
-      b = sweep_report.crossover(xs)
+      b = batch_report.crossover(xs)
       lines.append(f"Crossover, gamma {g}, {rule}: "
                    + (f"batch {b}" if b else f"none up to batch {max(x for x, _ in xs)}") + ".")
   return lines
@@ -204,7 +215,7 @@ def overhead_run(target, draft, dtype, gamma, reps, out) -> dict[str, Any]:
   tcfg, tparams, _ = checkpoint.load_model(target, dtype=dtype)
   dcfg, dparams, _ = checkpoint.load_model(draft, dtype=dtype, seed=1, role="draft")
   prompt = list(range(3, 35))
-  rec = costs.loop_overhead(steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams), prompt,
+  rec = loop_overhead.loop_overhead(steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams), prompt,
                             gamma, n_steps=8, reps=reps)
   out("overhead", rec)
   return rec
@@ -240,10 +251,10 @@ def mesh_section(recs: Records, model: str, reps: int, n_devices: int,
 
 
 def trees_run(spec, dtype, batches, sizes, depth, reps, out) -> Records:
-  """T(B, 1 + N) of the tree verify (bench/tree_verify_cost.XlaTreeProbe)
+  """T(B, 1 + N) of the tree verify (bench/studies/tree_verify_cost.XlaTreeProbe)
   for Sequoia's best trees of `sizes` nodes (depth <= 8, model.tree's
   default p) and chain:1 (T(B, 2), the reference), at every batch."""
-  from specjax.bench import tree_verify_cost as tvc  # pylint: disable=import-outside-toplevel
+  from specjax.bench.studies import tree_verify_cost as tvc  # pylint: disable=import-outside-toplevel
   from specjax.model import tree as trees  # pylint: disable=import-outside-toplevel
   cfg, params, _ = checkpoint.load_model(spec, dtype=dtype)
   m = steps.Runner(cfg, params)
@@ -270,7 +281,7 @@ def trees_section(rs: Records, spec, sizes) -> list[str]:
         f"{at[n] / at[1]:.2f}" for n in sizes) + f" | {b * (1 + max(sizes))} |")
   lines += ["", "Each cell: T(B, 1 + N) / T(B, 2) (one verify of a Sequoia tree of N nodes "
             "over chain:1's verify at the same batch). A tree pays while this stays near 1; "
-            "the study's crossover batch (bench/tree_report.py) is where it stops."]
+            "the study's crossover batch (bench/sweep/tree_report.py) is where it stops."]
   return lines
 
 
@@ -298,33 +309,32 @@ def taskbench_available(cfg) -> tuple[Any, list[str]]:
         missing[spec] = str(e).splitlines()[0][:200]
     return spec not in missing
 
-  sub = cfg.copy_and_resolve_references()
-  sub.drafters = tuple(s for s in cfg.drafters if ok(str(s)))
-  sub.taskbench_trees = tuple(r for r in cfg.get("taskbench_trees", ())
-                              if ok(str(r).rpartition("@")[0]))
+  sub = cfg.replace(drafters=tuple(s for s in cfg.drafters if ok(s)),
+                    taskbench_trees=tuple(r for r in cfg.taskbench_trees
+                                          if ok(r.rpartition("@")[0])))
   dropped = [f"{spec}: left out ({why})" for spec, why in missing.items()]
   return sub, dropped
 
 
-def taskbench_part_run(cfg, workdir: str, name: str = "taskbench") -> tuple[Records, list[str]]:
-  """The task suite (bench/taskbench_run.run_taskbench) of cfg into
+def taskbench_part_run(cfg, workdir: str, name: str = "taskbench",
+                       overwrite: bool = False) -> tuple[Records, list[str]]:
+  """The task suite (bench/sweep/taskbench_run.run_taskbench) of cfg into
   workdir/name, without the drafters whose trained draft is missing
   (taskbench_available); (records, the lines saying what was left out)."""
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
   sub, dropped = taskbench_available(cfg)
-  if not list(sub.drafters) and not list(sub.taskbench_trees):
+  if not sub.drafters and not sub.taskbench_trees:
     return [], dropped + ["no drafter left to run"]
-  return taskbench_run.run_taskbench(sub, os.path.join(workdir, name), progress=False), dropped
+  return taskbench_run.run_taskbench(sub, os.path.join(workdir, name), overwrite=overwrite,
+                                     progress=False), dropped
 
 
 def taskbench_section(records: Records, cfg, dropped: list[str], note: str = "") -> list[str]:
-  """The suite's leaderboard and goals (bench/taskbench_run.py) from the records."""
-  from specjax.bench import taskbench_run  # pylint: disable=import-outside-toplevel
-  lines = [f"## Task suite ({cfg.target}, {int(cfg.get('taskbench_prompts', 0)) or 'all'} "
-           f"prompt(s) per category, {int(cfg.n_predict)} tokens, real acceptance)", ""]
+  """The suite's leaderboard and goals (bench/sweep/taskbench_report.py) from the records."""
+  lines = [f"## Task suite ({cfg.target}, {cfg.taskbench_prompts or 'all'} "
+           f"prompt(s) per category, {cfg.n_predict} tokens, real acceptance)", ""]
   lines += [note, ""] if note else []
   lines += [f"- {d}" for d in dropped] + ([""] if dropped else [])
   if not records:
     return lines + ["No point ran."]
-  lines += [taskbench_run.PUBLISHED + ".", "", taskbench_run.leaderboard(records)]
-  return lines + taskbench_run.goals_lines(taskbench_run.goals(records))
+  lines += [taskbench_report.PUBLISHED + ".", "", taskbench_report.leaderboard(records)]
+  return lines + taskbench_report.goals_lines(taskbench_report.goals(records))

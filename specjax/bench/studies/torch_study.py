@@ -24,9 +24,9 @@ import numpy as np
 
 from specjax import cli
 from specjax import workdir as wd
-from specjax.bench import sweep_report
+from specjax.bench.sweep import batch_report
+from specjax.bench.sweep import engine as sweep_engine
 from specjax.bench.backends import torch_spec as ts
-from specjax.decode import autogamma
 from specjax.decode import generation
 from specjax.decode import probes
 from specjax.decode import speculative
@@ -59,7 +59,7 @@ class Settings:
   threads: int = 0                    # torch threads; 0: every core
   costs: bool = True                  # also T(B, N), N = 1 and gamma + 1
   k: int = 4                          # forwards per cost repetition
-  auto_every: int = autogamma.EVERY
+  auto_every: int = sweep_engine.GAMMA_EVERY
   calibrate: bool = True
   out_dir: str | None = None          # summary.md and plots, rewritten after every batch
 
@@ -158,22 +158,23 @@ def auto_point(target, draft, prompts, n_predict, gammas, rule, reps, seed, cap,
   (with `calibrate`, each gamma's loop step is timed after the warm-up,
   untimed for the point: autogamma.calibrate). Returns (fields, the last
   speculative tokens, the last target-only tokens)."""
-  kw = dict(rule=rule, seed=seed, capacity=cap, every=every)
-  base = lambda: generation.generate(target, prompts, n_predict, seed=seed, capacity=cap)
-  spec = lambda: autogamma.generate(target, draft, prompts, n_predict, bc, gammas, **kw)
+  loop, sp = sweep_engine.Loop(target, draft, cap, n_predict, seed), SamplingParams()
+  base = lambda: loop.target_only(prompts, sp)
+  spec = lambda: loop.auto_chain(prompts, bc, gammas, sp, rule, "model", every)
 
   def warm():
     nonlocal bc
     base()
-    autogamma.warm_up(target, draft, prompts, n_predict, bc, gammas, **kw)
+    loop.warm_chain(prompts, gammas, sp, rule, "model", every)
     if calibrate:  # untimed for the point, after the compiles
-      bc = autogamma.calibrate(target, draft, prompts, n_predict, bc, gammas, **kw)
+      bc = loop.calibrate_chain(prompts, bc, gammas, sp, rule, "model", every)
 
   rows, res, b, warmup_s, compile_s = _timed(base, spec, warm, reps, len(prompts))
+  used = sweep_engine.gammas_chosen([res])
   return ({**_fields(prompts, n_predict, "auto", rule, reps, seed, cap, rows, res, warmup_s,
                      compile_s),
            "auto_set": list(gammas), "auto_every": every,
-           "gammas_used": {str(g): res.gammas_used.count(g) for g in gammas},
+           "gammas_used": {str(g): used.count(g) for g in gammas},
            "auto_costs": bc.to_dict()}, res.tokens, b.tokens)
 
 
@@ -189,7 +190,7 @@ def run(s: Settings, on_record: Callable[[dict[str, Any]], None] = lambda r: Non
   tcfg, tparams, _ = checkpoint.load_model(s.model, dtype=dtype, seed=s.seed)
   dcfg, dparams, _ = checkpoint.load_model(s.model_draft, dtype=dtype, seed=s.seed + 1,
                                            role="draft")
-  speculative.check_vocabularies(tcfg, dcfg)
+  sweep_engine.check_vocabularies(tcfg, dcfg)
   threads = s.threads or os.cpu_count()
   env = {**wd.environment(), "torch_threads": threads}
   records = []
@@ -211,8 +212,8 @@ def run(s: Settings, on_record: Callable[[dict[str, Any]], None] = lambda r: Non
     cap = generation.plan_capacity(tcfg, s.prompt_len, n, extra=max(gammas))
     bc = None
     if s.auto and "specjax" in engines:  # the chooser's costs, measured before its runs
-      bc = autogamma.measure_costs(target, draft, bsz, cap, s.prompt_len, gammas,
-                                   rule=s.rules[0], reps=s.reps)
+      bc = sweep_engine.Loop(target, draft, cap, n, s.seed).gamma_costs(
+          bsz, s.prompt_len, gammas, SamplingParams(), s.rules[0], "model", s.reps)
       record({"kind": "batch_costs", **bc.to_dict()})
     for rule in s.rules:
       for gamma in gammas:
@@ -308,7 +309,7 @@ def _label(engine: str) -> str:
 
 
 def _gmean(xs) -> float:
-  """Geometric mean of the positive values (sweep_report's, for the same figures)."""
+  """Geometric mean of the positive values (batch_report's, for the same figures)."""
   xs = [x for x in xs if x and x > 0]
   return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
@@ -338,7 +339,7 @@ def summary(records) -> str:
       for e in engines:
         pts_e = [(r["batch"], r["speedup"]) for r in fixed
                  if (_engine(r), r["accept_rule"], r["gamma"]) == (e, rule, g)]
-        b = sweep_report.crossover(pts_e)
+        b = batch_report.crossover(pts_e)
         cells.append("-" if not pts_e else f"B = {b}" if b else
                      f"none (>= 1x up to B = {max(p[0] for p in pts_e)})")
       out.append(f"| {rule} | {g} | " + " | ".join(cells) + " |")
@@ -439,5 +440,5 @@ def write_report(out_dir: str, records) -> None:
     if all((b, n) in got for b in bs for n in ns):
       ratio = np.array([[got[(b, n)] for n in ns] for b in bs])
       prec = er[0].get("precision", "")
-      sweep_report.plot_verify_surface(os.path.join(out_dir, f"verify_surface_{e}.png"), bs, ns,
+      batch_report.plot_verify_surface(os.path.join(out_dir, f"verify_surface_{e}.png"), bs, ns,
                                        ratio, f"{_label(e)}, {prec}: verify cost T(B, n) / T(B, 1)")

@@ -18,7 +18,7 @@ from specjax import cli
 from specjax.bench import tables
 from specjax.decode import generation
 from specjax.decode import probes
-from specjax.decode import speculative
+from specjax.decode import plan, speculative
 from specjax.formats import checkpoint
 from specjax.model import sharding
 from specjax.model import steps
@@ -42,7 +42,7 @@ def measure_loop(model: str, model_draft: str, dtype: str | None, spec_axis: int
   for mode in draft_modes:
     with sharding.use(mesh, mode):
       dcfg, dparams, _ = checkpoint.load_model(model_draft, dtype, seed + 1, role="draft")
-    speculative.check_vocabularies(tcfg, dcfg)
+    plan.check_vocabularies(tcfg, dcfg)
     drafts[mode] = steps.Runner(dcfg, dparams)
   prompt = probes.random_tokens(np.random.RandomState(seed), tcfg.vocab_size,
                                1, 32)[0].tolist()

@@ -1,30 +1,16 @@
 """Speculative decoding against HF assisted generation, on the same weights.
 
-For one draft/target pair and one prompt, greedy and with no EOS stop,
-`compare` runs four generate calls:
-  hf/baseline        target.generate(ids, do_sample=False)
-  hf/speculative     target.generate(ids, assistant_model=draft, ...) with a
-                     constant num_assistant_tokens = gamma and the confidence
-                     early stop off, so the draft always proposes gamma tokens
-  specjax/baseline   generation.generate (device loop)
-  specjax/speculative speculative.generate(rule='real') (device loop)
-The torch models are `hf.to_torch_model` of the very params specjax runs, so
-the four token lists should be identical; every divergence is reported with
-the first index where two lists differ (random-weight models can have
-near-ties in the argmax that two float implementations break differently).
-
-Timing (`timing.timed` and `CompileWatch`): each call is warmed up once,
-untimed (specjax compiles there; compile time is reported apart), then the
-four are timed `reps` times, interleaved per repetition so that load drift on
-a shared machine hits all of them alike. Medians are reported.
-
-Metric used here (it differs from ARCHITECTURE.md's decode-only tokens/s, on
-purpose, because HF has no separate prefill timer): tokens/s = n_predict
-generated tokens, the first one (sampled from the prompt evaluation) included,
-over the wall time of the whole generate call, prefill included. specjax's
-decode-only tokens/s ((n_predict - 1) / eval_s, the project's usual number) is
-reported next to it. speedup = speculative tokens/s / baseline tokens/s of the
-same engine. accept_rate = n_accept / n_drafted for both engines.
+For one pair and one prompt, greedy, no EOS stop, `compare` runs HF's
+target.generate without and with assistant_model=draft (num_assistant_tokens
+= gamma, the confidence early stop off) and specjax's generation.generate
+and speculative.generate (rule real), on `hf.to_torch_model` of the very
+params specjax runs: the four token lists should be identical, and every
+divergence is reported with its first index. Each call is warmed up once
+(compile time apart), then the four are timed `reps` times interleaved;
+medians. tokens/s here counts all n_predict tokens over the whole generate
+call, prefill included (HF has no prefill timer), with specjax's usual
+decode-only tokens/s beside it; speedup = speculative / baseline of the same
+engine; accept_rate = n_accept / n_drafted. docs/engines.md.
 """
 
 from __future__ import annotations
@@ -36,7 +22,7 @@ from typing import Any, Callable
 
 from specjax.decode import generation
 from specjax.formats import hf
-from specjax.decode import speculative
+from specjax.decode import plan, speculative
 from specjax.model import steps
 from specjax.metrics import divergence
 from specjax.metrics import timing
@@ -310,7 +296,7 @@ def compare(target: steps.Runner, draft: steps.Runner, prompt: list[int], n_pred
     a PairResult; check `.identical` / `.divergences`.
   """
   import torch  # pylint: disable=import-outside-toplevel
-  speculative.SpecConfig(target.cfg, draft.cfg, gamma)  # vocab and gamma checks
+  plan.SpecConfig(target.cfg, draft.cfg, gamma)  # vocab and gamma checks
   pt_target, pt_draft = hf_models or torch_models(target, draft, hf_attn)
   configure_assistant(pt_draft, gamma)
   # Tight: specjax attends over every cache slot, HF's cache holds the sequence.

@@ -1,31 +1,18 @@
-"""Throughput benchmarks: llama-bench and llama-batched-bench.
-
-Two benchmarks, each a library function that the thin scripts in
-experiments/ call, and each timed with the one method of specjax.metrics.timing
-(`measure`: warm-up untimed, compile time kept apart, every clock stopped
-after `block_until_ready`):
-
-* `run_bench`, after llama.cpp's llama-bench. Every test starts from a cache
-  that already holds `n_depth` tokens (batch 1):
-    pp N  one `forward_step` over N new tokens: the speculative verify shape;
-    tg N  N successive T=1 decode steps, timed as one run of N.
-  Between repetitions the cache is rolled back to n_depth (only its lengths
-  are set). t/s is n_tokens / rep time, mean ± std over repetitions, as
-  llama-bench prints it. pp records also carry `verify_ratio` = T(N) / T(1)
-  (medians, same model and dtype): the verify-cost curve.
-* `run_batched_bench`, after llama-batched-bench: B rows of PP prompt tokens,
-  then TG decode steps, with llama.cpp's definitions
-    N_KV = B (PP + TG), S_PP = B PP / T_PP, S_TG = B TG / T_TG,
-    T = T_PP + T_TG, S = N_KV / T.
-(The layer-loop benchmark is specjax.bench.layer_loop; the sweep's cost probes,
-specjax.bench.costs.)
-
-The cache capacity is fixed per model (the largest test plus a round-up), so
-each (shape, dtype) compiles once, and recorded with every result: attention
-reads whole blocks of cfg.attn_block slots up to the used length, or the
-whole capacity when it is one block or less (`attended_slots`).
-A third benchmark, `attention_scaling`, times decode against the capacity
-and the used length, blocked next to masked attention.
+"""Throughput benchmarks: llama-bench and llama-batched-bench, timed with
+metrics.timing.measure (warm-up untimed, compile apart, clocks stopped after
+`block_until_ready`).
+  run_bench          llama-bench: from a cache holding `n_depth` tokens
+                     (batch 1), pp N (one forward over N new tokens: the
+                     verify's shape) and tg N (N decode steps as one run); t/s
+                     mean +- std over repetitions; pp records carry
+                     verify_ratio = T(N) / T(1), the verify-cost curve
+  run_batched_bench  llama-batched-bench: B rows of PP prompt tokens then TG
+                     decode steps (N_KV = B (PP + TG), S_PP = B PP / T_PP,
+                     S_TG = B TG / T_TG, S = N_KV / (T_PP + T_TG))
+  attention_scaling  decode against the capacity and the used length, blocked
+                     next to masked attention
+The capacity is fixed per model and recorded with every result (attention
+reads whole blocks up to the used length: `attended_slots`). docs/decode_cost.md.
 """
 
 from __future__ import annotations
@@ -46,7 +33,8 @@ from specjax.metrics import timing
 from specjax import workdir as wd
 from specjax.errors import ConfigError
 from specjax.workdir import Record
-from specjax.bench import roofline, tables
+from specjax.bench import tables
+from specjax.bench.studies import roofline
 
 
 # ----------------------------------------------------------------------------

@@ -1,24 +1,14 @@
 """The task suite: Spec-Bench-style categories of chat prompts, written here.
 
-Spec-Bench (Xia et al. 2024) reports mean accepted tokens and speedup per task
-category, because acceptance depends on the task: code editing and
-question answering over a passage copy from the prompt (n-gram and
-prompt-lookup drafters shine), open chat does not. This suite has the same
-shape at this project's scale, in files shipped under
-specjax/assets/taskbench/ and held out from every training set:
-
-  multi_turn       a conversation of two user turns and one assistant turn
-  code_completion  a function head and docstring to complete
-  code_editing     code and an edit to make (the answer copies most of it)
-  summarization    a passage written here to summarize in two sentences
-  qa               a question on a passage; "answer" copies from it
-  math             word problems made by `math_problems` (seeded), each with
-                   its "expression" and integer "answer"
-
-Each line of CATEGORY.jsonl is {"messages": [...], ...}: a conversation
-ending in a user turn, rendered with the target's chat template (the
-`--chat` form; add_generation_prompt). The passages and stories are
-invented, so no public data set leaks into them.
+Acceptance depends on the task (code editing and QA copy from the prompt,
+open chat does not), so Spec-Bench (Xia et al. 2024) reports MAT and speedup
+per category; this suite has its shape at this project's scale, shipped in
+specjax/assets/taskbench/ and held out from every training set: multi_turn,
+code_completion, code_editing, summarization, qa and math (`math_problems`,
+seeded, each with its expression and integer answer). Each line of
+CATEGORY.jsonl is {"messages": [...], ...}, a conversation ending in a user
+turn, rendered with the target's chat template. The passages are invented,
+so no public data set leaks into them. docs/taskbench.md.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ from specjax.errors import ConfigError
 from specjax.formats import chat as chat_lib
 from specjax.train import mathgen
 
-DIR = Path(__file__).resolve().parents[1] / "assets" / "taskbench"
+DIR = Path(__file__).resolve().parents[2] / "assets" / "taskbench"
 CATEGORIES = ("multi_turn", "code_completion", "code_editing", "summarization", "qa", "math")
 # Spec-Bench's column names for ours (the leaderboard's header).
 TITLES = {"multi_turn": "Multi-turn", "code_completion": "Code compl.",

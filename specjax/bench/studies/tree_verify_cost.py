@@ -1,20 +1,15 @@
-"""The verify cost with a tree mask, T(B, N): one target forward over a
-token tree's block of 1 + N tokens per row (each node at position length +
-depth, attending to the cache and its own ancestors), in XLA and in
-PyTorch, so that the two engines' verify surfaces can be compared for trees
-as they are for chains (issue 25).
-
-  XlaTreeProbe     steps.tree_verify k times inside one jitted loop from the
-                   same cache state, the logits consumed (argmax), time per
-                   verify (probes.CostProbe's shape)
-  TorchTreeProbe   backends/torch_spec.TorchLlama.step with the tree's mask
-                   and depths (an additive mask over [cache; block]), k host
-                   calls per repetition (the torch loop's shape)
-  surface          T(B, N) for every batch and tree, XLA or torch, as rows
-                   {batch, nodes, tree, seconds}
-Both time a tree and a chain of the same block size alike: the shapes are
-the same, only the mask differs (and on a GPU, where the verify is flat
-until B * (1 + N) nears the ridge point, that is where trees should win).
+"""The verify cost with a tree mask, T(B, N): one target forward over a token
+tree's block of 1 + N tokens per row (each node at position length + depth,
+attending to the cache and its own ancestors), in XLA and in PyTorch, so the
+two engines' verify surfaces compare for trees as for chains (issue 25).
+  XlaTreeProbe    steps.tree_verify k times in one jitted loop from the same
+                  cache state, logits consumed, time per verify (CostProbe's shape)
+  TorchTreeProbe  backends/torch_llama.TorchLlama.step with the tree's mask
+                  and depths, k host calls per repetition
+  surface         T(B, N) per batch and tree, rows {batch, nodes, tree, seconds}
+A tree and a chain of one block size time alike (same shapes, another mask);
+on a GPU the verify stays flat until B (1 + N) nears the ridge point, where
+trees should win. docs/trees.md.
 """
 
 from __future__ import annotations

@@ -1,42 +1,16 @@
 """Batch scaling across backends: XLA vs PyTorch vs llama.cpp, same weights.
 
 The seed thread's root cause was batch scaling: llama.cpp's cost to verify N
-tokens grew almost linearly in N. This module measures how one forward over N
-new tokens scales on each backend (specjax.bench.backends), on the same model, the
-same weights and the same machine, in the same run:
-
-  T(N)   median wall seconds of one forward over N new tokens per row, batch
-         B, all B N logits computed, against a KV cache already holding
-         `depth` tokens per row (rolled back to depth before every call,
-         inside the timed call, as bench's pp test does).
-
-Every backend is timed by `timing.measure` (the one method) through a Python
-callable; for every N the backends alternate. Compile and first-call time is
-kept out of every timing and reported apart. Before any timing, every
-backend's logits for the timed call are checked against xla's; a mismatch
-stops the run (`ParityError`). The tables, plots and summary are
-specjax.bench.batch_scaling_report's.
-
-A model given as a GGUF file is run by llama.cpp from that very file (its
-own weight type, quantized or not), by the others from its dequantization;
-the llama.cpp parity tolerance then allows for llama.cpp's matmuls on that
-type (backends.llamacpp.file_parity_tolerance).
-
-Definitions (the one place):
-  ratio(N)    T(N) / T(1), same backend, model, dtype, depth and B.
-  tps         B N / T(N), tokens per second of the call.
-  flat region where ratio(N) <= FLAT_LIMIT; a backend "leaves" it at the
-              smallest measured N with ratio(N) > FLAT_LIMIT.
-  cliff       consecutive measured N_prev < N with T(N) / T(N_prev) >
-              max(CLIFF_STEP, N / N_prev): a jump of more than CLIFF_STEP that
-              is also worse than linear in N (so doubling N in the linear
-              regime, 16 -> 32, is no cliff).
-  speedup     what the backend's curve allows at (alpha, gamma):
-              theory.speedup_from_curve(alpha, gamma, c T(1), curve), c the
-              draft/target cost ratio (configured, or T_draft(1) / T(1)
-              measured on xla).
-FLAT_LIMIT and CLIFF_STEP are batch_scaling_report's, next to
-`scaling_report`, which applies them.
+tokens grew almost linearly in N. This measures T(N), the median wall
+seconds of one forward over N new tokens per row at batch B (every logit
+computed, against a cache holding `depth` tokens per row, rolled back before
+every call), on every backend (bench/backends/), same model, weights,
+machine and run, the backends alternating for every N; compile and first
+calls kept apart. Every backend's logits are checked against xla's first (a
+mismatch stops the run: `ParityError`); a GGUF file runs in llama.cpp as it
+is and in the others dequantized (backends.llamacpp.file_parity_tolerance).
+The report (ratio, tps, flat region, cliff, speedup: defined once in
+docs/engines.md) is batch_scaling_report's.
 """
 
 from __future__ import annotations
@@ -50,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from specjax.bench import batch_scaling_report as report
+from specjax.bench.studies import batch_scaling_report as report
 from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax.formats import gguf as gguf_file

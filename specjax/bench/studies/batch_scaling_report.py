@@ -1,6 +1,6 @@
 """batch_scaling's outputs: the flat region and cliffs of each curve, the
 speedup it allows, results.csv, scaling.png, decode.png, summary.md and
-parity.json (definitions: specjax.bench.batch_scaling)."""
+parity.json (definitions: specjax.bench.studies.batch_scaling)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Plots and summary.md for a finished (or partial) sweep (records: specjax.metrics.schema)."""
+"""The gamma sweep's report (gamma.py): speedup.png, verify_cost.png,
+acceptance.png, drafters.png and the summary's text (records:
+specjax.metrics.schema); with several batches or auto points, the batch
+section too (batch_report.py). The harness writes summary.md."""
 
 from __future__ import annotations
 
@@ -11,9 +14,7 @@ import matplotlib.ticker
 import numpy as np
 
 from specjax import workdir as wd
-from specjax.decode import autogamma
-
-plt = wd.pyplot()
+from specjax.bench.sweep import batch_report
 
 EFFICIENCY_FLOOR = 0.90
 
@@ -24,6 +25,7 @@ def _log_err(measured: float, predicted: float) -> float:
 
 def plot_speedup(path: str, records: list[dict[str, Any]]) -> None:
   """Speedup vs gamma: measured markers, predictions as lines, a colour per setting."""
+  plt = wd.pyplot()
   settings = sorted({(r["accept_rule"], r["temperature"]) for r in records})
   fig, ax = plt.subplots(figsize=(8, 5.5))
   colors = plt.cm.tab10(np.linspace(0, 1, 10))
@@ -52,6 +54,7 @@ def plot_speedup(path: str, records: list[dict[str, Any]]) -> None:
 
 def plot_verify_cost(path: str, costs: dict[str, Any]) -> None:
   """T_target(n) / T_target(1) against n, with the flat and linear references."""
+  plt = wd.pyplot()
   ratios = {int(k): v for k, v in costs["verify_ratio"].items()}
   n = sorted(ratios)
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -74,6 +77,7 @@ def _iid_records(records):
 
 def plot_acceptance(path: str, records: list[dict[str, Any]]) -> None:
   """Alpha per draft position, and accepted lengths against the geometric law."""
+  plt = wd.pyplot()
   rs = _iid_records(records)
   settings = sorted({(r["accept_rule"], r["temperature"]) for r in rs})
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -125,13 +129,9 @@ def acceptance_markdown(records: list[dict[str, Any]]) -> list[str]:
     chi = "-" if g["chi2"] is None else f"{g['chi2']:.1f} ({g['dof']})"
     p = "-" if g["p"] is None else f"{g['p']:.2g}"
     out.append(f"| {r['gamma']} | {r['accept_rule']} | {r['temperature']:g} | {r.get('n_prompts', 1)} | "
-               f"{r['n_steps']} | {r['alpha']:.3f} | {pos} | {_fmt(g['tv'], '.3f')} | "
+               f"{r['n_steps']} | {r['alpha']:.3f} | {pos} | {batch_report.fmt(g['tv'], '.3f')} | "
                f"{chi} | {p} |")
   return out + [""]
-
-
-def _fmt(x, spec=".2f") -> str:
-  return "-" if x is None else format(x, spec)
 
 
 def summary_markdown(records: list[dict[str, Any]], costs: dict[str, Any], env: dict[str, Any]) -> str:
@@ -212,18 +212,12 @@ def write_report(workdir: str, records: list[dict[str, Any]], costs: dict[str, A
   md = summary_markdown(records, costs, env)
   if len(drafters_of(all_records)) > 1:
     md += "\n".join(drafters_markdown(all_records)) + "\n"
-  if len(batches_of(all_records)) > 1 or any(_is_auto(r) for r in all_records):
-    md += write_batch_report(workdir, all_records, costs, n_tokens)
-  with open(os.path.join(workdir, wd.SUMMARY), "w") as f:
-    f.write(md)
+  if len(batches_of(all_records)) > 1 or any(batch_report.is_auto(r) for r in all_records):
+    md += batch_report.write_batch_report(workdir, all_records, costs, n_tokens)
   return md
 
 
-# ---------------------------------------------------------------- batches
-
-
-def _is_auto(r) -> bool:
-  return r["gamma"] == "auto"
+# ---------------------------------------------------------------- which records
 
 
 def batches_of(records) -> list[int]:
@@ -239,8 +233,8 @@ def base_records(records):
   """The fixed-gamma points at the smallest batch: what the gamma sweep's
   plots and tables describe."""
   bs, ds = batches_of(records), drafters_of(records)
-  return [r for r in records if not _is_auto(r) and bs and int(r.get("batch", 1)) == bs[0]
-          and str(r.get("drafter") or "model") == ds[0]]
+  return [r for r in records if not batch_report.is_auto(r) and bs
+          and int(r.get("batch", 1)) == bs[0] and str(r.get("drafter") or "model") == ds[0]]
 
 
 # ---------------------------------------------------------------- drafters
@@ -250,7 +244,7 @@ def _drafter_points(records):
   """{(drafter, rule, T): records by gamma} over the batch-1 fixed-gamma points."""
   out: dict[tuple, list] = {}
   for r in records:
-    if _is_auto(r) or int(r.get("batch", 1)) != 1:
+    if batch_report.is_auto(r) or int(r.get("batch", 1)) != 1:
       continue
     key = (str(r.get("drafter") or "model"), r["accept_rule"], r["temperature"])
     out.setdefault(key, []).append(r)
@@ -300,202 +294,3 @@ def plot_drafters(path: str, records) -> None:
            ylabel="speedup over target-only")
     ax.legend(fontsize=8)
   wd.save_figure(fig, path)
-
-
-def _settings(records):
-  return sorted({(r["accept_rule"], r["temperature"]) for r in records})
-
-
-def plot_speedup_vs_batch(path: str, records) -> None:
-  """Speedup against B, one colour per gamma: measured markers, the tail
-  model's prediction as lines, auto gamma as black stars; one panel per
-  (rule, T)."""
-  settings = _settings(records)
-  fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 5), squeeze=False)
-  gammas = sorted({r["gamma"] for r in records if not _is_auto(r)})
-  colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(gammas), 1)))
-  for ax, (acc, temp) in zip(axes[0], settings):
-    rs = [r for r in records if (r["accept_rule"], r["temperature"]) == (acc, temp)]
-    for g, col in zip(gammas, colors):
-      pts = sorted((r for r in rs if r["gamma"] == g), key=lambda r: r["batch"])
-      b = [r["batch"] for r in pts]
-      ax.plot(b, [r["speedup"] for r in pts], "o", color=col, ms=7, label=f"gamma {g}: measured")
-      ax.plot(b, [r["predicted_tail"] for r in pts], "-", color=col, lw=1.5)
-    auto = sorted((r for r in rs if _is_auto(r)), key=lambda r: r["batch"])
-    if auto:
-      ax.plot([r["batch"] for r in auto], [r["speedup"] for r in auto], "k*", ms=11,
-              label="auto gamma: measured")
-    ax.axhline(1.0, color="red", lw=1, ls="--", label="1x (no gain)")
-    ax.plot([], [], "k-", label="predicted (measured costs at B, tail model)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch B (rows)")
-    ax.set_ylabel("speedup over target-only at the same B (x)")
-    ax.set_title(f"{acc}, T={temp:g}")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-  wd.save_figure(fig, path)
-
-
-ALPHA_GRID = np.round(np.arange(0.1, 0.96, 0.05), 2)
-
-
-def best_gamma_map(costs: dict[str, Any], gammas, n_tokens: int | None):
-  """(batches, alphas, best gamma [B, alpha], its predicted speedup) from the
-  measured cost surface (autogamma.choose, for the drafter the costs were
-  measured with: only a draft model pays the catch-up)."""
-  drafter = costs.get("drafter", "model")
-  bc = {int(b): autogamma.BatchCosts.from_dict(d) for b, d in costs["batches"].items()}
-  bs = sorted(bc)
-  best = np.zeros((len(bs), len(ALPHA_GRID)), int)
-  speed = np.zeros(best.shape)
-  for i, b in enumerate(bs):
-    for j, a in enumerate(ALPHA_GRID):
-      pred = autogamma.predicted_speedups(bc[b], float(a), gammas, n_tokens, drafter=drafter)
-      g = autogamma.choose(bc[b], float(a), gammas, n_tokens, drafter=drafter)
-      best[i, j], speed[i, j] = g, pred[g]
-  return bs, ALPHA_GRID, best, speed
-
-
-def plot_best_gamma(path: str, bs, alphas, best, speed) -> None:
-  fig, ax = plt.subplots(figsize=(max(7, 0.55 * len(alphas)), 0.6 * len(bs) + 2))
-  im = ax.imshow(np.log2(speed), aspect="auto", cmap="RdBu", vmin=-2, vmax=2, origin="lower")
-  for i in range(len(bs)):
-    for j in range(len(alphas)):
-      ax.text(j, i, str(best[i, j]), ha="center", va="center", fontsize=8,
-              color="black" if abs(np.log2(speed[i, j])) < 1.2 else "white")
-  ax.set_xticks(range(len(alphas)), [f"{a:.2f}" for a in alphas], rotation=60, fontsize=7)
-  ax.set_yticks(range(len(bs)), [str(b) for b in bs])
-  ax.set_xlabel("alpha (per-token acceptance)")
-  ax.set_ylabel("batch B")
-  ax.set_title("Best gamma (number) and its predicted speedup (colour, log2) from measured costs")
-  fig.colorbar(im, ax=ax, label="log2 predicted speedup (0 = 1x)")
-  wd.save_figure(fig, path)
-
-
-def verify_surface(costs: dict[str, Any]):
-  """(batches, ns, T(B, n) / T(B, 1))."""
-  bd = costs["batches"]
-  bs = sorted(int(b) for b in bd)
-  ns = sorted({int(n) for d in bd.values() for n in d["t_target_s"]})
-  ratio = np.array([[bd[str(b)]["t_target_s"][str(n)] / bd[str(b)]["t_target_s"]["1"]
-                     for n in ns] for b in bs])
-  return bs, ns, ratio
-
-
-def plot_verify_surface(path: str, bs, ns, ratio, title: str = "Verify cost T(B, n) / T(B, 1)") -> None:
-  fig, ax = plt.subplots(figsize=(1.0 * len(ns) + 3, 0.6 * len(bs) + 2))
-  im = ax.imshow(ratio, aspect="auto", cmap="magma_r", origin="lower")
-  for i in range(len(bs)):
-    for j in range(len(ns)):
-      ax.text(j, i, f"{ratio[i, j]:.2f}", ha="center", va="center", fontsize=8,
-              color="white" if ratio[i, j] > 0.6 * ratio.max() else "black")
-  ax.set_xticks(range(len(ns)), [str(n) for n in ns])
-  ax.set_yticks(range(len(bs)), [str(b) for b in bs])
-  ax.set_xlabel("n tokens per row in one target forward")
-  ax.set_ylabel("batch B")
-  ax.set_title(title)
-  fig.colorbar(im, ax=ax, label="T(B, n) / T(B, 1)")
-  wd.save_figure(fig, path)
-
-
-def crossover(points: list[tuple[int, float]]) -> int | None:
-  """The first batch (ascending) whose speedup is below 1, None if none."""
-  for b, s in sorted(points):
-    if s < 1.0:
-      return b
-  return None
-
-
-def _gmean(xs) -> float:
-  xs = [x for x in xs if x and x > 0]
-  return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
-
-
-def batch_markdown(records, costs, n_tokens, best=None) -> list[str]:
-  fixed = [r for r in records if not _is_auto(r)]
-  auto = [r for r in records if _is_auto(r)]
-  gammas = sorted({r["gamma"] for r in fixed})
-  out = ["", "## Batches: the batch x gamma surface", "",
-         "Every point runs target-only and speculative generation on the same B ragged rows "
-         "(tokens/s summed over rows). predicted = the measured-cost model at B (costs measured "
-         "at B) with the tail model's expected loop steps: the loop runs until its slowest row "
-         "is done, P(max <= s) = P(row <= s)^B.", "",
-         "| B | gamma | accept rule | T | base t/s | spec t/s | speedup | predicted | "
-         "steps (meas.) | steps (pred.) | T(B,g+1)/T(B,1) | efficiency | gammas used |",
-         "|" + "---|" * 13]
-  for r in sorted(records, key=lambda r: (r["temperature"], r["accept_rule"], r["batch"],
-                                          99 if _is_auto(r) else r["gamma"])):
-    fmt = lambda k, spec=".3f": _fmt(r.get(k), spec)
-    used = ("-" if not _is_auto(r) else
-            " ".join(f"{g}:{n}" for g, n in r["gammas_used"].items() if n))
-    out.append("| " + " | ".join([
-        str(r["batch"]), str(r["gamma"]), r["accept_rule"], f"{r['temperature']:g}",
-        f"{r['baseline_tps']:.1f}", f"{r['spec_tps']:.1f}", f"{r['speedup']:.3f}",
-        fmt("predicted_tail"), fmt("steps_measured", ".1f"), fmt("steps_predicted", ".1f"),
-        fmt("verify_ratio", ".2f"), fmt("efficiency_tail"), used]) + " |")
-  out += ["", "### Crossover: the first batch where speculative decoding is slower (speedup < 1)",
-          "", "| accept rule | T | gamma | measured | predicted |", "|---|---|---|---|---|"]
-  for acc, temp in _settings(fixed):
-    for g in gammas:
-      rs = [r for r in fixed if (r["accept_rule"], r["temperature"], r["gamma"]) == (acc, temp, g)]
-      m = crossover([(r["batch"], r["speedup"]) for r in rs])
-      p = crossover([(r["batch"], r["predicted_tail"]) for r in rs])
-      show = lambda b: "none (>= 1x at every B)" if b is None else f"B = {b}"
-      out.append(f"| {acc} | {temp:g} | {g} | {show(m)} | {show(p)} |")
-  if auto:
-    out += ["", "### Auto gamma against the fixed gammas", "",
-            "Per point: auto's speedup over the best fixed gamma in hindsight (goal >= 0.95).", "",
-            "| B | accept rule | T | auto | best fixed (gamma) | auto / best | gammas used |",
-            "|---|---|---|---|---|---|---|"]
-    ratios = []
-    for r in sorted(auto, key=lambda r: (r["temperature"], r["accept_rule"], r["batch"])):
-      rs = [f for f in fixed if (f["batch"], f["accept_rule"], f["temperature"]) ==
-            (r["batch"], r["accept_rule"], r["temperature"])]
-      if not rs:
-        continue
-      bf = max(rs, key=lambda f: f["speedup"])
-      ratios.append(r["speedup"] / bf["speedup"])
-      used = " ".join(f"{g}:{n}" for g, n in r["gammas_used"].items() if n)
-      out.append(f"| {r['batch']} | {r['accept_rule']} | {r['temperature']:g} | "
-                 f"{r['speedup']:.3f} | {bf['speedup']:.3f} ({bf['gamma']}) | "
-                 f"{ratios[-1]:.3f} | {used} |")
-    keys = {(r["batch"], r["accept_rule"], r["temperature"]) for r in auto}
-    gm = {g: _gmean([f["speedup"] for f in fixed if f["gamma"] == g and
-                     (f["batch"], f["accept_rule"], f["temperature"]) in keys]) for g in gammas}
-    ga = _gmean([r["speedup"] for r in auto])
-    if ratios:
-      out += ["", f"- auto / best fixed: median {statistics.median(ratios):.3f}, min "
-              f"{min(ratios):.3f}; within 5% at {sum(x >= 0.95 for x in ratios)} of "
-              f"{len(ratios)} points.",
-              "- Across the whole sweep (geometric mean of the speedups over the auto points' "
-              "(B, rule, T)): auto " + f"{ga:.3f}; " + ", ".join(
-                  f"gamma {g} {v:.3f}" for g, v in gm.items()) + ". Auto beats every single "
-              f"fixed gamma: {'yes' if all(ga > v for v in gm.values()) else 'no'}."]
-  if best is not None:
-    bs, alphas, bg, _ = best
-    out += ["", "### Best gamma per (B, alpha) from the measured costs (best_gamma.png)", "",
-            "| B | " + " | ".join(f"{a:.2f}" for a in alphas[::2]) + " |",
-            "|---|" + "---|" * len(alphas[::2])]
-    for i, b in enumerate(bs):
-      out.append(f"| {b} | " + " | ".join(str(x) for x in bg[i, ::2]) + " |")
-  return out + [""]
-
-
-def write_batch_report(workdir: str, records, costs, n_tokens: int | None) -> str:
-  """speedup_vs_batch.png, best_gamma.png, verify_surface.png (and
-  verify_surface.csv) and the summary's batch section."""
-  fixed = [r for r in records if not _is_auto(r)]
-  if fixed:
-    plot_speedup_vs_batch(os.path.join(workdir, "speedup_vs_batch.png"), records)
-  best = None
-  if "batches" in costs:
-    gammas = sorted({int(r["gamma"]) for r in fixed}) or sorted(
-        int(g) for g in next(iter(costs["batches"].values()))["t_accept_s"])
-    best = best_gamma_map(costs, gammas, n_tokens)
-    plot_best_gamma(os.path.join(workdir, "best_gamma.png"), *best)
-    bs, ns, ratio = verify_surface(costs)
-    plot_verify_surface(os.path.join(workdir, "verify_surface.png"), bs, ns, ratio)
-    wd.write_csv(os.path.join(workdir, "verify_surface.csv"),
-                 [{"batch": b, **{str(n): ratio[i, j] for j, n in enumerate(ns)}}
-                  for i, b in enumerate(bs)], ["batch"] + [str(n) for n in ns])
-  return "\n".join(batch_markdown(records, costs, n_tokens, best))

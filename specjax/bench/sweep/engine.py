@@ -1,0 +1,297 @@
+"""The sweeps' one door into the engine (decode/, drafters/, model/tree.py).
+
+Every run, probe and engine name the harness and its runners use goes
+through here: `Loop` binds the run's fixed settings (the models, capacity,
+n_predict, seed) to the engine's generate functions and cost probes, and the
+module functions parse the engine's vocabulary (drafters, rules, trees). An
+engine API change is a change of this file, not of the runners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.decode import acceptance, adaptive, autogamma, autotree, generation, plan, probes
+from specjax.decode import speculative
+from specjax.drafters import registry
+from specjax.errors import ConfigError
+from specjax.metrics import theory, timing
+from specjax.model import steps
+from specjax.model import tree as trees
+
+GAMMA_EVERY = autogamma.EVERY
+TREE_EVERY = autotree.EVERY
+PRIOR_P = autotree.PRIOR_P
+PROBE_REPEATS = probes.PROBE_REPEATS
+BatchCosts, TreeCosts = autogamma.BatchCosts, autotree.TreeCosts
+CostProbe, ProposeProbe = probes.CostProbe, probes.ProposeProbe
+check_vocabularies, plan_capacity = plan.check_vocabularies, generation.plan_capacity
+predicted_gamma_speedups, choose_gamma = autogamma.predicted_speedups, autogamma.choose
+
+
+def drafter(spec):
+  """A drafter from its spec (drafters/registry.py); ConfigError if unknown."""
+  return registry.parse(spec)
+
+
+def check_rule(rule: str, gamma: int | None = None) -> None:
+  """The rule parses (and applies at `gamma` drafts, when given)."""
+  r = acceptance.parse_rule(rule)
+  if gamma is not None:
+    r.resolve(gamma)
+
+
+def is_simulated(rule: str) -> bool:
+  return acceptance.parse_rule(rule).simulated
+
+
+def accept_pmf(rule: str, gamma: int, alpha: float) -> np.ndarray:
+  """The law of accepted drafts per step: a simulated rule's own, the capped
+  geometric at `alpha` for the real rule."""
+  r = acceptance.parse_rule(rule).resolve(gamma)
+  if r.simulated:
+    return theory.accept_pmf_from_position_probs(acceptance.position_probs(r, gamma))
+  return theory.geometric_accept_pmf(alpha, gamma)
+
+
+def fixed_tree(spec: str, where: str):
+  """A fixed tree (static, or dynamic:K,D,N) from its spec; ConfigError
+  naming `where` for anything else (auto:...)."""
+  if str(spec).strip().startswith("auto") or not isinstance(
+      t := trees.parse(spec, 1), (trees.Tree, trees.DynamicTree)):
+    raise ConfigError(f"{where} {spec} is not a fixed tree (use chain:G, kary:K,D, "
+                      "sequoia:N,D, a JSON list, dynamic:K,D,N, or auto)")
+  return t
+
+
+def is_dynamic(tree) -> bool:
+  return isinstance(tree, trees.DynamicTree)
+
+
+def draft_name(d, target: steps.Runner, draft: steps.Runner | None) -> str | None:
+  """The name of the model `d` drafts with (None for a model-free drafter)."""
+  cfg = d.draft_config(target.cfg, draft and draft.cfg)
+  return cfg.name if cfg is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """The engine bound to a sweep's fixed settings: every run and probe."""
+  target: steps.Runner
+  draft: steps.Runner | None
+  capacity: int
+  n_predict: int
+  seed: int
+
+  # ------------------------------------------------------------ runs
+
+  def target_only(self, rows, sp: SamplingParams):
+    return generation.generate(self.target, rows, self.n_predict, sp, seed=self.seed,
+                               capacity=self.capacity)
+
+  def chain(self, rows, gamma: int, sp, rule: str, d, loop: str = "device"):
+    return speculative.generate(self.target, self.draft, rows, self.n_predict, gamma, sp=sp,
+                                rule=rule, seed=self.seed, capacity=self.capacity, loop=loop,
+                                drafter=d)
+
+  def _kw(self, every: int | None = None) -> dict:
+    return dict(seed=self.seed, capacity=self.capacity,
+                **({} if every is None else {"every": every}))
+
+  def gamma_plan(self, gammas, sp, rule: str, d) -> plan.Plan:
+    return plan.resolve(self.target.cfg, self.draft and self.draft.cfg, drafter=d,
+                        gamma="auto", auto_set=gammas, rule=rule, sp=sp)
+
+  def tree_plan(self, cands, sp, rule: str, d, siblings: str = "topk") -> plan.Plan:
+    return plan.resolve(self.target.cfg, self.draft and self.draft.cfg, drafter=d,
+                        auto_trees=cands, rule=rule, sp=sp, siblings=siblings)
+
+  def auto_chain(self, rows, cost, gammas, sp, rule: str, d, every: int, fixed=None):
+    """adaptive's loop with gamma chosen (or `fixed`: a forced schedule of gammas)."""
+    p = self.gamma_plan(gammas, sp, rule, d)
+    autogamma.check_batch(cost, len(rows))
+    chooser = (adaptive.Fixed([f"chain:{g}" for g in fixed]) if fixed is not None
+               else autogamma.GammaChooser(cost, p))
+    return adaptive.generate(self.target, self.draft, rows, self.n_predict, p, chooser,
+                             **self._kw(every))
+
+  def warm_chain(self, rows, gammas, sp, rule: str, d, every: int) -> float:
+    """Compiles every gamma's chunk program (the compile seconds)."""
+    return adaptive.warm_up(self.target, self.draft, rows, self.n_predict,
+                            self.gamma_plan(gammas, sp, rule, d), **self._kw(every))
+
+  def gamma_costs(self, batch: int, depth: int, gammas, sp, rule: str, d,
+                  reps: int) -> autogamma.BatchCosts:
+    """What auto gamma chooses from at `batch` (autogamma.measure_costs)."""
+    return autogamma.measure_costs(self.target, self.draft, batch, self.capacity, depth, gammas,
+                                   sp, rule, reps, drafter=d)
+
+  def calibrate_chain(self, rows, cost, gammas, sp, rule: str, d, every: int):
+    return autogamma.calibrate(self.target, self.draft, rows, self.n_predict, cost,
+                               self.gamma_plan(gammas, sp, rule, d), **self._kw(every))
+
+  def trees(self, rows, cost, cands, sp, rule: str, d, siblings: str, every: int, fixed=None):
+    """adaptive's loop with the tree chosen among `cands` (or `fixed` names);
+    either way the accepts and tries by sibling rank are counted."""
+    p = self.tree_plan(cands, sp, rule, d, siblings)
+    autotree.check_batch(cost, len(rows))
+    chooser = (FixedTrees(cost, p, names=list(fixed)) if fixed is not None
+               else autotree.TreeChooser(cost, p))
+    return adaptive.generate(self.target, self.draft, rows, self.n_predict, p, chooser,
+                             **self._kw(every))
+
+  def warm_trees(self, rows, cost, cands, sp, rule: str, d) -> None:
+    del cost
+    adaptive.warm_up(self.target, self.draft, rows, self.n_predict,
+                     self.tree_plan(cands, sp, rule, d), **self._kw())
+
+  def calibrate_trees(self, rows, cost, cands, sp, rule: str, d):
+    return autotree.calibrate(self.target, self.draft, rows, self.n_predict, cost,
+                              self.tree_plan(cands, sp, rule, d), **self._kw())
+
+  def dynamic(self, rows, tree, sp, rule: str, d, siblings: str):
+    return speculative.generate(self.target, self.draft, rows, self.n_predict, tree.max_depth,
+                                sp=sp, rule=rule, seed=self.seed, capacity=self.capacity,
+                                drafter=d, tree=tree, siblings=siblings)
+
+  # ------------------------------------------------------------ probes
+
+  def cost_probe(self, m: steps.Runner, depth: int, batch: int = 1) -> probes.CostProbe:
+    return probes.CostProbe(m, self.capacity, depth, k=PROBE_REPEATS, batch=batch)
+
+  def draft_probe(self, d, gamma: int, depth: int):
+    return probes.draft_probe(d, self.target, self.draft, gamma, self.capacity, depth,
+                              k=PROBE_REPEATS)
+
+  def spec_config(self, gamma: int, sp, rule: str, d) -> plan.SpecConfig:
+    return plan.SpecConfig(self.target.cfg, self.draft and self.draft.cfg, gamma, sp,
+                           is_simulated(rule), drafter=d)
+
+  def accept_s(self, gamma: int, sp, rule: str, d, reps: int, batch: int = 1) -> float:
+    """A chain's accept phase and its bookkeeping (median seconds)."""
+    return probes.accept_cost(self.spec_config(gamma, sp, rule, d), reps, batch=batch).median
+
+  def tree_accept_s(self, tree, sp, rule: str, d, reps: int, batch: int = 1) -> float:
+    """A tree's accept phase, timed on the tree judge (median seconds)."""
+    return probes.tree_accept_cost(self.spec_config(tree.max_depth, sp, rule, d), tree, reps,
+                                   batch=batch).median
+
+  def tree_costs(self, batch: int, depth: int, cands: Mapping[str, trees.Tree], sp,
+                 rule: str, d, reps: int) -> autotree.TreeCosts:
+    """autotree's costs at `batch` (a tree's accept timed on the tree judge)."""
+    return autotree.measure_costs(self.target, self.draft, batch, self.capacity, depth, cands,
+                                  sp, rule, reps, drafter=d)
+
+  def dynamic_costs(self, tree, batch: int, depth: int, sp, rule: str, d,
+                    reps: int) -> dict[str, float]:
+    """A dynamic tree's step parts: T_target(B, 1), T_target(B, 1 + N), the
+    whole proposal (DynamicCostProbe) and the tree judge's accept."""
+    pt = probes.CostProbe(self.target, self.capacity, depth, batch=batch)
+    t_t = {n: t.median for n, t in pt.times([1, tree.block_size], reps, sp=sp).items()}
+    pd = DynamicCostProbe(d, self.target, self.draft, tree, self.capacity, depth, batch=batch)
+    return {"t_target_s": t_t[1], "t_verify_s": t_t[tree.block_size],
+            "t_draft_s": pd.time(reps),
+            "t_accept_s": self.tree_accept_s(tree, sp, rule, d, reps, batch)}
+
+
+@dataclasses.dataclass
+class FixedTrees(autotree.TreeChooser):
+  """A forced schedule of trees (chunk c runs names[c % len]) that counts
+  the accepts and tries by sibling rank as the chooser does: what a fixed
+  tree's point reports."""
+  names: Sequence[str] = ()
+  chunk: int = 0
+
+  def choose(self, remaining, live):
+    del remaining, live
+    self.chunk += 1
+    return self.names[(self.chunk - 1) % len(self.names)]
+
+
+def chosen(res) -> list[str]:
+  """The candidate each loop step ran, over adaptive runs."""
+  return [k for r in res for k in r.chosen]
+
+
+def gammas_chosen(res) -> list[int]:
+  return [autogamma.gamma_of(k) for k in chosen(res)]
+
+
+def last_estimates(res) -> list:
+  """Each run's last estimate (alpha, or p by rank); None where it chose nothing."""
+  return [r.estimates[-1] if r.estimates else None for r in res]
+
+
+def rank_counts(res) -> tuple[np.ndarray, np.ndarray]:
+  """(accepted, tried) by sibling rank, summed over tree runs."""
+  return (np.sum([r.chooser.rank_accepted for r in res], 0),
+          np.sum([r.chooser.rank_tried for r in res], 0))
+
+
+def predicted_tree_speedup(cost: autotree.TreeCosts, p, name: str, tree, d) -> float:
+  return autotree.predicted_speedups(cost, p, {name: tree}, drafter=d)[name]
+
+
+@functools.partial(jax.jit, static_argnames=("sc", "k"))
+def _repeat_propose_tree(dparams, dstate, tcache, tail, n, key, *, sc, k: int):
+  """k dynamic-tree proposals on device; each iteration's lengths differ
+  (n - i % 2), so XLA cannot hoist the proposal out of the loop. `tcache`
+  is the target's prefilled cache: a drafter that shares it (layerskip:K)
+  reads and writes it, as in the engine's step."""
+  live = jnp.ones(n.shape, bool)
+
+  def body(i, acc):
+    dr, _, _ = sc.drafter.propose_tree(dparams, dstate, tcache, tail, n - i % 2, live,
+                                       jax.random.fold_in(key, i), sc)
+    return acc + jnp.sum(dr.tokens)
+
+  return jax.lax.fori_loop(0, k, body, jnp.int32(0))
+
+
+class DynamicCostProbe:
+  """T_draft_tree: one whole dynamic-tree proposal (every level the drafter
+  feeds, the selection, the mask) at batch B, on a history of `depth` random
+  tokens; k proposals per timed repetition in one jitted loop. The target's
+  cache is prefilled with that history as the engine's prefill does
+  (speculative.prefill): layerskip:K drafts on the target's own cache."""
+
+  def __init__(self, d, target: steps.Runner, draft: steps.Runner | None, tree, capacity: int,
+               depth: int, batch: int = 1, seed: int = 0, k: int = PROBE_REPEATS):
+    self.sc = plan.SpecConfig(target.cfg, draft and draft.cfg, tree.max_depth,
+                              drafter=d, simulated=True, tree=tree)
+    self.k = k
+    prompt = np.random.RandomState(seed).randint(0, target.cfg.vocab_size, depth - 1).tolist()
+    self.dparams = self.sc.drafter.draft_params(target.params, draft)
+    prompts = [prompt] * batch
+    _, self.tcache = target.prefill(prompts, target.new_cache(batch, capacity))
+    self.dstate = self.sc.drafter.init(self.sc, target, self.dparams, prompts, capacity,
+                                       jnp.asarray([prompt[-1]] * batch))
+    self.tail = jnp.asarray([[prompt[-1], prompt[-1]]] * batch, jnp.int32)
+    self.n = jnp.full((batch,), depth, jnp.int32)
+
+  def time(self, reps: int) -> float:
+    """Median seconds of one proposal (compiles untimed first)."""
+    run = lambda: _repeat_propose_tree(self.dparams, self.dstate, self.tcache, self.tail,
+                                       self.n, jax.random.PRNGKey(0), sc=self.sc, k=self.k)
+    return timing.measure(run, reps=reps, warmup=1).median / self.k
+
+
+def batch_costs(loop: Loop, probe_t, probe_d, batch: int, gammas: Sequence[int], sp,
+                rule: str, d, reps: int) -> autogamma.BatchCosts:
+  """T_target(B, n) at n = 1, every gamma and gamma + 1, T_draft(B, 1) and
+  the accept cost at every gamma: what auto gamma chooses from at `batch`."""
+  ns = sorted({1} | set(gammas) | {g + 1 for g in gammas})
+  t_target = {n: t.median for n, t in probe_t.times(ns, reps, sp=sp).items()}
+  t_draft = probe_d.times([1], reps, sp=sp)[1].median
+  return autogamma.BatchCosts(batch, t_target, t_draft,
+                              {g: loop.accept_s(g, sp, rule, d, reps, batch) for g in gammas})
+
+
+def gamma_costs_from_dict(d) -> autogamma.BatchCosts:
+  return autogamma.BatchCosts.from_dict(d)

@@ -1,0 +1,37 @@
+"""The prompts a sweep runs, as token ids: the config's one prompt (text or
+ids), `heldout_prompts` shipped held-out prompts (continuation or editing),
+or a task suite category's conversations; with `chat`, each text a user
+turn through the target's chat template (a target without one is refused)."""
+
+from __future__ import annotations
+
+from specjax import cli
+from specjax.bench.sweep import taskbench
+from specjax.bench.sweep.config import SweepConfig
+from specjax.errors import ConfigError
+from specjax.formats import chat as chat_lib
+from specjax.train import pair
+
+
+def sweep_prompts(cfg: SweepConfig, tok, vocab_size: int) -> list[list[int]]:
+  """The prompts of a sweep (module docstring); with `taskbench_category`,
+  the first `taskbench_prompts` (0: all) of its conversations, unless
+  `prompt_tokens` are given (models without a tokenizer)."""
+  n = cfg.heldout_prompts
+  if cfg.taskbench_category and not cfg.prompt_tokens:
+    return taskbench.category_prompts(cfg.taskbench_category, tok, vocab_size,
+                                      cfg.taskbench_prompts)
+  if n:
+    if tok is None:
+      raise ConfigError("config.heldout_prompts needs a target with a tokenizer")
+    texts = pair.shipped_prompts(n, kind=cfg.prompt_set)
+    if len(texts) < n:
+      raise ConfigError(f"config.heldout_prompts={n}, but only {len(texts)} are shipped")
+  elif not cfg.chat:
+    return [cli.parse_prompt(cfg.prompt or None, cfg.prompt_tokens or None, tok, vocab_size)]
+  else:
+    texts = [cfg.prompt or cli.DEFAULT_PROMPT_TEXT]
+  if not cfg.chat:
+    return [tok.encode(t) for t in texts]
+  return [cli.check_ids(cli.chat_ids(tok, chat_lib.user_turn(t), "config.chat"), vocab_size)
+          for t in texts]
