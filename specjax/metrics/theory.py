@@ -73,16 +73,9 @@ def expected_tokens_per_step(alpha: ArrayLike, gamma: ArrayLike) -> float | np.n
   geometric variable capped at gamma + 1 (the accepted drafts plus the one
   correction or bonus token sampled from the target).
 
-  Evaluated as the equal sum  alpha^0 + alpha^1 + ... + alpha^gamma, which has
-  no 0/0 at alpha = 1 (where it is exactly gamma + 1) and no cancellation near
-  it. Broadcasts over alpha and gamma.
-
-  Args:
-    alpha: per-token acceptance probability in [0, 1].
-    gamma: draft length, an integer >= 0.
-
-  Returns:
-    Expected tokens per target call, in [1, gamma + 1].
+  Evaluated as the equal sum alpha^0 + .. + alpha^gamma (alpha in [0, 1],
+  gamma >= 0), which has no 0/0 at alpha = 1 (exactly gamma + 1) and no
+  cancellation near it; in [1, gamma + 1]. Broadcasts over alpha and gamma.
   """
   a = _probability(alpha, "alpha")
   g = _draft_length(gamma)
@@ -97,14 +90,8 @@ def geometric_accept_pmf(alpha: ArrayLike, gamma: int) -> np.ndarray:
   With i.i.d. acceptance probability alpha, the first rejection ends the step:
   P(k) = alpha^k (1 - alpha) for k < gamma, and P(gamma) = alpha^gamma. This is
   the table in ggerganov's E[X] script in [T3649] and what a measured
-  accepted-length histogram is compared against.
-
-  Args:
-    alpha: per-token acceptance probability in [0, 1]; may be an array.
-    gamma: draft length, an integer >= 0 (a scalar).
-
-  Returns:
-    Array of shape alpha.shape + (gamma + 1,), summing to 1 on the last axis.
+  accepted-length histogram is compared against. Returns alpha.shape +
+  (gamma + 1,), summing to 1 on the last axis (gamma: a scalar).
   """
   a = _probability(alpha, "alpha")[..., None]
   g = int(_draft_length(gamma))
@@ -118,14 +105,7 @@ def expected_accepted(n_draft: int, p: ArrayLike) -> float | np.ndarray:
   E[X] = sum_{i<N} i p^i (1-p) + N p^N for N = n_draft drafts accepted one by
   one with probability p until the first rejection. It is the mean of
   `geometric_accept_pmf(p, N)` and equals expected_tokens_per_step(p, N) - 1.
-  The argument order (N, p) follows the thread's `expect.py N p`.
-
-  Args:
-    n_draft: draft length N, an integer >= 0 (a scalar).
-    p: per-token acceptance probability in [0, 1]; may be an array.
-
-  Returns:
-    Expected number of accepted drafts, in [0, N].
+  The argument order (N, p) follows the thread's `expect.py N p`; in [0, N].
   """
   pmf = geometric_accept_pmf(p, n_draft)
   return _out(pmf @ np.arange(pmf.shape[-1], dtype=float))
@@ -138,14 +118,8 @@ def expected_accepted_fraction(n_draft: ArrayLike, f: ArrayLike) -> float | np.n
   `i_dft < F*N`, i.e. the first ceil(F * N) of N drafts every step. That is
   the count behind the thread's 87.5 % for N = 8, F = 0.8 (7 of 8), so it is
   the definition used here and by `specjax.decode.acceptance` (not floor(F * N),
-  which gives 6).
-
-  Args:
-    n_draft: draft length N, an integer >= 0.
-    f: accepted fraction F in [0, 1].
-
-  Returns:
-    ceil(F * N), as a float; a tiny tolerance keeps 0.8 * 5 at 4.
+  which gives 6). Returns ceil(F * N) as a float (a tiny tolerance keeps
+  0.8 * 5 at 4).
   """
   n = _draft_length(n_draft)
   frac = _probability(f, "f")
@@ -160,13 +134,7 @@ def alpha_from_mean_accepted(mean_accepted: ArrayLike, gamma: int) -> float | np
   the i.i.d. assumption of Section 3.1; with position-dependent acceptance it
   is only the i.i.d. alpha that reproduces the same mean. Use
   mean_accepted = n_accept / n_steps (not llama.cpp's n_accept / n_drafted).
-
-  Args:
-    mean_accepted: measured accepted drafts per step, >= 0; may be an array.
-    gamma: draft length, an integer >= 1.
-
-  Returns:
-    alpha in [0, 1]: 0.0 at mean 0, 1.0 when the mean is >= gamma.
+  Returns alpha in [0, 1]: 0.0 at mean 0, 1.0 when the mean is >= gamma.
   """
   target = _non_negative(mean_accepted, "mean_accepted")
   g = int(_draft_length(gamma, minimum=1))
@@ -308,16 +276,10 @@ def measured_cost_speedup(
   between T_target(1) and N T_target(1) is why T_target(gamma+1) is measured
   rather than assumed equal to T_target(1). With t_verify = t_target and no
   overhead it is Theorem 3.8 with c = t_draft / t_target. Any time unit works
-  if all four times share it. Broadcasts over all arguments.
-
-  Args:
-    tokens_per_step: expected or measured tokens emitted per step (accepted
-      drafts plus the correction or bonus token), e.g. n_predict / n_steps.
-    gamma: draft length.
-    t_draft: draft decode time for one token, T_draft(1).
-    t_target: target decode time for one token, T_target(1).
-    t_verify: target time to score gamma + 1 tokens at once, T_target(gamma+1).
-    t_overhead: any other per-step time (sampling, acceptance, host sync).
+  if all four times share it. Broadcasts over all arguments: tokens_per_step
+  (accepted drafts plus the correction or bonus, e.g. n_predict / n_steps),
+  t_draft = T_draft(1), t_target = T_target(1), t_verify = T_target(gamma+1),
+  t_overhead (sampling, acceptance, host sync).
   """
   step_time = (
       np.asarray(gamma) * _non_negative(t_draft, "t_draft")
