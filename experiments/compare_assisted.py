@@ -24,7 +24,7 @@ from specjax.bench.studies import assisted
 from specjax.bench import tables
 from specjax.formats import checkpoint
 from specjax import cli
-from specjax.decode import speculative
+from specjax.decode import plan
 from specjax.model import steps
 from specjax.formats import tokenizer
 from specjax import workdir as wd
@@ -66,7 +66,7 @@ def main(argv):
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value, seed=_SEED.value)
   dcfg, dparams, dtok = checkpoint.load_model(_MODEL_DRAFT.value, dtype=_DTYPE.value, seed=_SEED.value + 1,
                                               role="draft")
-  speculative.check_vocabularies(tcfg, dcfg)
+  plan.check_vocabularies(tcfg, dcfg)
   tokenizer.check_same_tokens(tok, dtok)
   prompt = _PROMPT.prompt(tok, tcfg.vocab_size)
   target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)

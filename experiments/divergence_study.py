@@ -34,7 +34,7 @@ from specjax import cli
 from specjax import workdir as wd
 from specjax.bench import tables
 from specjax.decode import generation
-from specjax.decode import speculative
+from specjax.decode import plan, speculative
 from specjax.formats import checkpoint
 from specjax.metrics import divergence
 from specjax.model import config
@@ -152,7 +152,7 @@ def main(argv):
   for dtype in _DTYPES.value:
     tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=dtype)
     dcfg, dparams, _ = checkpoint.load_model(_MODEL_DRAFT.value, dtype=dtype, role="draft")
-    speculative.check_vocabularies(tcfg, dcfg)
+    plan.check_vocabularies(tcfg, dcfg)
     target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
     for kind in _SETS.value:
       texts = pair.shipped_prompts(_N_PROMPTS.value or None, kind=kind)
