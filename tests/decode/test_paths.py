@@ -29,11 +29,13 @@ import pytest
 import lawcheck
 from lawcheck import pair  # noqa: F401  (the V = 6 target and its noisy draft)
 from specjax.decode import acceptance
+from specjax.decode import adaptive
 from specjax.decode import autogamma
 from specjax.decode import generation
+from specjax.decode import plan
 from specjax.decode import speculative
-from specjax.drafters import draft_model
 from specjax.drafters import eagle
+from specjax.drafters import walkers
 from specjax.metrics import theory
 from specjax.model import config
 from specjax.model import layers
@@ -230,10 +232,11 @@ def test_p_min_keeps_the_target_law_when_sampling(pair):
 def test_a_stop_that_reads_the_drawn_token_fails_the_law(pair, patched):
   """The deliberate bug: the stop tests the probability of the token the
   draft just drew, not its top probability: whether a position is drafted
-  then depends on the draft's sample, and the law is biased."""
-  patched(draft_model, "draft_phase", mutant(draft_model.draft_phase, (
-      "top = jnp.max(jax.nn.softmax(logits) if sp.greedy else q, -1)",
-      "top = jnp.take_along_axis(q, nxt[:, None], -1)[:, 0]")))
+  then depends on the draft's sample, and the law is biased (the chain
+  walker's draw: walkers._draw)."""
+  patched(walkers, "_draw", mutant(walkers._draw, (  # pylint: disable=protected-access
+      "tok, top = sampling.sample(key, q), jnp.max(q, -1)",
+      "tok = sampling.sample(key, q); top = jnp.take_along_axis(q, tok[:, None], -1)[:, 0]")))
   tokens, which, _ = p_min_run(pair)
   ps = pvalues_of(tokens, which, pair[0], SamplingParams(1.0), lags=(1, 2))
   print(f"MUTATION | p_min on the drawn token | adjusted p {adjusted(ps):.3g}")
@@ -255,9 +258,18 @@ def auto_costs(batch: int) -> autogamma.BatchCosts:
   return autogamma.BatchCosts(batch, {1: 1.0, 2: 1.0, 5: 1.0}, 0.01)
 
 
+def auto_plan(target, draft) -> plan.Plan:
+  return plan.resolve(target.cfg, draft.cfg, gamma="auto", auto_set=AUTO_GAMMAS, sp=AUTO_SP)
+
+
 def auto_run(target, draft, prompts, fixed=AUTO_FIXED, **kw):
-  return autogamma.generate(target, draft, prompts, AUTO_W, auto_costs(len(prompts)),
-                            AUTO_GAMMAS, sp=AUTO_SP, fixed=fixed, seed=9, **kw)
+  """--gamma=auto over AUTO_GAMMAS: the gammas forced by `fixed` in turn, or
+  (None) chosen by the GammaChooser on auto_costs."""
+  p, cost = auto_plan(target, draft), auto_costs(len(prompts))
+  autogamma.check_batch(cost, len(prompts))
+  chooser = (adaptive.Fixed([f"chain:{g}" for g in fixed]) if fixed else
+             autogamma.GammaChooser(cost, p))
+  return adaptive.generate(target, draft, prompts, AUTO_W, p, chooser, seed=9, **kw)
 
 
 def auto_pvalues(pair_, runs) -> dict[str, float]:
@@ -273,12 +285,11 @@ def auto_pvalues(pair_, runs) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def auto_warm(pair):
-  """autogamma.warm_up for the runs below (every gamma's chunk program; the
+  """adaptive.warm_up for the runs below (every gamma's chunk program; the
   self-draft runs have the same shapes)."""
   prompts, _ = tiled(AUTO_ROWS)
   target, draft = pair
-  autogamma.warm_up(target, draft, prompts, AUTO_W, auto_costs(len(prompts)), AUTO_GAMMAS,
-                    sp=AUTO_SP)
+  adaptive.warm_up(target, draft, prompts, AUTO_W, auto_plan(target, draft))
   return prompts
 
 
@@ -290,14 +301,15 @@ def test_auto_gamma_keeps_the_target_law_and_compiles_nothing_after_warm_up(pair
   nothing compiles after warm-up.
 
   The compile check's deliberate bug, checked by hand (not committed: a
-  recompile costs ~15 s): warm_up over `gammas[-1:]` only (its loop's one
-  line) makes the forced run compile gamma 1's chunk program (7.3 s).
+  recompile costs ~15 s): adaptive.warm_up over the last candidate only
+  (its loop's one line) makes the forced run compile chain:1's chunk
+  program (3.5 s, rechecked on the adaptive loop).
   The law's is committed below."""
   target, draft = pair
   runs = {"noisy draft": auto_run(target, draft, auto_warm),
           "self draft": auto_run(target, target, auto_warm),
           "chooser": auto_run(target, draft, auto_warm, fixed=None)}
-  assert runs["noisy draft"].gammas_used[:3] == [1, 4, 4]
+  assert [autogamma.gamma_of(k) for k in runs["noisy draft"].chosen[:3]] == [1, 4, 4]
   assert runs["self draft"].records.n_acc.max() == 4
   for name, res in runs.items():
     assert res.compile_s == 0, (name, res.compile_s)
