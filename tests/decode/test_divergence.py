@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import pytest
 
 from specjax import cli
+from specjax.decode import chain_step
 from specjax.decode import generation
 from specjax.decode import speculative
 from specjax.metrics import divergence
@@ -85,7 +86,7 @@ def test_the_line_says_where_and_why():
 
 
 def near_tie_verify(position: int, row: int | None = None):
-  """speculative.verify_phase (model drafter) whose logits at the absolute
+  """chain_step.verify_phase (model drafter) whose logits at the absolute
   input position `position` (of `row`, every row if None) hold a near-tie:
   the runner-up raised to REL above the top, so it becomes the argmax there.
   The input at position p predicts the token at p + 1."""
@@ -100,7 +101,7 @@ def near_tie_verify(position: int, row: int | None = None):
     raised = top[..., 0] + REL * jnp.maximum(jnp.abs(top[..., 0]), 1.0)  # [B, T]
     runner_up = jax.nn.one_hot(idx[..., 1], logits.shape[-1], dtype=jnp.bool_)  # [B, T, V]
     logits = jnp.where(at[..., None] & runner_up, raised[..., None], logits)
-    return sampling.probs(logits, sc.sp), tcache_out
+    return sampling.probs(logits, sc.sp), tcache_out, None  # no features (model drafter)
   return verify_phase
 
 
@@ -119,7 +120,7 @@ def near_tie_run(init_params):
   base = generation.generate(target, PROMPTS, N_PREDICT).tokens
   mp = pytest.MonkeyPatch()
   jax.clear_caches()
-  mp.setattr(speculative, "verify_phase", near_tie_verify(len(PROMPTS[0]) + K - 1, row=0))
+  mp.setattr(chain_step, "verify_phase", near_tie_verify(len(PROMPTS[0]) + K - 1, row=0))
   try:
     spec = speculative.generate(target, target, PROMPTS, N_PREDICT, GAMMA).tokens
   finally:
@@ -187,8 +188,8 @@ DRIVER = f"""
 import runpy, sys
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import test_divergence as t
-from specjax.decode import speculative
-speculative.verify_phase = t.near_tie_verify({len(SCRIPT_PROMPT) + SCRIPT_K - 1})
+from specjax.decode import chain_step
+chain_step.verify_phase = t.near_tie_verify({len(SCRIPT_PROMPT) + SCRIPT_K - 1})
 sys.argv = ["speculative.py"] + sys.argv[1:]
 runpy.run_path({os.path.join(ROOT, "experiments", "speculative.py")!r}, run_name="__main__")
 """
