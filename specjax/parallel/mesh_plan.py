@@ -26,6 +26,7 @@ from specjax.decode import acceptance
 from specjax.formats import checkpoint
 from specjax.decode import probes
 from specjax.decode import generation
+from specjax.decode import plan as plans
 from specjax.model import sharding
 from specjax.decode import speculative
 from specjax.model import steps
@@ -115,7 +116,7 @@ def plan(target: ModelConfig, draft: ModelConfig | None, batch: int, capacity: i
     rec["draft_split"] = sharding.model_axis_for("draft", draft) > 1
     rec["draft_weight_bytes"] = shard_bytes(dp)
     rec["draft_cache_bytes"] = shard_bytes(dc)
-    sc = speculative.SpecConfig(target, draft, gamma, SamplingParams())
+    sc = plans.SpecConfig(target, draft, gamma, SamplingParams())
     state = speculative.SpecState(tcache=tc, dcache=dc, tail=_abstract((batch, 2), jnp.int32),
                                   n=_abstract((batch,), jnp.int32))
     out = _abstract((batch, n_predict + gamma + 1), jnp.int32)
