@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 
+from specjax.decode import plan
 from specjax.errors import CacheOverflowError, ConfigError
 from specjax.metrics import tree_theory
 from specjax.model import tree as treemod
@@ -163,8 +164,10 @@ def test_parse_each_form(tmp_path):
   dyn = treemod.parse("dynamic:4,6,60", gamma=4)
   assert (dyn.k, dyn.depth, dyn.n_nodes, dyn.n, dyn.max_depth, dyn.block_size) == (4, 6, 60, 60, 6, 61)
   assert dyn.n_candidates == 4 + 5 * 16 and dyn.spec == "dynamic:4,6,60"
-  assert treemod.parse("auto", gamma=4) == treemod.AutoTree()
-  assert treemod.parse("auto:16,4,16", gamma=4).sizes == (4, 16)
+  # `auto` is a run mode (decode/plan.py), not a tree: its sizes parse there
+  assert plan.parse_auto_sizes("auto") == (4, 8, 16, 32, 64) and plan.AUTO_DEPTH == 8
+  assert plan.parse_auto_sizes("auto:16,4,16") == (4, 16)
+  assert plan.parse_auto_sizes("kary:2,2") is None
 
 
 # Sequoia's own acceptance vector (Infini-AI-Lab/Sequoia, acceptance-rate-vector.pt at 0ff3ff7:
@@ -251,7 +254,8 @@ BAD_SPECS = {
     "sequoia:8,3:marginal=": "expected p1,p2,.. (conditional)",
     "dynamic:2,2,100": "more nodes than the 6 candidates",
     "dynamic:2,2": "3 comma-separated integers",
-    "auto:0,4": ">= 1",
+    "auto": "a run mode, not a tree",
+    "auto:16,4": "a run mode, not a tree",
     "bushy": "unknown spec",
     "/no/such/tree.json": "cannot read",
 }
@@ -262,6 +266,12 @@ def test_bad_spec_is_one_line(spec):
   with pytest.raises(ConfigError) as e:
     treemod.parse(spec, gamma=4)
   assert BAD_SPECS[spec] in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_auto_sizes_are_one_line():
+  with pytest.raises(ConfigError, match=">= 1") as e:
+    plan.parse_auto_sizes("auto:0,4")
+  assert "\n" not in str(e.value)
 
 
 def test_bad_json_file_is_one_line(tmp_path):
