@@ -7,9 +7,9 @@ import pytest
 
 from specjax.model import config
 from specjax.bench.sweep import costs
+from specjax.decode import plan
 from specjax.decode import probes
 from specjax.model import llama as model
-from specjax.decode import speculative
 from specjax.metrics import stats
 from specjax.model import steps
 from specjax.metrics import theory
@@ -87,7 +87,7 @@ def test_probes_measure_what_runs_do(tiny, sp):
   again = probe.times([3], reps=2, sp=sp)  # warm: compiles nothing
   assert again[3].n_compiles == 0
   for simulated in (False, True):
-    sc = speculative.SpecConfig(tiny.cfg, tiny.cfg, 3, sp, simulated)
+    sc = plan.SpecConfig(tiny.cfg, tiny.cfg, 3, sp, simulated)
     assert probes.accept_cost(sc, reps=2, k=2).median > 0
 
 

@@ -76,7 +76,7 @@ def test_chooser_on_hand_checked_costs():
 
 
 def check_calibrated_tail_choice():
-  """autogamma.generate always chooses tail-aware (n_tokens given): the
+  """GammaChooser (the adaptive loop) always chooses tail-aware (n_tokens given): the
   calibrated step times must reach that choice too."""
   assert autogamma.choose(SLOW4, A, CHOOSER_SET) == 2
   assert autogamma.choose(SLOW4, A, CHOOSER_SET, n_tokens=31) == 2  # the sum of parts says 4
