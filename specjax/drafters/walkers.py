@@ -24,7 +24,7 @@ import numpy as np
 from specjax.drafters import dynamic
 from specjax.drafters.base import Drafted, DraftedTree
 from specjax.model import sampling
-from specjax.model.tree import DynamicTree, Tree
+from specjax.model.tree import DynamicTree
 
 
 def _draw(logits, key, sc):
@@ -102,9 +102,7 @@ def dynamic_tree(feeder, dparams, fst, root, key, sc):
   return dynamic.select(feed, fst, root, sc.tree)
 
 
-TREE_WALKERS = {Tree: static_tree, DynamicTree: dynamic_tree}
-
-
 def tree(feeder, dparams, fst, root, key, sc):
-  """The walker of sc.tree's type."""
-  return TREE_WALKERS[type(sc.tree)](feeder, dparams, fst, root, key, sc)
+  """The walker of sc.tree's shape: a DynamicTree's, or a static Tree's."""
+  walk = dynamic_tree if isinstance(sc.tree, DynamicTree) else static_tree
+  return walk(feeder, dparams, fst, root, key, sc)

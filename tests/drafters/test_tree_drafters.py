@@ -17,12 +17,14 @@ import numpy as np
 import pytest
 
 from specjax.decode import generation
+from specjax.decode import plan
 from specjax.decode import speculative
 from specjax.decode import tree_step
 from specjax.drafters import base
 from specjax.drafters import dynamic
 from specjax.drafters import eagle
 from specjax.drafters import ngram
+from specjax.drafters import walkers
 from specjax.errors import ConfigError
 from specjax.model import config
 from specjax.model import llama as model
@@ -233,8 +235,20 @@ def _head_chain(hparams, tparams, feats, tokens, first, *, hcfg, tcfg):
 
 
 _features = jax.jit(eagle_train.target_features, static_argnums=1)
-HEAD_TREE = trees.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]])  # level 2: two parents
+# level 2: two parents; depth 4, so a node is fed at depth 3 (RoPE n - 2 + 3)
+HEAD_TREE = trees.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
 WIDTH = 32
+
+
+def draft_once(v6, st, sc, key=jax.random.PRNGKey(5)):
+  """One more draft phase (sc's shape) from a run's final state: (drafted,
+  the head's cache after it)."""
+  drafter = v6[1]
+  dparams = drafter.draft_params(v6[0].params, None)
+  live = jnp.ones(st.n.shape, bool)
+  d, dstate, _ = jax.jit(lambda ds: sc.step.propose(dparams, ds, None, st.tail, st.n, live, key,
+                                                    sc))(st.dcache)
+  return d, dstate.hcache
 
 
 def head_mismatches(v6, tree=HEAD_TREE) -> list[str]:
@@ -253,12 +267,10 @@ def head_mismatches(v6, tree=HEAD_TREE) -> list[str]:
   res = run_eagle(v6, tree, prompts=prompts, n=12, sp=sp, siblings="stochastic",
                   keep_state=True, seed=3)
   st = res.state
-  sc = speculative.SpecConfig(target.cfg, None, tree.max_depth, sp, drafter=drafter, tree=tree,
-                              siblings="stochastic")
+  sc = plan.SpecConfig(target.cfg, None, tree.max_depth, sp, drafter=drafter, tree=tree,
+                       siblings="stochastic")
   hparams = drafter.draft_params(target.params, None)["head"]
-  d, hcache = jax.jit(eagle.draft_tree_phase, static_argnames="sc")(
-      target.params, hparams, st.dcache.hcache, st.dcache.pending, st.n, jax.random.PRNGKey(5),
-      sc=sc)
+  d, hcache = draft_once(v6, st, sc)
   hcfg, tcfg = sc.draft.replace(attn_block=0), target.cfg
   seqs = [p + out for p, out in zip(prompts, res.tokens)]  # x_0 .. x_{n-1}
   bad = [f"row {b}: n {int(st.n[b])}, want {len(x)}" for b, x in enumerate(seqs)
@@ -345,7 +357,7 @@ def test_eagle_dynamic_tree_of_one_child_is_the_chain(request, head):
   assert chain.stats.n_accept > 0
 
 
-DYN_TREE = trees.DynamicTree(2, 3, 7)  # 10 candidates, 5 fed (levels 1 and 2 two each)
+DYN_TREE = trees.DynamicTree(2, 4, 9)  # 14 candidates, 7 fed (levels 1, 2, 3 two each)
 
 
 def dynamic_head_mismatches(v6, tree=DYN_TREE) -> list[str]:
@@ -364,11 +376,10 @@ def dynamic_head_mismatches(v6, tree=DYN_TREE) -> list[str]:
   res = run_eagle(v6, tree, gamma=tree.max_depth, prompts=prompts, n=12, keep_state=True,
                   sp=SamplingParams(1.0), seed=3)
   st = res.state
-  sc = speculative.SpecConfig(target.cfg, None, tree.max_depth, SamplingParams(1.0),
-                              drafter=drafter, tree=tree)
+  sc = plan.SpecConfig(target.cfg, None, tree.max_depth, SamplingParams(1.0),
+                       drafter=drafter, tree=tree)
   hparams = drafter.draft_params(target.params, None)["head"]
-  d, hcache = jax.jit(eagle.draft_dynamic_phase, static_argnames="sc")(
-      target.params, hparams, st.dcache.hcache, st.dcache.pending, st.n, st.tail[:, 1], sc=sc)
+  d, hcache = draft_once(v6, st, sc)
   hcfg, tcfg = sc.draft.replace(attn_block=0), target.cfg
   seqs = [p + out for p, out in zip(prompts, res.tokens)]
   n = np.array([len(x) for x in seqs])
@@ -562,7 +573,7 @@ def test_only_eagle_grafts_a_chain_with_one_line():
   msg = (r"^--tree=dynamic:2,3,5\+ngram:4 grafts a prompt-lookup chain onto an EAGLE head's "
          r"tree; drafter layerskip:1 cannot \(use --drafter=eagle\[:PATH\]\)$")
   with pytest.raises(ConfigError, match=msg):
-    speculative.SpecConfig(CFG3, None, GRAFT.max_depth, drafter="layerskip:1", tree=GRAFT)
+    plan.SpecConfig(CFG3, None, GRAFT.max_depth, drafter="layerskip:1", tree=GRAFT)
   assert trees.parse("dynamic:2,3,5+ngram:4", 3) == GRAFT
   for bad in ("dynamic:2,3,5+ngram:0", "dynamic:2,3,5+ngram", "dynamic:2,3,5+lookup:4"):
     with pytest.raises(ConfigError, match=r"^--tree=dynamic:2,3,5\+"):
@@ -628,11 +639,11 @@ def test_ngram_refuses_a_dynamic_tree_with_one_line(peaked):
   msg = (r"^drafter ngram:1-4 drafts static trees only; dynamic:2,2,3 needs a drafter with a "
          r"draft distribution \(model, layerskip, eagle\)$")
   with pytest.raises(ConfigError, match=msg):
-    speculative.SpecConfig(CFG3, None, 2, drafter="ngram", tree=dyn)
+    plan.SpecConfig(CFG3, None, 2, drafter="ngram", tree=dyn)
   with pytest.raises(ConfigError, match=msg):
     run_ngram(peaked, dyn)
-  speculative.SpecConfig(CFG3, None, MEDUSA.max_depth, drafter="ngram", tree=MEDUSA)
-  speculative.SpecConfig(CFG3, None, 2, drafter="layerskip:1", tree=dyn)
+  plan.SpecConfig(CFG3, None, MEDUSA.max_depth, drafter="ngram", tree=MEDUSA)
+  plan.SpecConfig(CFG3, None, 2, drafter="layerskip:1", tree=dyn)
 
 
 # ---------------------------------------------------------------- deliberate bugs
@@ -649,12 +660,18 @@ MUTATIONS = {
         ngram, "ngram_tree", ("first = has & ~dup", "first = has"),
         lambda v6: ngram_branch_mismatches()),
     "eagle feeds a node the wrong parent's feature": (
-        eagle, "draft_tree_phase", ("feats[:, par]", "feats[:, par[::-1]]"),
+        eagle.EagleDrafter, "feed", ("fst.feats, parent[:, :, None], 1)",
+                                     "fst.feats, parent[:, ::-1, None], 1)"),
+        head_mismatches),
+    "a static tree's walker hands each node its grandparent": (
+        walkers, "static_tree", ("jnp.asarray(parents[lo:hi])",
+                                 "jnp.asarray(np.maximum(parents[np.maximum(parents[lo:hi], 0)], 0))"),
         head_mismatches),
     "eagle's commit ignores the path (block-order features)": (
         tree_step, "path_features", _path_ignored, head_mismatches),
     "eagle's dynamic tree feeds every node the root's feature": (
-        eagle, "draft_dynamic_phase", ("feats, parent[:, :, None], 1)", "feats, 0 * parent[:, :, None], 1)"),
+        eagle.EagleDrafter, "feed", ("fst.feats, parent[:, :, None], 1)",
+                                     "fst.feats, 0 * parent[:, :, None], 1)"),
         dynamic_head_mismatches),
     "a grafted chain's continuation hangs from the root, not the node it reached": (
         dynamic, "graft_chain", ("jnp.where(add, cur, -1))", "jnp.where(add, -1, -1))"),
@@ -666,8 +683,13 @@ MUTATIONS = {
         dynamic, "graft_chain", ("found = merging & real", "found = False & real"),
         graft_reference_mismatches),
     "eagle's dynamic tree feeds each level one head slot late": (
-        eagle, "draft_dynamic_phase", ("rollback(hcache, n - 2 + lo)", "rollback(hcache, n - 1 + lo)"),
+        eagle.EagleDrafter, "feed", ("rollback(fst.hcache, fst.base + lo)",
+                                     "rollback(fst.hcache, fst.base + 1 + lo)"),
         dynamic_head_mismatches),
+    "the head's RoPE one position late at fed depth >= 3": (
+        eagle, "head_forward", ("+ model_lib.tree_depths(tree_mask)",
+                                "+ (lambda d: d + (d >= 2))(model_lib.tree_depths(tree_mask))"),
+        lambda v6: head_mismatches(v6) + dynamic_head_mismatches(v6)),
 }
 
 
@@ -682,11 +704,9 @@ def chain_mismatches(v6, gamma: int = 3) -> list[str]:
   sp = SamplingParams(1.0)
   res = run_eagle(v6, None, gamma=gamma, prompts=prompts, n=12, sp=sp, keep_state=True, seed=3)
   st = res.state
-  sc = speculative.SpecConfig(target.cfg, None, gamma, sp, drafter=drafter)
+  sc = plan.SpecConfig(target.cfg, None, gamma, sp, drafter=drafter)
   hparams = drafter.draft_params(target.params, None)["head"]
-  d, _ = jax.jit(eagle.draft_phase, static_argnames="sc")(
-      target.params, hparams, st.dcache.hcache, st.dcache.pending, st.n, jax.random.PRNGKey(5),
-      sc=sc)
+  d, _ = draft_once(v6, st, sc)
   hcfg, tcfg = sc.draft.replace(attn_block=0), target.cfg
   seqs = [p + out for p, out in zip(prompts, res.tokens)]
   n = np.array([len(x) for x in seqs])
@@ -715,17 +735,22 @@ def test_head_drafts_a_chain_as_the_teacher_forced_head(v6_head, v6_prev):
 # on the head that reads each pair's current token (v6_prev)
 PREV_MUTATIONS = {
     "a static tree's node paired with its own token as the current one": (
-        eagle, "draft_tree_phase", ("prev_tokens=block[:, par])", "prev_tokens=block[:, lo:hi])"),
+        eagle.EagleDrafter, "feed", ("prev_tokens=jnp.take_along_axis(fst.tokens, parent, 1)",
+                                     "prev_tokens=tokens"),
         head_mismatches),
     "a dynamic tree's node paired with the root's token as the current one": (
-        eagle, "draft_dynamic_phase", ("take_along_axis(fed_tokens, parent, 1)",
-                                       "take_along_axis(fed_tokens, 0 * parent, 1)"),
+        eagle.EagleDrafter, "feed", ("take_along_axis(fst.tokens, parent, 1)",
+                                     "take_along_axis(fst.tokens, 0 * parent, 1)"),
         dynamic_head_mismatches),
     "commit takes the first pending pair's current token one pair late": (
         eagle.EagleDrafter, "commit", ("c.n_prev - 2 - old.start", "c.n_prev - 1 - old.start"),
         head_mismatches),
-    "a chain's T=1 steps read the drafted token as its own current token": (
-        eagle, "draft_phase", ("return (g[:, 0], nt, t, c)", "return (g[:, 0], nt, nt, c)"),
+    "a chain's drafts read the drafted token as its own current token": (
+        eagle.EagleDrafter, "feed", ("prev_tokens=jnp.take_along_axis(fst.tokens, parent, 1)",
+                                     "prev_tokens=tokens"),
+        chain_mismatches),
+    "the chain's walker hands d_j the parent d_j (itself) instead of d_{j-1}": (
+        walkers, "chain", ("jnp.broadcast_to(j - 1, tok.shape)", "jnp.broadcast_to(j, tok.shape)"),
         chain_mismatches),
     "the prompt's pairs read x_{i+1} as their current token": (
         eagle, "_prefill_head",  # jitted: its Python function mutated and jitted again
