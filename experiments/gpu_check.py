@@ -107,7 +107,7 @@ def main(argv):
     bcfg.target, bcfg.draft, bcfg.dtype = "tiny", "tiny-draft", "float32"
     bcfg.batches, bcfg.gammas, bcfg.n_predict, bcfg.ctx_size, bcfg.reps = (1, 2), (2,), 8, 48, 1
     scfg.target, scfg.draft, scfg.dtype = "tiny", "tiny-draft", "float32"
-    scfg.gammas, scfg.n_predict, scfg.ctx_size, scfg.reps = (1, 2), 8, 48, 1
+    scfg.gammas, scfg.n_predict, scfg.ctx_size, scfg.reps = (2,), 8, 48, 1  # one group
     scfg.accepts = ("bernoulli:0.8", "always")
     models, n_prompt, n_gen, depth = ["tiny-draft", "tiny"], [1, 2, 4], 4, 8
     attn_model, attn_points, attn_gen = "tiny", [(32, 8), (128, 8), (128, 96)], 4
