@@ -232,6 +232,14 @@ def test_bad_config_is_one_clear_error(tmp_path, tiny_dir, field, value, match):
   assert not os.listdir(tmp_path)  # refused before anything was written
 
 
+def test_a_workdir_that_is_a_file_is_one_line(tmp_path, tiny_dir):
+  path = tmp_path / "w"
+  path.write_text("notes")
+  with pytest.raises(OutputError, match="is a file"):
+    run(_tiny_config(tiny_dir), path)
+  assert path.read_text() == "notes"
+
+
 def test_heldout_prompts_need_a_tokenizer(tmp_path, tiny_dir):
   with pytest.raises(SpecjaxError, match="tokenizer"):
     run(_tiny_config(tiny_dir, heldout_prompts=2), tmp_path)

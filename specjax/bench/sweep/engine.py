@@ -26,7 +26,6 @@ from specjax.model import steps
 from specjax.model import tree as trees
 
 GAMMA_EVERY = autogamma.EVERY
-TREE_EVERY = autotree.EVERY
 PRIOR_P = autotree.PRIOR_P
 PROBE_REPEATS = probes.PROBE_REPEATS
 BatchCosts, TreeCosts = autogamma.BatchCosts, autotree.TreeCosts
@@ -291,7 +290,3 @@ def batch_costs(loop: Loop, probe_t, probe_d, batch: int, gammas: Sequence[int],
   t_draft = probe_d.times([1], reps, sp=sp)[1].median
   return autogamma.BatchCosts(batch, t_target, t_draft,
                               {g: loop.accept_s(g, sp, rule, d, reps, batch) for g in gammas})
-
-
-def gamma_costs_from_dict(d) -> autogamma.BatchCosts:
-  return autogamma.BatchCosts.from_dict(d)

@@ -47,18 +47,10 @@ def machine(env: Record) -> Record:
   return {**{k: env.get(k) for k in MACHINE}, "cpu": (env.get("cpu") or {}).get("model")}
 
 
-def _check_writable(workdir: str) -> None:
-  check = getattr(wd, "check_output_dir", None)
-  if check is not None:
-    check(workdir, "workdir")
-  elif os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise OutputError(f"workdir {workdir} is a file, not a folder")
-
-
 def check(workdir: str, cfg: SweepConfig, env: Record, resume: bool, overwrite: bool,
           outputs: tuple[str, ...] = OUTPUTS) -> Claim:
   """Refuses (one line) a workdir the run must not write into; writes nothing."""
-  _check_writable(workdir)
+  wd.check_output_dir(workdir, "workdir")  # a file, no write access: one line now
   if resume and overwrite:
     raise ConfigError("--resume keeps a workdir's records and --overwrite moves them aside: "
                       "give one")
