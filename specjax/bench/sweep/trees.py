@@ -244,7 +244,8 @@ class TreesRunner:
     return points.tree_point_key(rec)
 
   def extra_slots(self, cfg: SweepConfig) -> int:
-    return max(max(t.n, getattr(t, "n_fed", 0)) for t in fixed_trees(cfg).values())
+    # the slots a step writes past the cache's length, less one (SpecConfig.block - 1)
+    return max(max(t.block_size, t.fed_slots) for t in fixed_trees(cfg).values()) - 1
 
   def measure(self, setup: Setup, todo: list[TreePoint], emit: Emit) -> tuple[dict, list[str]]:
     """The points not done, in order; a drafter that cannot run a kind of
