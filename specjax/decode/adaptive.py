@@ -37,6 +37,10 @@ EVERY = 8  # steps per chunk once warmed in: the shape is re-chosen this often
 class Chooser(Protocol):
   """Picks the candidate of each chunk from what the run has seen."""
 
+  def start(self, rows: int) -> None:
+    """Before the run: refuses (ConfigError) what does not fit its `rows`
+    (costs measured at another batch)."""
+
   def observe(self, name: str, records: dict[str, np.ndarray]) -> None:
     """The live row-steps of the chunk just run with candidate `name`
     (speculative.REC_FIELDS, each [entries])."""
@@ -53,6 +57,9 @@ class Fixed:
   names: Sequence[str]
   estimates: list = dataclasses.field(default_factory=list)
   _chunk: int = 0
+
+  def start(self, rows):
+    del rows
 
   def observe(self, name, records):
     del name, records
@@ -83,6 +90,7 @@ def generate(target: steps.Runner, draft: steps.Runner | None, prompts, n_predic
   if unknown:
     raise ConfigError(f"no candidate {sorted(unknown)[0]!r} in this run's "
                       f"{', '.join(plan.configs)}")
+  chooser.start(len(prompts))
   dparams = plan.drafter.draft_params(target.params, draft)
   probs = {k: jnp.asarray(plan.accept_probs(k)) for k in plan.configs}
   eos = generation.NO_EOS if eos_id is None else int(eos_id)

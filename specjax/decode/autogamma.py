@@ -150,6 +150,9 @@ class GammaChooser:
   def __post_init__(self):
     _check_costs(self.cost, [gamma_of(k) for k in self.plan.configs])
 
+  def start(self, rows):
+    check_batch(self.cost, rows)
+
   def observe(self, name, records):
     del name
     acc, drafted = records["n_acc"], records["n_drafted"]

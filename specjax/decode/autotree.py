@@ -177,6 +177,9 @@ class TreeChooser:
     self.rank_accepted = np.zeros(width, np.int64)
     self.rank_tried = np.zeros(width, np.int64)
 
+  def start(self, rows):
+    check_batch(self.cost, rows)
+
   def observe(self, name, records):
     leaves = records["leaf"]
     self.rank_accepted += self.tables[name][0][leaves].sum(0)

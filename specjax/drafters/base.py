@@ -49,7 +49,7 @@ class DraftedTree:
   mask: Any = None      # [B, 1+N, 1+N] per-row tree mask, None: sc.tree.mask()
   fed: Any = None       # [B, 1+N] each block's slot in the draft's own scratch layout
                         # (-1: never fed), None: the block's own index where its depth
-                        # is below the tree's (the layout of draft_model.draft_tree_phase)
+                        # is below the tree's (walkers.static_tree's layout)
   drafted: Any = None   # [B, N] bool: nodes really drafted (others never tried), None: all
 
   @property
@@ -137,9 +137,12 @@ class Drafter:
 
   def check_tree(self, tree) -> None:
     """Refuses (ConfigError, one line) a token tree this drafter cannot draft;
-    checked with the config (SpecConfig, the scripts' --tree), before any
-    model runs. Every drafter here drafts static and dynamic trees unless it
-    says otherwise."""
+    checked with the flags (plan.parse_flags), before any model runs. A
+    drafter without its own propose_tree drafts none; one with it drafts
+    static and dynamic trees unless it says otherwise."""
+    if type(self).propose_tree is Drafter.propose_tree:
+      raise ConfigError(f"drafter {self.spec} cannot draft a token tree (--tree={tree.spec}); "
+                        "use --tree=chain")
 
   def propose_tree(self, dparams, dstate, tcache: kvc.KVCache, tail, n, live, key, sc):
     """propose for a token tree (sc.tree): (DraftedTree, dstate, tcache)."""

@@ -289,10 +289,9 @@ class EagleDrafter(network.NetworkDrafter):
   default the shipped stdlib-eagle). State: HeadState; the verify's features
   come through commit (needs_features). The prompt's features come from a
   target prefill pass of init's own (the engine's prefill returns none):
-  one extra prompt pass per call, outside the decode loop. p_min is not
-  applied (the head always drafts gamma). Token trees: a static tree
-  (draft_tree_phase) or EAGLE-2's dynamic one (--tree=dynamic:K,D,N,
-  draft_dynamic_phase), both committed as the chain of the accepted path."""
+  one extra prompt pass per call, outside the decode loop. Its chains and
+  trees are the walkers' (drafters/walkers.py); a tree's step is committed
+  as the chain of its accepted path."""
   path: str = "stdlib-eagle"
   kind: ClassVar[str] = "eagle"
   needs_features: ClassVar[bool] = True

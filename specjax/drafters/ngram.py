@@ -58,6 +58,7 @@ class NgramDrafter(Drafter):
   def check_tree(self, tree):
     """A dynamic tree is ranked by the draft's distribution; prompt lookup has
     none, so it drafts static trees only."""
+    Drafter.check_tree(self, tree)
     if isinstance(tree, DynamicTree):
       raise ConfigError(f"drafter {self.spec} drafts static trees only; {tree.spec} needs a "
                         "drafter with a draft distribution (model, layerskip, eagle)")

@@ -156,10 +156,6 @@ def test_refusals(runners):
     auto_tree(target, draft, PROMPTS, 4, cost, {"kary:3,2": trees.kary(3, 2)})
 
 
-@pytest.mark.xfail(strict=True, reason="engine gap after 1175685: a drafter without "
-                   "propose_tree passes plan.resolve (Drafter.check_tree accepts it); it is "
-                   "refused only when a tree chunk is traced, never if the chooser keeps to "
-                   "chains (here: 4 tokens, chain:1 only)")
 def test_a_drafter_without_trees_is_refused_before_the_run(runners):
   target, _, _, cost, _ = runners
   ngram = registry.parse("ngram")
