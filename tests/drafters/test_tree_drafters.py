@@ -669,10 +669,6 @@ MUTATIONS = {
         head_mismatches),
     "eagle's commit ignores the path (block-order features)": (
         tree_step, "path_features", _path_ignored, head_mismatches),
-    "eagle's dynamic tree feeds every node the root's feature": (
-        eagle.EagleDrafter, "feed", ("fst.feats, parent[:, :, None], 1)",
-                                     "fst.feats, 0 * parent[:, :, None], 1)"),
-        dynamic_head_mismatches),
     "a grafted chain's continuation hangs from the root, not the node it reached": (
         dynamic, "graft_chain", ("jnp.where(add, cur, -1))", "jnp.where(add, -1, -1))"),
         graft_reference_mismatches),
@@ -689,7 +685,7 @@ MUTATIONS = {
     "the head's RoPE one position late at fed depth >= 3": (
         eagle, "head_forward", ("+ model_lib.tree_depths(tree_mask)",
                                 "+ (lambda d: d + (d >= 2))(model_lib.tree_depths(tree_mask))"),
-        lambda v6: head_mismatches(v6) + dynamic_head_mismatches(v6)),
+        head_mismatches),  # HEAD_TREE feeds a node at depth 3
 }
 
 
@@ -734,7 +730,7 @@ def test_head_drafts_a_chain_as_the_teacher_forced_head(v6_head, v6_prev):
 
 # on the head that reads each pair's current token (v6_prev)
 PREV_MUTATIONS = {
-    "a static tree's node paired with its own token as the current one": (
+    "a fed node paired with its own token as the current one (chains and trees)": (
         eagle.EagleDrafter, "feed", ("prev_tokens=jnp.take_along_axis(fst.tokens, parent, 1)",
                                      "prev_tokens=tokens"),
         head_mismatches),
@@ -745,10 +741,6 @@ PREV_MUTATIONS = {
     "commit takes the first pending pair's current token one pair late": (
         eagle.EagleDrafter, "commit", ("c.n_prev - 2 - old.start", "c.n_prev - 1 - old.start"),
         head_mismatches),
-    "a chain's drafts read the drafted token as its own current token": (
-        eagle.EagleDrafter, "feed", ("prev_tokens=jnp.take_along_axis(fst.tokens, parent, 1)",
-                                     "prev_tokens=tokens"),
-        chain_mismatches),
     "the chain's walker hands d_j the parent d_j (itself) instead of d_{j-1}": (
         walkers, "chain", ("jnp.broadcast_to(j - 1, tok.shape)", "jnp.broadcast_to(j, tok.shape)"),
         chain_mismatches),
