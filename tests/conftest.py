@@ -47,6 +47,23 @@ if _CACHE:  # also in this process, should a plugin have imported jax before thi
                     int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
+# The slowest files first: with pytest-xdist (the README's command: a file per
+# worker at a time, so module fixtures are set up once) the workers then finish
+# together instead of one waiting out a long file at the end.
+SLOW_FILES_FIRST = ("parallel/test_sharding.py", "scripts/test_scripts.py",
+                    "drafters/test_tree_drafters.py", "bench/test_sweep.py",
+                    "bench/test_taskbench.py", "train/test_selfdistill.py",
+                    "drafters/test_eagle.py", "decode/test_trees.py")
+
+
+def pytest_collection_modifyitems(items):
+  def rank(item):
+    path = str(item.path).replace(os.sep, "/")
+    return next((i for i, f in enumerate(SLOW_FILES_FIRST) if path.endswith(f)),
+                len(SLOW_FILES_FIRST))
+  items.sort(key=rank)  # stable: the order within a file, and of the rest, is kept
+
+
 @pytest.fixture(scope="session")
 def init_params():
   """model.init_params memoised on (cfg, seed): each call of the original
