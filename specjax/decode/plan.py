@@ -67,15 +67,8 @@ class SpecConfig:
     if self.tree is not None and self.gamma != self.tree.max_depth:
       raise ConfigError(f"a tree of depth {self.tree.max_depth} runs at gamma = its depth, "
                         f"got gamma {self.gamma}")
-    if self.tree is not None and self.p_min > 0:
-      raise ConfigError("p_min (draft early stop) is for chains; a tree drafts every node")
     object.__setattr__(self, "drafter", registry.parse(self.drafter))
-    if self.tree is not None:
-      self.drafter.check_tree(self.tree)
-      if self.tree.graft and not self.drafter.can_graft:
-        raise ConfigError(f"--tree={self.tree.spec} grafts a prompt-lookup chain onto an EAGLE "
-                          f"head's tree; drafter {self.drafter.spec} cannot (use "
-                          "--drafter=eagle[:PATH])")
+    check_shape(self.drafter, self.tree, self.p_min)
     object.__setattr__(self, "draft", self.drafter.draft_config(self.target, self.draft))
     if self.draft is not None:
       check_vocabularies(self.target, self.draft)
@@ -99,6 +92,18 @@ class SpecConfig:
     if self.tree is None:
       return self.gamma + 1
     return max(self.tree.block_size, self.tree.fed_slots)
+
+
+def check_shape(drafter: Drafter, tree, p_min: float) -> None:
+  """The drafter can draft the shape (None: the chain) with these settings."""
+  if tree is None:
+    return
+  if p_min > 0:
+    raise ConfigError("p_min (draft early stop) is for chains; a tree drafts every node")
+  drafter.check_tree(tree)
+  if tree.graft and not drafter.can_graft:
+    raise ConfigError(f"--tree={tree.spec} grafts a prompt-lookup chain onto an EAGLE head's "
+                      f"tree; drafter {drafter.spec} cannot (use --drafter=eagle[:PATH])")
 
 
 def check_vocabularies(target: ModelConfig, draft: ModelConfig) -> None:
@@ -273,8 +278,7 @@ def parse_flags(*, drafter: Drafter | str = "model", gamma: int | str = 4,
     cands, auto = {t.spec if t is not None else f"chain:{g}": (g, t)}, ""
   for g, t in cands.values():
     rule.resolve(g)
-    if t is not None:
-      drafter.check_tree(t)
+    check_shape(drafter, t, p_min)
   if auto:
     if p_min:
       raise ConfigError(f"--{'gamma' if auto == 'gamma' else 'tree'}=auto runs the device loop "
