@@ -88,9 +88,10 @@ _AUTO_EVERY = flags.DEFINE_integer("auto_every", autogamma.EVERY, "Steps between
                                    lower_bound=1)
 _AUTO_COSTS = flags.DEFINE_string("auto_costs", None, "A sweep's costs.json to take the costs at "
                                   "this batch from, instead of measuring them at start.")
-_EAGLE_HEAD = flags.DEFINE_string("eagle_head", "stdlib-eagle", "The head of --drafter=eagle: a "
-                                  "directory written by experiments/train_eagle.py, or "
-                                  "stdlib-eagle (shipped, for --model=stdlib-target).")
+_EAGLE_HEAD = flags.DEFINE_string("eagle_head", "", "The head of --drafter=eagle: a directory "
+                                  "written by experiments/train_eagle.py, or a shipped head's "
+                                  "name; default: the head shipped for --model (stdlib-eagle for "
+                                  "stdlib-target, smollm2-eagle for smollm2-135m).")
 
 
 def _drafter():
@@ -176,7 +177,7 @@ def main(argv):
     spec_tps.append(res.stats.tokens_per_s)
   _report(tcfg, pl, tok, prompts, res, b if _BASELINE.value else None,
           statistics.median(spec_tps), statistics.median(base_tps) if base_tps else None,
-          capacity, compile_s, dparams=drafter.draft_params(tparams, draft))
+          capacity, compile_s, dparams=pl.drafter.draft_params(tparams, draft))
 
 
 def row_lines(res, auto: str = "") -> list[str]:

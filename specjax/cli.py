@@ -70,7 +70,7 @@ DRAFTER_HELP = ("What proposes the drafts: model (the --model_draft model) | ngr
                 "(prompt lookup over the prompt and output, n-gram sizes B down to A; "
                 "default 1-4) | layerskip:N (the target's first N layers, sharing its "
                 "cache) | layerskip:LIST (listed target layers, e.g. 0-9,12,15) | eagle[:PATH] "
-                "(an EAGLE head; default the shipped stdlib-eagle, for stdlib-target).")
+                "(an EAGLE head; bare: the head shipped for the target, stdlib-eagle or smollm2-eagle).")
 
 
 def DEFINE_config_file(name: str, default: str, help_string: str):  # pylint: disable=invalid-name

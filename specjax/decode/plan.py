@@ -67,7 +67,7 @@ class SpecConfig:
     if self.tree is not None and self.gamma != self.tree.max_depth:
       raise ConfigError(f"a tree of depth {self.tree.max_depth} runs at gamma = its depth, "
                         f"got gamma {self.gamma}")
-    object.__setattr__(self, "drafter", registry.parse(self.drafter))
+    object.__setattr__(self, "drafter", registry.parse(self.drafter).for_target(self.target))
     check_shape(self.drafter, self.tree, self.p_min)
     object.__setattr__(self, "draft", self.drafter.draft_config(self.target, self.draft))
     if self.draft is not None:

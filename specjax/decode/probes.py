@@ -140,8 +140,8 @@ class ProposeProbe:
     self.k, self.capacity, self.depth = k, capacity, depth
     rng = np.random.RandomState(seed)
     prompt = rng.randint(0, target_cfg.vocab_size, depth - 1).tolist()
-    self.dparams = (drafter.draft_params(target.params, None) if target is not None
-                    else drafter.draft_params(None, None))
+    self.dparams = self.sc.drafter.draft_params(None if target is None else target.params,
+                                                None)
     self.dstate = self.sc.drafter.init(self.sc, target, self.dparams, [prompt], capacity,
                                        jnp.asarray([prompt[-1]]))
     self.tail = jnp.asarray([[prompt[-1], prompt[-1]]], jnp.int32)

@@ -122,6 +122,12 @@ class Drafter:
   def draft_params(self, tparams, draft: steps.Runner | None):
     raise NotImplementedError
 
+  def for_target(self, target: ModelConfig) -> "Drafter":
+    """This drafter for `target` (a spec that leaves a choice to the target,
+    like a bare 'eagle', names it here; SpecConfig calls it)."""
+    del target
+    return self
+
   def own_params(self, dparams) -> int:
     """Parameters of its own (what it only reads of the target's is not counted)."""
     return 0

@@ -59,12 +59,29 @@ def head_config(target: ModelConfig) -> ModelConfig:
                         vocab_multiple=1)  # no vocabulary params of its own
 
 
+def fits(hcfg: ModelConfig, target: ModelConfig) -> bool:
+  """The head reads the target's features, embedding and LM head: their widths agree."""
+  return (hcfg.dim, hcfg.vocab_size) == (target.dim, target.vocab_size)
+
+
+def _described(cfg: ModelConfig) -> str:
+  return f"{cfg.name or 'the target'} (dim {cfg.dim}, vocab {cfg.vocab_size})"
+
+
 def check_head(hcfg: ModelConfig, target: ModelConfig) -> None:
-  """The head reads the target's features, embedding and LM head."""
-  if (hcfg.dim, hcfg.vocab_size) != (target.dim, target.vocab_size):
-    raise ConfigError(f"EAGLE head {hcfg.name} (dim {hcfg.dim}, vocab {hcfg.vocab_size}) "
-                      f"does not fit target {target.name} (dim {target.dim}, vocab "
-                      f"{target.vocab_size})")
+  if not fits(hcfg, target):
+    raise ConfigError(f"EAGLE head {_described(hcfg)} does not fit target {_described(target)}")
+
+
+def shipped_head_for(target: ModelConfig) -> str:
+  """The name of the shipped head that fits `target` (ConfigError, one line, if none)."""
+  names = [n for n in SHIPPED_EAGLE if fits(_load_cached(n)[0], target)]
+  if len(names) != 1:
+    shipped = ", ".join(f"{n} (for {_load_cached(n)[2].get('target', '?')})"
+                        for n in SHIPPED_EAGLE)
+    raise ConfigError(f"no shipped EAGLE head fits target {_described(target)}; shipped: "
+                      f"{shipped}; give one with --drafter=eagle:PATH")
+  return names[0]
 
 
 class EagleHead(nn.Module):
@@ -174,7 +191,7 @@ def save_head(path: str | os.PathLike, hcfg: ModelConfig, hparams, target_cfg: M
   return path
 
 
-def load_eagle(path: str | os.PathLike = "stdlib-eagle") -> tuple[ModelConfig, Any, dict]:
+def load_eagle(path: str | os.PathLike) -> tuple[ModelConfig, Any, dict]:
   """(head config, head params in float32, the config file's dict).
 
   `path`: a directory written by save_head, or a shipped head's name."""
@@ -285,14 +302,14 @@ def _load_cached(path: str):
 
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(network.NetworkDrafter):
-  """The EAGLE head at `path` as a drafter (spec 'eagle' or 'eagle:PATH';
-  default the shipped stdlib-eagle). State: HeadState; the verify's features
+  """The EAGLE head at `path` as a drafter (spec 'eagle:PATH', or 'eagle':
+  the shipped head of the loaded target, `for_target`). State: HeadState; the verify's features
   come through commit (needs_features). The prompt's features come from a
   target prefill pass of init's own (the engine's prefill returns none):
   one extra prompt pass per call, outside the decode loop. Its chains and
   trees are the walkers' (drafters/walkers.py); a tree's step is committed
   as the chain of its accepted path."""
-  path: str = "stdlib-eagle"
+  path: str = ""  # "": the head shipped for the target (for_target names it)
   kind: ClassVar[str] = "eagle"
   needs_features: ClassVar[bool] = True
   gamma_free_state: ClassVar[bool] = False  # pending pairs are [B, gamma+1, ...]
@@ -303,14 +320,20 @@ class EagleDrafter(network.NetworkDrafter):
 
   @property
   def spec(self) -> str:
-    return "eagle" if self.path == "stdlib-eagle" else f"eagle:{self.path}"
+    return f"eagle:{self.path}" if self.path else "eagle"
+
+  def for_target(self, target):
+    return self if self.path else dataclasses.replace(self, path=shipped_head_for(target))
 
   def draft_config(self, target, draft):
-    hcfg = _load_cached(self.path)[0]
+    hcfg = _load_cached(self.for_target(target).path)[0]
     check_head(hcfg, target)
     return hcfg
 
   def draft_params(self, tparams, draft):
+    if not self.path:
+      raise ConfigError("drafter 'eagle' names no head yet: resolve it for the target "
+                        "(Drafter.for_target, as SpecConfig does)")
     return {"head": _load_cached(self.path)[1], "target": tparams}
 
   def init(self, sc, target, dparams, prompts, capacity, first):

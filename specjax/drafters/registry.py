@@ -34,7 +34,7 @@ def parse(spec: str | Drafter) -> Drafter:
     raise ConfigError(f"unknown drafter {text!r}; valid: model, ngram[:A-B], layerskip:N, "
                       "layerskip:LIST (e.g. 0-9,12,15), eagle")
   if kind == "eagle":
-    return eagle.EagleDrafter(arg.strip() or "stdlib-eagle")
+    return eagle.EagleDrafter(arg.strip())  # bare: the target's shipped head
   if kind == "model":
     if colon:
       raise ConfigError(f"drafter 'model' takes no argument, got {text!r}")

@@ -354,4 +354,18 @@ def test_own_param_count_is_the_layer_and_fc_not_the_shared_vocabulary():
   e = hcfg.dim
   want = hcfg.num_params() - hcfg.vocab_size * e - e + (2 * e * e + e)  # no final norm; the fc
   assert model.param_count(eagle.load_eagle("stdlib-eagle")[1]) == want == 856_832
-  assert eagle.EagleDrafter().own_params(eagle.EagleDrafter().draft_params({}, None)) == want
+  head = eagle.EagleDrafter("stdlib-eagle")
+  assert head.own_params(head.draft_params({}, None)) == want
+
+
+def test_a_bare_eagle_is_the_head_shipped_for_the_target():
+  """--drafter=eagle names the shipped head that fits the loaded target;
+  none fitting is one line that lists them."""
+  from specjax.errors import ConfigError
+  stdlib = eagle.load_eagle("stdlib-eagle")[2]["target_config"]
+  target = get_preset("tiny").replace(**{k: stdlib[k] for k in ("dim", "vocab_size")},
+                                       name="")
+  assert plan.SpecConfig(target, None, 2, drafter="eagle").drafter.path == "stdlib-eagle"
+  with pytest.raises(ConfigError, match=r"no shipped EAGLE head fits target the target "
+                                        r"\(dim 64, vocab 256\); shipped: stdlib-eagle"):
+    plan.SpecConfig(CFG.replace(name=""), None, 2, drafter="eagle")
