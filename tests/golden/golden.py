@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from specjax.decode import adaptive
@@ -224,6 +225,7 @@ def main() -> int:
           if want[k] != got.get(k):
             print(f"    {k}: golden {want[k]} got {got.get(k)}")
     print(f"[{i + 1}/{len(todo)}] {status:8s} {dt:6.1f}s {case.key}", flush=True)
+    jax.clear_caches()  # no case reuses another's programs: a long check keeps few mapped
   print(f"{len(todo) - bad} of {len(todo)} cases reproduce" if args.check else "done")
   return 1 if bad else 0
 
