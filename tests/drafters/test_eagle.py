@@ -158,6 +158,7 @@ def test_drafts_equal_the_teacher_forced_head(shipped):
                              drafter=drafter)
   st = res.state
   sc = plan.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter=drafter)
+  drafter = sc.drafter  # the shipped head, resolved for the target
   dparams = drafter.draft_params(target.params, None)
   hcfg, hparams = sc.draft, dparams["head"]
   d = drafter.propose(dparams, st.dcache, None, st.tail, st.n, jnp.ones(st.n.shape, bool),
