@@ -17,6 +17,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from specjax.drafters import network
+from specjax.drafters import vocab
 from specjax.errors import ConfigError
 from specjax.model import kv_cache as kvc
 from specjax.model import llama
@@ -43,10 +44,10 @@ class ModelDrafter(network.NetworkDrafter):
   def draft_params(self, tparams, draft):
     if draft is None:
       raise ConfigError("drafter 'model' needs a draft model (--model_draft)")
-    return draft.params
+    return vocab.attach(draft.params, draft.params, self.vocab_ids(draft.cfg.vocab_size))
 
   def own_params(self, dparams) -> int:
-    return llama.param_count(dparams)
+    return llama.param_count({k: v for k, v in dparams.items() if k != vocab.PARAMS_KEY})
 
   def init(self, sc, target, dparams, prompts, capacity, first):
     m = steps.Runner(sc.draft, dparams)
@@ -58,9 +59,12 @@ class ModelDrafter(network.NetworkDrafter):
     return network.CacheFeed(cache=cache, base=cache.lengths), behind
 
   def feed(self, dparams, fst, tokens, lo, anc, parent, sc):
-    logits, cache = llama.forward(dparams, tokens, kvc.rollback(fst.cache, fst.base + lo),
-                                  sc.draft, tree_mask=anc)
-    return logits, fst.replace(cache=cache)
+    cache = kvc.rollback(fst.cache, fst.base + lo)
+    if vocab.PARAMS_KEY not in dparams:
+      logits, cache = llama.forward(dparams, tokens, cache, sc.draft, tree_mask=anc)
+      return logits, fst.replace(cache=cache)
+    _, cache, hidden = llama.forward(dparams, tokens, cache, sc.draft, tree_mask=anc, head=False)
+    return vocab.draft_logits(dparams, hidden, sc.draft.padded_vocab), fst.replace(cache=cache)
 
   def end(self, dparams, fst, dstate, tcache, n, sc):
     return kvc.rollback(fst.cache, fst.base), tcache
@@ -108,7 +112,7 @@ class LayerSkipDrafter(ModelDrafter):
     return self.layers == tuple(range(len(self.layers)))
 
   @property
-  def spec(self) -> str:
+  def base_spec(self) -> str:
     if self.prefix:
       return f"layerskip:{len(self.layers)}"
     if len(self.layers) == 1:  # 'layerskip:K' alone would mean the first K layers
@@ -124,7 +128,8 @@ class LayerSkipDrafter(ModelDrafter):
   def draft_params(self, tparams, draft):
     params = {k: v for k, v in dict(tparams).items() if not k.startswith("layers_")}
     params.update({f"layers_{i}": tparams[f"layers_{l}"] for i, l in enumerate(self.layers)})
-    return params
+    vocab_size = params["embed"]["embedding"].shape[0]  # padded: the ids are checked below it
+    return vocab.attach(params, tparams, self.vocab_ids(vocab_size))
 
   def init(self, sc, target, dparams, prompts, capacity, first):
     if self.prefix:

@@ -32,6 +32,7 @@ from specjax.formats import safetensors_io
 from specjax.drafters import dynamic
 from specjax.drafters import network
 from specjax.drafters import ngram
+from specjax.drafters import vocab
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model_lib
 from specjax import workdir as wd
@@ -319,7 +320,7 @@ class EagleDrafter(network.NetworkDrafter):
     return model_lib.param_count(dparams["head"])  # the target's embedding: only read
 
   @property
-  def spec(self) -> str:
+  def base_spec(self) -> str:
     return f"eagle:{self.path}" if self.path else "eagle"
 
   def for_target(self, target):
@@ -334,7 +335,15 @@ class EagleDrafter(network.NetworkDrafter):
     if not self.path:
       raise ConfigError("drafter 'eagle' names no head yet: resolve it for the target "
                         "(Drafter.for_target, as SpecConfig does)")
-    return {"head": _load_cached(self.path)[1], "target": tparams}
+    hcfg, hparams, _ = _load_cached(self.path)
+    ids = self.vocab_ids(hcfg.vocab_size, SHIPPED_EAGLE.get(self.path, Path(self.path)))
+    return vocab.attach({"head": hparams, "target": tparams}, tparams, ids)
+
+  def logits(self, dparams, g, sc):
+    """Next-token logits of predicted features g [..., E]: the target's LM
+    head, or its rows of the reduced set (expanded to target ids)."""
+    out = vocab.draft_logits(dparams, g, sc.target.padded_vocab)
+    return model_lib.head_logits(dparams["target"], g, sc.target) if out is None else out
 
   def init(self, sc, target, dparams, prompts, capacity, first):
     _, _, hidden = target.prefill(prompts, target.new_cache(len(prompts), capacity),
@@ -362,7 +371,7 @@ class EagleDrafter(network.NetworkDrafter):
   def feed(self, dparams, fst, tokens, lo, anc, parent, sc):
     tparams = dparams["target"]
     if isinstance(lo, int) and lo == 0:  # the root: its pair is cached, its feature known
-      return model_lib.head_logits(tparams, fst.feats[:, :1], sc.target), fst
+      return self.logits(dparams, fst.feats[:, :1], sc), fst
     feats = jnp.take_along_axis(fst.feats, parent[:, :, None], 1)  # the parents' [B, w, E]
     g, hcache = head_forward(dparams["head"], tparams, feats, tokens,
                              kvc.rollback(fst.hcache, fst.base + lo), sc.draft, sc.target,
@@ -371,7 +380,7 @@ class EagleDrafter(network.NetworkDrafter):
     fst = fst.replace(hcache=hcache,
                       feats=jax.lax.dynamic_update_slice_in_dim(fst.feats, g, lo, 1),
                       tokens=jax.lax.dynamic_update_slice_in_dim(fst.tokens, tokens, lo, 1))
-    return model_lib.head_logits(tparams, g, sc.target), fst
+    return self.logits(dparams, g, sc), fst
 
   def end(self, dparams, fst, dstate, tcache, n, sc):
     return dstate.replace(hcache=kvc.rollback(fst.hcache, n - 1)), tcache

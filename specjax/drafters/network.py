@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.drafters import vocab
 from specjax.drafters import walkers
 from specjax.drafters.base import Drafted, Drafter
 from specjax.model import kv_cache as kvc
@@ -47,7 +48,23 @@ def catch_up(forward, cache: kvc.KVCache, tail, n, live):
 @dataclasses.dataclass(frozen=True)
 class NetworkDrafter(Drafter):
   """A drafter that runs a network (module docstring): propose and
-  propose_tree are the walkers over its feed."""
+  propose_tree are the walkers over its feed. `vocab` (spec suffix
+  ':vocab=V'): its LM head over a reduced set of ids (drafters/vocab.py;
+  '': the set stored with its weights, if any; 'full': none)."""
+  vocab: str = dataclasses.field(default="", kw_only=True)
+
+  @property
+  def base_spec(self) -> str:
+    """The spec without its vocabulary."""
+    return self.kind
+
+  @property
+  def spec(self) -> str:
+    return f"{self.base_spec}:vocab={self.vocab}" if self.vocab else self.base_spec
+
+  def vocab_ids(self, vocab_size: int, default_dir=None):
+    """The reduced set's sorted ids (None: the full vocabulary)."""
+    return vocab.resolve(self.vocab, vocab_size, default_dir)
 
   def begin(self, dparams, dstate, tcache, tail, n, live, sc, width: int):
     raise NotImplementedError

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from specjax.drafters import eagle
+from specjax.drafters import vocab
+from specjax.drafters.network import NetworkDrafter
 from specjax.drafters.base import Drafter
 from specjax.drafters.draft_model import MODEL, LayerSkipDrafter
 from specjax.drafters.ngram import NgramDrafter
@@ -22,17 +26,31 @@ def _int(text: str, spec: str) -> int:
 
 def parse(spec: str | Drafter) -> Drafter:
   """'model' | 'ngram' | 'ngram:A-B' | 'layerskip:N' | 'layerskip:0-9,12,15'
-  | 'eagle' -> a Drafter (ConfigError, one line, for anything else).
+  | 'eagle' | 'eagle:PATH' -> a Drafter (ConfigError, one line, for anything
+  else); a network drafter's spec may end in ':vocab=V' (full, N, a shipped
+  ranking or a path: its reduced draft vocabulary, drafters/vocab.py).
 
   Layer indices are checked against the target later (draft_config)."""
   if isinstance(spec, Drafter):
     return spec
   text = str(spec).strip()
+  head, sep, value = text.rpartition(":vocab=")
+  if sep:
+    value = value.strip()
+    if not value:
+      raise ConfigError(f"drafter {text!r}: vocab= needs a value (full, N or a path)")
+    vocab.check_spec(value)
+    drafter = parse(head)
+    if not isinstance(drafter, NetworkDrafter):
+      raise ConfigError(f"drafter {text!r}: {drafter.kind} has no LM head to reduce (vocab=)")
+    return dataclasses.replace(drafter, vocab=value)
+  text = str(spec).strip()
   kind, colon, arg = text.partition(":")
   kind = kind.strip().lower()
   if kind not in KINDS:
     raise ConfigError(f"unknown drafter {text!r}; valid: model, ngram[:A-B], layerskip:N, "
-                      "layerskip:LIST (e.g. 0-9,12,15), eagle")
+                      "layerskip:LIST (e.g. 0-9,12,15), eagle[:PATH], each network drafter "
+                      "with an optional :vocab=V")
   if kind == "eagle":
     return eagle.EagleDrafter(arg.strip())  # bare: the target's shipped head
   if kind == "model":

@@ -30,7 +30,7 @@ class Llama(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, positions, cache: kvc.KVCache, logit_index=None,
-               return_hidden=False, tree_mask=None):
+               return_hidden=False, tree_mask=None, head=True):
     # tokens, positions [B, T] -> logits [B, T, V] (f32), or [B, 1, V] at
     # logit_index [B] (prefill needs only the last real token's logits).
     # return_hidden: also the final-normed hidden state [B, T, E] of every
@@ -43,11 +43,17 @@ class Llama(nn.Module):
                      name="embed")
     x = embed(tokens)  # [B, T, E]
     ks, vs = [], []
-    for i in range(cfg.n_layers):
+    if cfg.scan_layers and not self.is_initializing():  # init: the same per-layer params
+      x, ks, vs = scan_blocks(cfg, self.variables["params"], x, positions, cache, tree_mask)
+    for i in range(0 if ks else cfg.n_layers):
       x, k, v = Block(cfg, name=f"layers_{i}")(
           x, positions, cache.k[i], cache.v[i], cache.lengths, tree_mask)
       ks.append(k)
       vs.append(v)
+    t = tokens.shape[1]
+    new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
+    if not head:  # the hidden states only (a reduced-vocabulary draft applies its own head)
+      return None, new_cache, RMSNorm(cfg, name="final_norm")(x)
     if return_hidden:  # normed at every position, then taken (the norm is per position)
       hidden = x = RMSNorm(cfg, name="final_norm")(x)  # [B, T, E]
       if logit_index is not None:
@@ -63,11 +69,31 @@ class Llama(nn.Module):
     else:
       logits = dense(cfg, cfg.padded_vocab, "lm_head")(x)
     logits = mask_padded_logits(logits.astype(jnp.float32), cfg)
-    t = tokens.shape[1]
-    new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
     if return_hidden:
       return logits, new_cache, hidden
     return logits, new_cache
+
+
+def scan_blocks(cfg: ModelConfig, params, x, positions, cache: kvc.KVCache, tree_mask):
+  """The layers as one lax.scan (cfg.scan_layers): the per-layer params and
+  caches stacked along a new leading axis L, one Block applied per step, the
+  caches unstacked after. The params keep their per-layer layout (every
+  loader and the sharding table read it); their stack is loop-invariant, so
+  XLA hoists it out of a decode loop, while the caches' stack and unstack are
+  copies in every forward. Same logits as the unrolled layers; whether it
+  cuts a GPU step's launches is measured (gpu_check's levers part).
+  Returns (x, ks, vs), ks and vs L x [B, K, S, D]."""
+  stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
+                                   *[params[f"layers_{i}"] for i in range(cfg.n_layers)])
+  block = Block(cfg, parent=None)  # unbound: applied to each layer's slice
+
+  def body(h, layer):
+    p, k, v = layer
+    h, k, v = block.apply({"params": p}, h, positions, k, v, cache.lengths, tree_mask)
+    return h, (k, v)
+
+  x, (ks, vs) = jax.lax.scan(body, x, (stacked, jnp.stack(cache.k), jnp.stack(cache.v)))
+  return x, list(ks), list(vs)
 
 
 # ------------------------------------------------------- the padded vocabulary
@@ -161,7 +187,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
 
 
 def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,
-            logit_index=None, return_hidden=False, tree_mask=None):
+            logit_index=None, return_hidden=False, tree_mask=None, head=True):
   """Runs T new tokens per row against the cache.
 
   Args:
@@ -186,6 +212,7 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
       forward wrote just before lengths (a draft tree's next level; mask
       rows are theirs, columns the whole block). None: the causal chain,
       unchanged.
+    head: False skips the LM head: (None, cache, hidden [B, T, E]).
   Returns:
     (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T), and
     hidden [B, T, E] (cfg.dtype) last when return_hidden.
@@ -196,7 +223,7 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
   if positions is None:
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
   return Llama(cfg).apply({"params": params}, tokens, positions, cache,
-                          logit_index, return_hidden, tree_mask)
+                          logit_index, return_hidden, tree_mask, head)
 
 
 def tree_depths(tree_mask):
