@@ -22,9 +22,11 @@ from specjax.formats import gguf as gguf_file
 from specjax.formats import gguf_weights
 from specjax.formats import hf
 from specjax.model import llama as model_lib
+from specjax.model import levers
 from specjax.model import quant
 from specjax.model import sharding
-from specjax.model.config import INT8, ModelConfig, canonical_precision, get_preset, preset_names
+from specjax.model.config import INT8, ModelConfig, canonical_precision, for_backend
+from specjax.model.config import get_preset, preset_names
 from specjax.errors import CheckpointError, TokenizerError
 from specjax.formats.tokenizer import FILES as TOKENIZER_FILES
 from specjax.formats.tokenizer import Tokenizer, load_tokenizer
@@ -251,12 +253,22 @@ def load_model(spec: str, dtype: str | None = None, seed: int = 0, role: str = "
     role: 'target' or 'draft'. On the active mesh (sharding.activate) a
       target is split over the model axis, a draft is split or replicated
       (--draft_sharding); every device reads or creates only its own shards.
+  The attention kind 'auto' is resolved here for the backend
+  (config.for_backend: blocked on the CPU, masked on a GPU), and the
+  process's lever (model/levers.py) applied, for every kind of spec.
   Raises:
     CheckpointError: `spec` is none of the three, or the checkpoint is bad.
     ConfigError: the model axis does not divide the model's sizes (heads,
       KV heads, FFN width; a vocabulary it does not divide is padded:
       sharding.pad_vocab).
   """
+  cfg, params, tok = _load_any(spec, dtype, seed, role)
+  cfg = levers.active().model_config(for_backend(cfg, jax.default_backend()), role)
+  return cfg, params, tok
+
+
+def _load_any(spec: str, dtype: str | None, seed: int, role: str):
+  """load_model before the backend's and the lever's settings."""
   if spec in preset_names():
     cfg = sharding.pad_vocab(get_preset(spec, dtype))
     shapes = jax.eval_shape(lambda: model_lib.init_params(cfg))

@@ -49,6 +49,26 @@ def canonical_dtype(name: str) -> str:
   return name
 
 
+# The attention kinds (layers.Attention): 'blocked' visits KV blocks up to the
+# used length (built for XLA:CPU, where it pays); 'masked' is one masked pass
+# over the capacity; 'fused' is jax.nn.dot_product_attention (cuDNN's fused
+# kernel on a GPU in 16-bit, XLA's elsewhere). 'auto' is resolved per backend
+# at model load (for_backend): on a GPU the blocked loop was 2.7-4.8x slower
+# than the masked pass at capacity 4096 (H200, docs/results.md).
+ATTENTIONS = ("auto", "blocked", "masked", "fused")
+BACKEND_ATTENTION = {"gpu": "masked"}  # other backends keep 'auto', which runs 'blocked'
+
+
+def for_backend(cfg: "ModelConfig", backend: str) -> "ModelConfig":
+  """cfg with attention 'auto' resolved for `backend` ('cpu', 'gpu', ...):
+  the backend's kind where BACKEND_ATTENTION names one, else cfg unchanged
+  (so a CPU config stays equal to its preset). An explicit kind is kept."""
+  kind = BACKEND_ATTENTION.get(backend)
+  if cfg.attention != "auto" or kind is None:
+    return cfg
+  return cfg.replace(attention=kind)
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """LLaMA-3 style RoPE frequency scaling (HF rope_type 'llama3')."""
@@ -79,6 +99,10 @@ class ModelConfig:
   dot_dtype: str | None = None  # matmul operand dtype, accumulated in `dtype`; None = dtype
   attn_block: int = 256         # KV slots per attention block (cost follows the used
                                 # length); 0 = one masked pass over the capacity
+  attention: str = "auto"       # 'blocked' | 'masked' | 'fused' (ATTENTIONS); 'auto': the
+                                # backend's (for_backend, at model load; blocked if unresolved)
+  scan_layers: bool = False     # the layers as one lax.scan over their stacked weights
+                                # (llama.scan_blocks; same logits, fewer ops to launch)
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   quant: str | None = None      # 'int8': weight-only int8 projections (see INT8)
@@ -94,6 +118,9 @@ class ModelConfig:
       raise ConfigError(f"{self.name}: vocab_multiple must be >= 1, got {self.vocab_multiple}")
     if int(self.attn_block) < 0:
       raise ConfigError(f"{self.name}: attn_block must be >= 0, got {self.attn_block}")
+    if self.attention not in ATTENTIONS:
+      raise ConfigError(f"{self.name}: attention must be one of {', '.join(ATTENTIONS)}, "
+                        f"got {self.attention!r}")
     for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
                   "ffn_dim", "max_seq_len"):
       if int(getattr(self, field)) <= 0:

@@ -289,15 +289,54 @@ def attend_blocked(q, k_cache, v_cache, positions, block: int, dtype, tree=None)
   return jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4)).astype(dtype)
 
 
+def cache_mask(positions, s_cap: int, tree: TreeBlock | None = None):
+  """Which cache slots each new token sees, bool [B, T, S]: slots <= its
+  position (a chain); with `tree`, the cached slots < tree.lengths and, of
+  the block at tree.lengths .. (written there before attending, see
+  tree_block), its row of the tree mask."""
+  slots = jnp.arange(s_cap)
+  if tree is None:
+    return slots[None, None, :] <= positions[:, :, None]
+  j = slots[None, :] - tree.lengths[:, None]  # [B, S]: index in the block
+  mask = jnp.broadcast_to(tree.mask, (j.shape[0],) + tree.mask.shape[1:])  # [B, T, W]
+  w = mask.shape[-1]
+  cols = jnp.broadcast_to(jnp.clip(j, 0, w - 1)[:, None, :], mask.shape[:2] + (s_cap,))
+  in_block = jnp.take_along_axis(mask, cols, axis=2) & ((j >= 0) & (j < w))[:, None, :]
+  return (j < 0)[:, None, :] | in_block
+
+
+def fused_implementation(dtype) -> str:
+  """jax.nn.dot_product_attention's implementation: cuDNN's fused kernel on
+  a GPU for 16-bit operands (it takes no float32), XLA's otherwise."""
+  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+
+
+def attend_fused(q, k_cache, v_cache, mask, dtype):
+  """attend_masked through jax.nn.dot_product_attention (the 'fused' kind).
+
+  q [B, T, K, G, D]; k_cache, v_cache [B, K, S, D]; mask [B, T, S] (cache_mask).
+  Its layout is [B, S, K, D]: the cache is transposed for it (a copy XLA may
+  fold into the kernel's operand layout). Returns [B, T, K, G, D]."""
+  b, t, k, g, d = q.shape
+  to_bskd = lambda c: jnp.swapaxes(c, 1, 2).astype(q.dtype)
+  out = jax.nn.dot_product_attention(
+      q.reshape(b, t, k * g, d), to_bskd(k_cache), to_bskd(v_cache), mask=mask[:, None],
+      implementation=fused_implementation(q.dtype))  # [B, T, H, D]
+  return out.reshape(b, t, k, g, d).astype(dtype)
+
+
 class Attention(nn.Module):
   """Grouped-query attention over a preallocated cache.
 
   The G = H // K query heads that share a kv head are grouped on their own
   axis, so repeated kv heads are never materialised; the cache is laid out
   [B, K, S, D], so scores and outputs are batched products over (B, K) that
-  read it in place. With cfg.attn_block (and a capacity larger than one
-  block) the cost follows the used length (attend_blocked); with 0, one
-  masked pass over the capacity (attend_masked: what training differentiates).
+  read it in place. cfg.attention chooses the kernel (config.ATTENTIONS):
+  'blocked' (and 'auto', unresolved) with cfg.attn_block and a capacity
+  larger than one block follows the used length (attend_blocked); 'masked',
+  or attn_block 0, is one masked pass over the capacity (attend_masked: what
+  training differentiates); 'fused' is jax.nn.dot_product_attention.
 
   tree_mask (optional, bool [T, T] or [B, T, T]): the T new tokens are a token
   tree's verify block (tree_mask[a, b]: b is a or an ancestor of a); each
@@ -330,7 +369,10 @@ class Attention(nn.Module):
     tree = (None if tree_mask is None else
             tree_block(kk, vv, tree_mask, lengths, k_cache, v_cache))
     block = cfg.attn_block
-    if block and k_cache.shape[2] > block:
+    if cfg.attention == "fused":
+      out = attend_fused(q, k_cache, v_cache, cache_mask(positions, k_cache.shape[2], tree),
+                         cfg.jnp_dtype)
+    elif block and k_cache.shape[2] > block and cfg.attention in ("auto", "blocked"):
       out = attend_blocked(q, k_cache, v_cache, positions, block, cfg.jnp_dtype, tree)
     else:
       out = attend_masked(q, k_cache, v_cache, positions, cfg.jnp_dtype, tree)
