@@ -50,11 +50,13 @@ class Judged:
 def verify_phase(tparams, tcache, tail, drafts, sc):
   """Target distributions p [B, gamma+1, V] at [last, d_1..d_gamma], tcache +
   gamma+1, and for a drafter that `needs_features` the target's final-normed
-  hidden states there [B, gamma+1, E] (else None)."""
+  hidden states there [B, gamma+1, E] (else None; the drafter's
+  `feature_layers`: those layers' outputs [B, gamma+1, len * E])."""
   tokens = jnp.concatenate([tail[:, 1:], drafts], 1)  # [B, gamma+1]
   if sc.drafter.needs_features:
     logits, tcache, feats = model.forward(tparams, tokens, tcache, sc.target,
-                                          return_hidden=True)
+                                          return_hidden=True,
+                                          hidden_layers=sc.drafter.feature_layers)
     return sampling.probs(logits, sc.sp), tcache, feats
   logits, tcache = model.forward(tparams, tokens, tcache, sc.target)
   return sampling.probs(logits, sc.sp), tcache, None

@@ -58,11 +58,13 @@ class TreeJudged(Judged):
 def verify_phase(tparams, tcache, tail, d: DraftedTree, sc):
   """Target distributions p [B, 1+N, V] over the tree block, tcache with the
   block in scratch slots (lengths unchanged), and the target's hidden states
-  [B, 1+N, E] for a drafter that `needs_features` (else None)."""
+  [B, 1+N, E] for a drafter that `needs_features` (else None; its
+  `feature_layers`: those layers' outputs, [B, 1+N, len * E])."""
   block = jnp.concatenate([tail[:, 1:], d.tokens], 1)  # [B, 1+N]
   mask = sc.tree.mask() if d.mask is None else d.mask
   out = steps.tree_verify(tparams, block, mask, tcache, sc.target,
-                          return_hidden=sc.drafter.needs_features)
+                          return_hidden=sc.drafter.needs_features,
+                          hidden_layers=sc.drafter.feature_layers)
   feats = out[2] if sc.drafter.needs_features else None
   return sampling.probs(out[0], sc.sp), out[1], feats
 

@@ -73,7 +73,8 @@ class Committed:
   live: jax.Array      # [B] bool: the row was live during the step
   d_len: jax.Array     # [B] a gamma-step draft cache's length after the step (catch-up rule)
   features: Any = None  # [B, gamma+1, E] target hidden states at [last, d_1..d_gamma]
-                        # (needs_features), else None
+                        # (needs_features; [B, gamma+1, len * E] with feature_layers),
+                        # else None
 
   def roll(self, dcache: kvc.KVCache) -> kvc.KVCache:
     """A draft cache after the step: d_len, cut to what was kept."""
@@ -131,6 +132,13 @@ class Drafter:
   def own_params(self, dparams) -> int:
     """Parameters of its own (what it only reads of the target's is not counted)."""
     return 0
+
+  @property
+  def feature_layers(self) -> tuple[int, ...] | None:
+    """The target layers whose outputs a drafter that `needs_features` reads,
+    concatenated (llama.forward's hidden_layers; EAGLE-3's low, middle and
+    high); None: the final-normed hidden state (EAGLE-1)."""
+    return None
 
   def init(self, sc, target: steps.Runner, dparams, prompts, capacity: int, first):
     raise NotImplementedError

@@ -22,6 +22,7 @@ import numpy as np
 from specjax.model import kv_cache as kvc
 from specjax.model.config import ModelConfig
 from specjax.model import quant
+from specjax.errors import ConfigError
 from specjax.model.layers import Block, RMSNorm, weight_init, dense, dot_general
 
 
@@ -30,32 +31,38 @@ class Llama(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, positions, cache: kvc.KVCache, logit_index=None,
-               return_hidden=False, tree_mask=None, head=True):
+               return_hidden=False, tree_mask=None, head=True, hidden_layers=None):
     # tokens, positions [B, T] -> logits [B, T, V] (f32), or [B, 1, V] at
     # logit_index [B] (prefill needs only the last real token's logits).
     # return_hidden: also the final-normed hidden state [B, T, E] of every
     # position (what the LM head reads; HF LlamaModel's output).
     # V is cfg.padded_vocab; the padded ids' logits are masked.
     # tree_mask: [T, T] or [B, T, T] bool, a token tree's verify (forward).
+    # hidden_layers: the hidden returned is these layers' outputs, concatenated.
     cfg = self.cfg
     embed = nn.Embed(cfg.padded_vocab, cfg.dim, dtype=cfg.jnp_dtype,
                      param_dtype=cfg.jnp_param_dtype, embedding_init=weight_init,
                      name="embed")
     x = embed(tokens)  # [B, T, E]
     ks, vs = [], []
-    if cfg.scan_layers and not self.is_initializing():  # init: the same per-layer params
+    outs = []  # each layer's output (hidden_layers)
+    if cfg.scan_layers and not self.is_initializing() and not hidden_layers:
       x, ks, vs = scan_blocks(cfg, self.variables["params"], x, positions, cache, tree_mask)
     for i in range(0 if ks else cfg.n_layers):
       x, k, v = Block(cfg, name=f"layers_{i}")(
           x, positions, cache.k[i], cache.v[i], cache.lengths, tree_mask)
       ks.append(k)
       vs.append(v)
+      outs.append(x)
+    taken = jnp.concatenate([outs[i] for i in hidden_layers], -1) if hidden_layers else None
     t = tokens.shape[1]
     new_cache = kvc.KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + t)
     if not head:  # the hidden states only (a reduced-vocabulary draft applies its own head)
-      return None, new_cache, RMSNorm(cfg, name="final_norm")(x)
+      normed = RMSNorm(cfg, name="final_norm")(x)
+      return None, new_cache, normed if taken is None else taken
     if return_hidden:  # normed at every position, then taken (the norm is per position)
       hidden = x = RMSNorm(cfg, name="final_norm")(x)  # [B, T, E]
+      hidden = hidden if taken is None else taken  # [B, T, len(hidden_layers) * E]
       if logit_index is not None:
         x = jnp.take_along_axis(x, logit_index[:, None, None], axis=1)  # [B, 1, E]
     else:
@@ -187,7 +194,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
 
 
 def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,
-            logit_index=None, return_hidden=False, tree_mask=None, head=True):
+            logit_index=None, return_hidden=False, tree_mask=None, head=True,
+            hidden_layers=None):
   """Runs T new tokens per row against the cache.
 
   Args:
@@ -213,6 +221,10 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
       rows are theirs, columns the whole block). None: the causal chain,
       unchanged.
     head: False skips the LM head: (None, cache, hidden [B, T, E]).
+    hidden_layers: a tuple of layer indices (EAGLE-3's low, middle and high
+      features): the hidden returned is then the concatenation of those
+      layers' outputs (the residual stream after each, not normed)
+      [B, T, len * E]; the layers run unrolled. None: the final-normed state.
   Returns:
     (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T), and
     hidden [B, T, E] (cfg.dtype) last when return_hidden.
@@ -222,8 +234,13 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
     positions = cache.lengths[:, None] - prior + tree_depths(tree_mask)
   if positions is None:
     positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]
+  if hidden_layers is not None:
+    hidden_layers = tuple(int(i) for i in hidden_layers)
+    if not hidden_layers or not all(0 <= i < cfg.n_layers for i in hidden_layers):
+      raise ConfigError(f"hidden_layers {hidden_layers}: need layer indices in "
+                        f"0..{cfg.n_layers - 1}")
   return Llama(cfg).apply({"params": params}, tokens, positions, cache,
-                          logit_index, return_hidden, tree_mask, head)
+                          logit_index, return_hidden, tree_mask, head, hidden_layers)
 
 
 def tree_depths(tree_mask):

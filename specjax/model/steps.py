@@ -30,19 +30,20 @@ def prefill_bucket(n: int) -> int:
   return max(MIN_BUCKET, 1 << (int(n) - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "return_hidden"),
+@functools.partial(jax.jit, static_argnames=("cfg", "return_hidden", "hidden_layers"),
                    donate_argnames=("cache",))
 def prefill_step(params, tokens, n_valid, cache: kvc.KVCache, cfg: ModelConfig,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, hidden_layers: tuple[int, ...] | None = None):
   """Prompts padded to a bucket: tokens [B, Tb], n_valid [B] real tokens per row.
 
   Returns (logits of each row's last real token [B, V], cache). Padding slots
   are written but lie past the new length, so they are never attended to.
-  return_hidden: also the final-normed hidden states [B, Tb, E] (llama.forward).
+  return_hidden: also the final-normed hidden states [B, Tb, E] (llama.forward;
+  hidden_layers: those layers' outputs instead, concatenated).
   """
   start = cache.lengths
   out = model.forward(params, tokens, cache, cfg, logit_index=n_valid - 1,
-                      return_hidden=return_hidden)
+                      return_hidden=return_hidden, hidden_layers=hidden_layers)
   logits, cache = out[0], kvc.rollback(out[1], start + n_valid)
   return (logits[:, 0], cache, out[2]) if return_hidden else (logits[:, 0], cache)
 
@@ -55,7 +56,7 @@ def forward_step(params, tokens, cache: kvc.KVCache, cfg: ModelConfig):
 
 
 def tree_verify(params, tokens, tree_mask, cache: kvc.KVCache, cfg: ModelConfig,
-                return_hidden: bool = False):
+                return_hidden: bool = False, hidden_layers: tuple[int, ...] | None = None):
   """The target's verify of a token tree: one forward over the block
   tokens [B, T] = [root (the step's tail), node_0 .. node_{N-1}] at fixed
   shape, block index j at position lengths + depth[j], each attending to the
@@ -77,11 +78,11 @@ def tree_verify(params, tokens, tree_mask, cache: kvc.KVCache, cfg: ModelConfig,
                       f"[B, {t}, {t}], got shape {jnp.shape(tree_mask)}")
   start = cache.lengths
   out = model.forward(params, tokens, cache, cfg, tree_mask=tree_mask,
-                      return_hidden=return_hidden)
+                      return_hidden=return_hidden, hidden_layers=hidden_layers)
   return (out[0], kvc.rollback(out[1], start)) + tuple(out[2:])
 
 
-tree_verify_step = jax.jit(tree_verify, static_argnames=("cfg", "return_hidden"),
+tree_verify_step = jax.jit(tree_verify, static_argnames=("cfg", "return_hidden", "hidden_layers"),
                            donate_argnames=("cache",))
 
 
@@ -97,12 +98,14 @@ class Runner:
     return kvc.init_cache(self.cfg, batch, capacity,
                           sharding=sharding.cache_sharding(self.params, batch))
 
-  def prefill(self, prompts, cache: kvc.KVCache, return_hidden: bool = False):
+  def prefill(self, prompts, cache: kvc.KVCache, return_hidden: bool = False,
+              hidden_layers: tuple[int, ...] | None = None):
     """Prefills a list of B token lists (any lengths) at cache.lengths.
 
     Returns (last-token logits [B, V], cache), and with return_hidden the
     final-normed hidden states [B, Tb, E] of the padded bucket (row b's
-    first len(prompts[b]) are its prompt's).
+    first len(prompts[b]) are its prompt's; hidden_layers: those layers'
+    outputs, concatenated, llama.forward).
     """
     if len(prompts) != cache.batch:
       raise ValueError(f"{len(prompts)} prompts for a cache of batch {cache.batch}")
@@ -122,7 +125,8 @@ class Runner:
     for b, p in enumerate(prompts):
       tokens[b, :len(p)] = p
     return prefill_step(self.params, jnp.asarray(tokens), jnp.asarray(lens),
-                        cache, cfg=self.cfg, return_hidden=return_hidden)
+                        cache, cfg=self.cfg, return_hidden=return_hidden,
+                        hidden_layers=hidden_layers)
 
   def forward(self, tokens, cache: kvc.KVCache, lengths=None):
     """tokens [B, T] -> (logits [B, T, V], cache). `lengths` (host copy of
