@@ -84,6 +84,18 @@ class Tokenizer:
       return self._backend.decode(ids, skip_special_tokens=skip_special)
     return self._backend.decode(ids)
 
+  def special_ids(self) -> list[int]:
+    """The ids of the special tokens (BOS, EOS and the format's control
+    tokens: an HF tokenizer's added special tokens, sentencepiece's control
+    and unknown pieces), sorted."""
+    ids = {i for i in (self.bos_id, self.eos_id) if i is not None}
+    if self.kind == "hf":
+      ids |= {int(i) for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+    else:
+      sp = self._backend
+      ids |= {i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
+    return sorted(ids)
+
   def tokens(self) -> list[str]:
     """Every token's string, by id."""
     if self.kind == "hf":
