@@ -15,7 +15,6 @@ Auto gamma measures its costs with these at start; the sweep's cost model
 
 from __future__ import annotations
 
-from __future__ import annotations
 import dataclasses
 import functools
 from typing import Sequence
@@ -31,6 +30,7 @@ from specjax.model import steps
 from specjax.metrics import timing
 from specjax.model.sampling import SamplingParams
 from specjax.drafters import draft_model
+from specjax.drafters import vocab
 from specjax.drafters.base import Drafted, DraftedTree
 
 
@@ -41,12 +41,17 @@ PROBE_REPEATS = 4  # ... in the sweep's probes, which it repeats (sweep.PROBE_RE
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "sp"), donate_argnames=("cache",))
 def repeat_forward(params, tokens, cache: kvc.KVCache, key, cfg, k: int, sp: SamplingParams):
   """k forwards of tokens from the same cache state, on device (no dispatch),
-  each followed by what a run does with the logits."""
+  each followed by what a run does with the logits (a draft's params with a
+  reduced vocabulary: its head over the set, as the drafter runs it)."""
   depth = cache.lengths
 
   def body(i, carry):
     c, acc = carry
-    logits, c = model_lib.forward(params, tokens, c, cfg)
+    if vocab.PARAMS_KEY in params:  # a draft over a reduced set: its own head's product
+      _, c, hidden = model_lib.forward(params, tokens, c, cfg, head=False)
+      logits = vocab.draft_logits(params, hidden, cfg.padded_vocab)
+    else:
+      logits, c = model_lib.forward(params, tokens, c, cfg)
     # Consume every logit, as decoding does: keeping only a slice would let
     # XLA shrink the lm_head matmul to that slice.
     tok = sampling.sample_logits(jax.random.fold_in(key, i), logits, sp)
