@@ -67,6 +67,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.taskbench_category = ""      # ... the category one of its sweeps runs (set by the runner)
   c.taskbench_prompts = 0        # ... conversations per category (0 = all)
   c.taskbench_trees = ()         # ... tree rows, DRAFTER@TREE
+  c.taskbench_suite = "dev"      # ... dev (specjax/assets/taskbench) | eval (taskbench_eval)
   c.noise_threshold = 0.15       # flag the run when target-only speed or T(1) spreads more
   if arg == "quick":
     c.gammas = (1, 2, 4, 8)

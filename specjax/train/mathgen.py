@@ -1,6 +1,9 @@
 """Math word problems with known answers, generated from templates (seeded):
-the task suite's math category (bench/sweep/taskbench.py, SUITE_SEED / SUITE_N) and
-the training prompt mix's (train/replies.py, another seed). Each problem's
+the development suite's math category (bench/sweep/taskbench.py, SUITE_SEED /
+SUITE_N, `math_problems`) and the training prompt mix's (train/replies.py,
+`training_problems`). The two use disjoint templates and closing phrases, so
+no training problem shares a skeleton with the suite (issue 38; the
+evaluation suite's are written by hand, docs/taskbench.md). Each problem's
 answer is `evaluate(expression)` of the numbers in its text."""
 
 from __future__ import annotations
@@ -51,27 +54,74 @@ _TEMPLATES = (
     ("A cyclist rides {a} kilometres a day for {b} days, then {c} kilometres on the last "
      "day. How far does she ride in total?", "{a} * {b} + {c}"),
 )
+_CLOSING = "Think step by step, then give the final answer as a number."
+# The training mix's own skeletons and closing: none shares a phrase with the
+# suites (tests/train/test_leaks.py checks runs of 8 tokens).
+_TRAIN_TEMPLATES = (
+    ("A farmer collects {a} eggs a day for {b} days and drops {c} of them. How many "
+     "unbroken eggs does the farmer have?", "{a} * {b} - {c}"),
+    ("Sam puts {a} dollars aside each week for {b} weeks, then spends {c} dollars on a "
+     "gift. What is left of his savings?", "{a} * {b} - {c}"),
+    ("A choir starts the year with {a} singers; {b} join in spring and {b} more in "
+     "summer. How big is the choir by autumn?", "{a} + 2 * {b}"),
+    ("Nina bakes {a} cakes using {b} grams of flour for each and still has {c} grams "
+     "in the bag. How much flour did the bag hold at first?", "{a} * {b} + {c}"),
+    ("A car park has {a} levels of {b} spaces, and {c} spaces are taken. How many "
+     "spaces are free?", "{a} * {b} - {c}"),
+    ("Two jars hold {a} and {b} buttons. Pia moves buttons until both jars hold the "
+     "same amount. How many buttons end up in each jar?", "({a} + {b}) // 2"),
+    ("A ferry takes {a} cars per crossing and crosses {b} times on weekdays. On Sunday "
+     "it adds {c} crossings. How many cars can it take on Sunday?", "({b} + {c}) * {a}"),
+    ("A packer fills {a} crates with {b} apples each and then finds {c} loose apples "
+     "on the floor. How many apples are there altogether?", "{a} * {b} + {c}"),
+    ("Omar has a budget of {c} coins and buys {b} lamps costing {a} coins apiece. "
+     "How many coins does he keep?", "{c} - {a} * {b}"),
+    ("A hiker climbs {a} metres before lunch and {b} metres after, then walks {c} "
+     "metres back down. How high above the start is she?", "{a} + {b} - {c}"),
+)
+_TRAIN_CLOSING = "Show the working, and put the result on the last line."
 
 
-def math_problems(n: int = SUITE_N, seed: int = SUITE_SEED) -> list[dict]:
-  """n word problems (seeded), each {"messages", "expression", "answer"}:
-  the answer is `evaluate(expression)`, the expression uses the numbers in
-  the text. The templates are cycled, the numbers drawn."""
+def _draw(rng: random.Random, expr: str) -> tuple[dict, str, int]:
+  """Numbers for one template, drawn until the answer is a whole non-negative number."""
+  while True:
+    v = {"a": rng.randint(3, 24), "b": rng.randint(2, 15), "c": rng.randint(2, 40)}
+    if "({a} - {b}) // 2" == expr:
+      v["a"] = v["b"] + 2 * rng.randint(2, 20)  # an even remainder to share
+    if "({a} + {b}) // 2" == expr:
+      v["a"] += (v["a"] + v["b"]) % 2  # an even total to halve
+    if "{c} - {a} * {b}" == expr:
+      v["c"] = v["a"] * v["b"] + rng.randint(1, 50)
+    expression = expr.format(**v)
+    answer = evaluate(expression)
+    if answer >= 0:
+      return v, expression, answer
+
+
+def _problems(templates, closing: str, n: int, seed: int) -> list[dict]:
   rng = random.Random(seed)
   out = []
   for i in range(n):
-    text, expr = _TEMPLATES[i % len(_TEMPLATES)]
-    while True:
-      v = {"a": rng.randint(3, 24), "b": rng.randint(2, 15), "c": rng.randint(2, 40)}
-      if "({a} - {b}) // 2" == expr:
-        v["a"] = v["b"] + 2 * rng.randint(2, 20)  # an even remainder to share
-      if "{c} - {a} * {b}" == expr:
-        v["c"] = v["a"] * v["b"] + rng.randint(1, 50)
-      expression = expr.format(**v)
-      answer = evaluate(expression)
-      if answer >= 0:
-        break
-    prompt = text.format(**v) + " Think step by step, then give the final answer as a number."
-    out.append({"messages": [{"role": "user", "content": prompt}],
-                "expression": expression, "answer": answer})
+    text, expr = templates[i % len(templates)]
+    v, expression, answer = _draw(rng, expr)
+    out.append({"messages": [{"role": "user", "content": f"{text.format(**v)} {closing}"}],
+                "expression": expression, "answer": answer, "template": i % len(templates)})
   return out
+
+
+def math_problems(n: int = SUITE_N, seed: int = SUITE_SEED) -> list[dict]:
+  """n word problems of the development suite (seeded), each {"messages",
+  "expression", "answer"}: the answer is `evaluate(expression)`, the
+  expression uses the numbers in the text. The templates are cycled, the
+  numbers drawn."""
+  out = _problems(_TEMPLATES, _CLOSING, n, seed)
+  for r in out:
+    del r["template"]
+  return out
+
+
+def training_problems(n: int, seed: int) -> list[dict]:
+  """n word problems for the training mix, as `math_problems` but from
+  _TRAIN_TEMPLATES with their own closing; "template" is the skeleton's
+  index (the mix's split keeps a skeleton on one side)."""
+  return _problems(_TRAIN_TEMPLATES, _TRAIN_CLOSING, n, seed)

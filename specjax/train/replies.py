@@ -1,12 +1,20 @@
 """The data of specjax/train/selfdistill.py: the prompt mix written here,
 the target's replies to it (resumable batches), second-turn follow-ups, raw
 stdlib documents, and one target pass per sequence storing each position's
-feature and top-K soft label (why: docs/training.md)."""
+feature and top-K soft label (why: docs/training.md).
+
+Invariant of the mix: deduplicated, then split by group (`split`): an
+instruction's (template, topic), a math problem's skeleton, a code or prose
+prompt's source file (whose text no stdlib document repeats), so no held-out
+prompt or its source is trained on. Its templates share no phrasing with the
+task suites (tests/train/test_leaks.py)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +32,11 @@ from specjax.train import corpus, mathgen
 
 # ---------------------------------------------------------------- the prompt mix
 
+# The mix's version, recorded with the data (selfdistill.DATA_FIELDS): 2 is
+# deduplicated, split by group, with templates apart from the suites'; a
+# workdir built by another version is other data.
+MIX_VERSION = 2
+
 TOPICS = (
     "photosynthesis", "compound interest", "the water cycle", "binary search", "recursion",
     "how vaccines work", "supply and demand", "plate tectonics", "hash tables", "gravity",
@@ -34,44 +47,45 @@ TOPICS = (
     "the Roman Empire", "ocean currents", "electric circuits", "sorting algorithms",
     "regular expressions", "volcanoes", "the stock market", "nutrition", "databases",
     "the internet", "migration of birds", "operating systems", "probability", "bread baking")
+# The templates' wording is our own and shares no phrase with the task
+# suites (the first wording did: issue 38).
 INSTRUCTIONS = (
-    "Explain {t} in simple terms.",
-    "Write a short paragraph about {t}.",
-    "Give three key facts about {t}.",
-    "What are the main ideas behind {t}? Answer in a few sentences.",
-    "Explain {t} to a ten-year-old.",
-    "List the advantages and disadvantages of {t}.",
-    "Write a short quiz question about {t}, with its answer.",
-    "Compare {t} and {u} in a few sentences.",
-    "Write a haiku about {t}.",
-    "Why is {t} important? Give two reasons.")
+    "Describe {t} in plain language for a newcomer.",
+    "Write one paragraph on {t}.",
+    "Name three facts worth knowing about {t}.",
+    "Sum up the core ideas of {t} in a few sentences.",
+    "How would you teach {t} to a child? Keep it short.",
+    "Weigh the pros and cons of {t}.",
+    "Pose a short quiz question on {t} and give the answer.",
+    "How are {t} and {u} alike, and how do they differ?",
+    "Compose a haiku on the theme of {t}.",
+    "Give two reasons why {t} matters.")
 CODE_ASKS = {
-    "complete": "Complete this Python function:\n\n```python\n{head}\n```",
-    "explain": "Explain what this Python function does:\n\n```python\n{code}\n```",
-    "edit": ("Rewrite this Python function with clearer variable names and a short "
-             "docstring:\n\n```python\n{code}\n```"),
+    "complete": "Finish writing this Python function:\n\n```python\n{head}\n```",
+    "explain": "Walk me through what this Python function does:\n\n```python\n{code}\n```",
+    "edit": ("Tidy up this Python function: better variable names and a brief "
+             "docstring.\n\n```python\n{code}\n```"),
     "test": "Write a unit test for this Python function:\n\n```python\n{code}\n```"}
 PROSE_ASKS = (
-    "Summarize the following text in two sentences.\n\n{p}",
-    "Read the text and answer the question.\n\nText: {p}\n\nQuestion: What is the main "
-    "purpose of what the text describes?",
-    "Rewrite the following text in plain English.\n\n{p}",
-    "List the key terms in this text and explain each briefly.\n\n{p}")
-# Targeted edits that return the whole function (the kind "edit", added after
-# the first mixes): what a code-editing request asks, in wordings of our own.
-# {name} the function's name, {p} its first parameter (self / cls skipped);
-# the asks that need {p} are skipped for a function without parameters.
+    "Condense this text into a two-sentence summary.\n\n{p}",
+    "Here is a text:\n\n{p}\n\nIn one sentence, what is the thing it describes for?",
+    "Restate the text below in everyday words.\n\n{p}",
+    "Pick out the technical terms in this text and define each one briefly.\n\n{p}")
+# Targeted edits that return the whole function (the kind "edit"): the code
+# first, then the request (a layout the suites do not use). {name} the
+# function's name, {p} its first parameter (self / cls skipped); the asks
+# that need {p} are skipped for a function without parameters.
 EDIT_ASKS = (
-    "Add type hints to this function.",
-    "Rename the function to `{name}_v2`.",
-    "Rename the parameter `{p}` to `{p}_arg` everywhere in the function.",
-    "Add a check at the start that raises TypeError when `{p}` is None.",
-    "Remove the docstring and all comments.",
-    "Give the function a one-line docstring saying what it returns.",
-    "Make `{p}` a keyword-only parameter.",
-    "Log the call with `logging.debug` at the start of the function.")
-EDIT_REPLY = ("Reply with the edited code only.", "Show only the new code.",
-              "Return the whole edited function.")
+    "Annotate the parameters and the return type of this function with type hints.",
+    "Give this function the new name `{name}_v2`.",
+    "Change the parameter name `{p}` to `{p}_arg` throughout.",
+    "Insert a guard at the top: if `{p}` is None, raise TypeError.",
+    "Strip out the docstring and every comment.",
+    "Put a one-line docstring on the function describing its return value.",
+    "Turn `{p}` into a keyword-only parameter.",
+    "Emit a `logging.debug` message when the function is entered.")
+EDIT_REPLY = ("Output just the revised code.", "Answer with the new version and nothing else.",
+              "Give back the complete function after the change.")
 FOLLOWUPS = ("Can you explain that more simply?", "Give an example.", "Make it shorter.",
              "Thanks! What should I learn next?", "Can you say it as a bulleted list?",
              "Why is that?")
@@ -103,13 +117,14 @@ def _first_param(code: str) -> tuple[str, str | None] | None:
   return fn.name, (args[0] if args else None)
 
 
-def edit_prompts(funcs: list[str], n: int, seed: int) -> list[dict[str, Any]]:
-  """n targeted-edit requests (EDIT_ASKS) over the functions funcs, in turn;
-  a function that does not parse, or lacks the parameter an ask names, is
-  passed over. The code comes bare or fenced, in turn."""
+def edit_prompts(funcs: list[tuple[str, str]], n: int, seed: int) -> list[dict[str, Any]]:
+  """n targeted-edit requests (EDIT_ASKS) over the functions funcs ((group,
+  code) pairs), in turn; a function that does not parse, or lacks the
+  parameter an ask names, is passed over. The code comes bare or fenced, in
+  turn, before the request."""
   rng = random.Random(seed)
   out: list[dict[str, Any]] = []
-  for code in funcs:
+  for group, code in funcs:
     if len(out) >= n:
       break
     got = _first_param(code)
@@ -121,8 +136,8 @@ def edit_prompts(funcs: list[str], n: int, seed: int) -> list[dict[str, Any]]:
     body = code.rstrip()
     if len(out) % 2:
       body = f"```python\n{body}\n```"
-    out.append({"kind": "edit", "messages": [
-        {"role": "user", "content": f"{ask} {rng.choice(EDIT_REPLY)}\n\n{body}\n"}]})
+    out.append({"kind": "edit", "group": group, "messages": [
+        {"role": "user", "content": f"{body}\n\n{ask} {rng.choice(EDIT_REPLY)}"}]})
   return out
 
 
@@ -137,47 +152,101 @@ def _docstring_paragraphs(text: str) -> list[str]:
   return [p for p in paras if 200 <= len(p) <= 900 and p.count(">>>") == 0]
 
 
+def _flat(text: str) -> str:
+  """Text with every run of whitespace one space: code compared across indentation."""
+  return " ".join(text.split())
+
+
+def sources(max_files: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+  """(functions, docstring paragraphs) of the stdlib's training split as
+  (group, text), group "file:<path>": only those whose text occurs in one
+  file, once, so a held-out file's prompts are nowhere else."""
+  files, _ = corpus.list_files()
+  files = files[:max_files] if max_files else files
+  root = corpus.stdlib_root()
+  found: dict[str, list[tuple[str, str, str]]] = {}  # flat text -> (kind, group, text)
+  for path, text in corpus.readable(files):
+    group = f"file:{path.relative_to(root).as_posix()}"
+    items = [("func", c) for _, c in corpus.function_blocks(text) if 120 <= len(c) <= 1400]
+    for kind, t in items + [("para", p) for p in _docstring_paragraphs(text)]:
+      found.setdefault(_flat(t), []).append((kind, group, t))
+  once = [v[0] for v in found.values() if len(v) == 1]
+  return ([(g, t) for k, g, t in once if k == "func"],
+          [(g, t) for k, g, t in once if k == "para"])
+
+
+def dedup(records: list[dict]) -> list[dict]:
+  """The records without a repeat of an earlier one's messages."""
+  seen, out = set(), []
+  for r in records:
+    key = json.dumps(r["messages"], sort_keys=True)
+    if key not in seen:
+      seen.add(key)
+      out.append(r)
+  return out
+
+
+def split(records: list[dict], heldout_every: int, seed: int) -> list[dict]:
+  """Each record with "heldout" set by its "group", a whole group on one side.
+  Per family (the group's prefix: file, instruct, math) the groups, in the
+  order of a seeded hash, are held out until the family has
+  ceil(n / heldout_every) held-out records, keeping at least one group for
+  training. Pure: the same records give the same split."""
+  fams: dict[str, dict[str, int]] = {}
+  for r in records:
+    g = fams.setdefault(r["group"].split(":", 1)[0], {})
+    g[r["group"]] = g.get(r["group"], 0) + 1
+  held: set[str] = set()
+  for groups in fams.values():
+    quota, n_held = math.ceil(sum(groups.values()) / heldout_every), 0
+    order = sorted(groups, key=lambda g: hashlib.sha1(f"{seed}:{g}".encode()).hexdigest())
+    for g in order[:-1]:
+      if n_held >= quota:
+        break
+      held.add(g)
+      n_held += groups[g]
+  return [{**r, "heldout": r["group"] in held} for r in records]
+
+
+def heldout_files(mix: list[dict]) -> set[str]:
+  """The stdlib files (paths under its root) of the mix's held-out prompts:
+  `stdlib_documents` leaves them out."""
+  return {r["group"].split(":", 1)[1] for r in mix
+          if r["heldout"] and r["group"].startswith("file:")}
+
+
 def prompt_mix(counts: dict[str, int], seed: int, heldout_every: int,
                max_files: int = 0) -> list[dict[str, Any]]:
   """The prompt mix (module docstring): counts per kind (code, prose,
-  instruct, math, edit); each record {"messages", "kind", "heldout"}. Seeded,
-  built from the stdlib's training split only, never from taskbench."""
+  instruct, math, edit); each record {"messages", "kind", "group",
+  "heldout"}. Seeded, built from the stdlib's training split only, never
+  from the task suites; deduplicated, then `split`."""
   rng = random.Random(seed)
-  files, _ = corpus.list_files()
-  if max_files:
-    files = files[:max_files]
-  funcs, paras = [], []
-  for _, text in corpus.readable(files):
-    funcs += [c for _, c in corpus.function_blocks(text) if 120 <= len(c) <= 1400]
-    paras += _docstring_paragraphs(text)
+  funcs, paras = sources(max_files)
   rng.shuffle(funcs)
   rng.shuffle(paras)
   out: list[dict[str, Any]] = []
   asks = list(CODE_ASKS)
-  for i, code in enumerate(funcs[:counts.get("code", 0)]):
+  for i, (group, code) in enumerate(funcs[:counts.get("code", 0)]):
     ask = asks[i % len(asks)]
-    out.append({"kind": f"code_{ask}", "messages": [{"role": "user", "content": CODE_ASKS[
-        ask].format(code=code.rstrip(), head=_function_head(code))}]})
-  for i, p in enumerate(paras[:counts.get("prose", 0)]):
-    out.append({"kind": "prose", "messages": [
+    out.append({"kind": f"code_{ask}", "group": group, "messages": [{"role": "user", "content":
+                CODE_ASKS[ask].format(code=code.rstrip(), head=_function_head(code))}]})
+  for i, (group, p) in enumerate(paras[:counts.get("prose", 0)]):
+    out.append({"kind": "prose", "group": group, "messages": [
         {"role": "user", "content": PROSE_ASKS[i % len(PROSE_ASKS)].format(p=p)}]})
+  pairs = [(k, t) for k in range(len(INSTRUCTIONS)) for t in TOPICS]
+  rng.shuffle(pairs)  # distinct (template, topic) pairs, then again if more are asked
   for i in range(counts.get("instruct", 0)):
-    t, u = rng.sample(TOPICS, 2)
-    out.append({"kind": "instruct", "messages": [
-        {"role": "user", "content": INSTRUCTIONS[i % len(INSTRUCTIONS)].format(t=t, u=u)}]})
-  suite = {json.dumps(r["messages"]) for r in mathgen.math_problems()}
-  for r in mathgen.math_problems(counts.get("math", 0), seed=seed + 1000):
-    if json.dumps(r["messages"]) not in suite:
-      out.append({"kind": "math", "messages": r["messages"]})
+    k, t = pairs[i % len(pairs)]
+    u = rng.choice([x for x in TOPICS if x != t])
+    out.append({"kind": "instruct", "group": f"instruct:{k}:{t}", "messages": [
+        {"role": "user", "content": INSTRUCTIONS[k].format(t=t, u=u)}]})
+  for r in mathgen.training_problems(counts.get("math", 0), seed=seed + 1000):
+    out.append({"kind": "math", "group": f"math:{r['template']}", "messages": r["messages"]})
   rng.shuffle(out)
-  for i, r in enumerate(out):
-    r["heldout"] = i % heldout_every == 0
-  # Edits come last, from the functions after the code kind's, with their
-  # own seed and split: a mix without them is the same mix as before.
-  edits = edit_prompts(funcs[counts.get("code", 0):], counts.get("edit", 0), seed + 2000)
-  for i, r in enumerate(edits):
-    r["heldout"] = i % heldout_every == 0
-  return out + edits
+  # Edits last, from the functions after the code kind's, with their own seed.
+  out += edit_prompts(funcs[counts.get("code", 0):], counts.get("edit", 0), seed + 2000)
+  return split(dedup(out), heldout_every, seed)
 
 
 # ---------------------------------------------------------------- the target's replies
@@ -267,12 +336,16 @@ def features(target: steps.Runner, seqs: list[list[int]], k: int, batch: int,
           "starts": np.cumsum([0] + [len(s) for s in seqs[:-1]]).astype(np.int64)}
 
 
-def stdlib_documents(tok, n_tokens: int, length: int, max_files: int = 0) -> list[list[int]]:
+def stdlib_documents(tok, n_tokens: int, length: int, max_files: int = 0,
+                     exclude: set[str] | frozenset[str] = frozenset()) -> list[list[int]]:
   """Raw stdlib training-split documents in the target's tokens, cut into
-  pieces of `length`, up to n_tokens in all (the corpus part of the data)."""
+  pieces of `length`, up to n_tokens in all (the corpus part of the data);
+  the files in `exclude` (paths under the stdlib root: `heldout_files`) left out."""
   files, _ = corpus.list_files()
   if max_files:
     files = files[:max_files]
+  root = corpus.stdlib_root()
+  files = [f for f in files if f.relative_to(root).as_posix() not in exclude]
   out, total = [], 0
   for _, text in corpus.readable(files):
     ids = tok.encode(text)

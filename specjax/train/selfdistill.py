@@ -232,6 +232,8 @@ def _check_same_data(c, work: Path) -> None:
   want = {k: (c[k].to_dict() if hasattr(c[k], "to_dict") else c[k]) for k in DATA_FIELDS}
   # a kind at 0 is no kind: a mix from before a kind existed stays the same data
   want["mix"] = {k: v for k, v in want["mix"].items() if int(v)}
+  # the mix's templates and split (replies.MIX_VERSION): a workdir from an older one is other data
+  want["mix_version"] = replies.MIX_VERSION
   file = work / DATA_CONFIG_FILE
   if file.is_file():
     if wd.normalised(wd.read_json(file)) != wd.normalised(want):
@@ -281,7 +283,8 @@ def _data(c, target: steps.Runner, tok, work: Path, log) -> tuple[dict, int, lis
                                        work / "gen", "edit", log) if edits else []
   seqs = [tok.encode_chat(r["messages"]) + rep
           for r, rep in zip(base + follow + edits, first + f_replies + e_replies)]
-  seqs += replies.stdlib_documents(tok, int(c.stdlib_tokens), int(c.doc_len), int(c.max_files))
+  seqs += replies.stdlib_documents(tok, int(c.stdlib_tokens), int(c.doc_len), int(c.max_files),
+                                   exclude=replies.heldout_files(mix))
   random.Random(int(c.seed)).shuffle(seqs)
   n_held = max(1, int(len(seqs) * float(c.eval_share)))
   data = replies.features(target, seqs[n_held:] + seqs[:n_held], int(c.top_k),

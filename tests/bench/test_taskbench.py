@@ -23,9 +23,10 @@ def quick(**kw) -> SweepConfig:
   return SweepConfig.from_mapping(sweep_gamma.get_config("taskbench_quick")).replace(**kw)
 
 
-@pytest.fixture(scope="module")
-def suite():
-  return taskbench.load_suite()
+@pytest.fixture(scope="module", params=sorted(taskbench.SUITES))
+def suite(request):
+  """Each suite: the development one and the evaluation one (taskbench.SUITES)."""
+  return taskbench.load_suite(taskbench.SUITES[request.param])
 
 
 def test_every_category_loads_with_10_to_20_prompts(suite):
@@ -57,14 +58,27 @@ def test_every_math_answer_is_correct(suite):
   assert not _math_ok(dict(r, expression=r["expression"].replace(" - ", " - 1")))
 
 
-def test_math_file_is_the_seeded_generator_output(suite):
-  assert suite["math"] == taskbench.math_problems()
+def test_math_file_is_the_seeded_generator_output():
+  dev = taskbench.load_suite()
+  assert dev["math"] == taskbench.math_problems()
   assert taskbench.math_problems(seed=1) != taskbench.math_problems()
 
 
 def test_qa_answers_copy_from_the_passage(suite):
   for r in suite["qa"]:
     assert r["answer"] in r["messages"][-1]["content"].split("Question:")[0]
+
+
+def test_the_evaluation_suite_is_new():
+  """No conversation, instruction line or math skeleton of the evaluation
+  suite is the development suite's (its phrasing: tests/train/test_leaks.py)."""
+  dev, new = (taskbench.load_suite(taskbench.SUITES[n]) for n in ("dev", "eval"))
+  lines = lambda s: {m["content"].split("\n")[0] for recs in s.values() for r in recs
+                     for m in r["messages"]}
+  assert not lines(dev) & lines(new)
+  skeleton = lambda s: {"".join(c for c in r["messages"][0]["content"] if not c.isdigit())
+                        for r in s["math"]}
+  assert not skeleton(dev) & skeleton(new) and len(skeleton(new)) == len(new["math"])
 
 
 def test_evaluate_refuses_anything_but_arithmetic():
@@ -276,6 +290,12 @@ def test_sweep_renders_a_category_with_the_chat_template():
   assert got[0].count(1) == 3  # <|im_start|> (id 1): system, user, assistant
   # deliberate bug: another category's prompts
   assert prompts.sweep_prompts(c.replace(taskbench_category="qa"), tok, 49152) != want
+  # the evaluation suite, by config.taskbench_suite; an unknown suite is one line
+  got = prompts.sweep_prompts(c.replace(taskbench_suite="eval"), tok, 49152)
+  assert got == [tok.encode_chat(r["messages"]) for r in
+                 taskbench.load_category("math", taskbench.SUITES["eval"])[:2]] and got != want
+  with pytest.raises(ConfigError, match="config.taskbench_suite must be one of dev, eval"):
+    quick(taskbench_suite="fresh")
 
 
 # ------------------------------------------------------------ the goals, from records

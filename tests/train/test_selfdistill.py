@@ -53,15 +53,17 @@ def test_bad_settings_are_one_line(field, value, match):
 
 
 def test_prompt_mix_is_seeded_split_and_never_the_suite():
+  """Seeded; split by group (tests/train/test_leaks.py checks the shipped mix)."""
   counts = {"code": 8, "prose": 4, "instruct": 6, "math": 6}
   a = replies.prompt_mix(counts, 5, 4, max_files=40)
   assert a == replies.prompt_mix(counts, 5, 4, max_files=40)
   assert a != replies.prompt_mix(counts, 6, 4, max_files=40)
-  assert [r["heldout"] for r in a] == [i % 4 == 0 for i in range(len(a))]
+  held = {r["group"] for r in a if r["heldout"]}
+  assert held and not held & {r["group"] for r in a if not r["heldout"]}
   kinds = {r["kind"].split("_")[0] for r in a}
   assert kinds == {"code", "prose", "instruct", "math"}, kinds
-  suite = {m["content"] for recs in taskbench.load_suite().values()
-           for r in recs for m in r["messages"]}
+  suite = {m["content"] for d in taskbench.SUITES.values() for recs in
+           taskbench.load_suite(d).values() for r in recs for m in r["messages"]}
   assert not suite & {m["content"] for r in a for m in r["messages"]}
 
 
@@ -69,27 +71,28 @@ def test_edits_come_after_the_rest_of_the_mix_and_name_their_function():
   counts = {"code": 8, "prose": 4, "instruct": 6, "math": 6}
   base = replies.prompt_mix(counts, 5, 4, max_files=40)
   both = replies.prompt_mix({**counts, "edit": 9}, 5, 4, max_files=40)
-  assert both[:len(base)] == base  # adding edits keeps the mix (and its stored replies)
+  # adding edits keeps the other prompts (the split may move: a file's group spans both)
+  assert [r["messages"] for r in both[:len(base)]] == [r["messages"] for r in base]
   edits = both[len(base):]
   assert len(edits) == 9 and {r["kind"] for r in edits} == {"edit"}
-  assert [r["heldout"] for r in edits] == [i % 4 == 0 for i in range(9)]
   for r in edits:
     text = r["messages"][0]["content"]
-    fn = ast.parse(text.split("\n\n", 1)[1].strip().strip("`").removeprefix("python")).body[0]
+    code, ask = text.rsplit("\n\n", 1)  # the code first, then the request
+    fn = ast.parse(code.strip().strip("`").removeprefix("python")).body[0]
     name = fn.name
     param = ([a.arg for a in fn.args.args if a.arg not in ("self", "cls")] or [None])[0]
-    named = set(text.split("\n")[0].split("`")[1::2]) - {"logging.debug"}
+    named = set(ask.split("`")[1::2]) - {"logging.debug"}
     assert named <= {f"{name}_v2", param, f"{param}_arg"}, (named, name, param)
   suite = {m["content"] for recs in taskbench.load_suite().values()
            for r in recs for m in r["messages"]}
   assert not suite & {r["messages"][0]["content"] for r in edits}
   # a function without parameters gets no ask that names one; code that
   # does not parse is passed over
-  funcs = ["def f():\n    return 1\n", "def g(self, x):\n    return x\n", "def (:\n  pass\n",
-           "def h(a):\n    return a\n"]
+  funcs = [("file:a.py", f) for f in ("def f():\n    return 1\n", "def g(self, x):\n    return x\n",
+                                      "def (:\n  pass\n", "def h(a):\n    return a\n")]
   got = [r["messages"][0]["content"] for r in replies.edit_prompts(funcs, 5, 0)]
   assert len(got) == 3
-  assert "None" not in got[0].split("\n")[0] and "def g(self, x)" in got[1]
+  assert "None" not in got[0].rsplit("\n", 1)[1] and "def g(self, x)" in got[1]
   assert "def h(a)" in got[2] and "def (" not in "".join(got)
   got = [r["messages"][0]["content"] for r in replies.edit_prompts(funcs[1:2] * 3, 3, 0)]
   assert "`x` to `x_arg`" in got[2]  # the first parameter after self
@@ -114,6 +117,19 @@ def test_a_kind_at_zero_keeps_the_data_settings_of_before(tmp_path):
       code=4, prose=2, instruct=4, math=2)}))
   c.mix.edit = 0
   sd._check_same_data(c, old)
+
+
+def test_data_of_the_first_mix_is_refused(tmp_path):
+  """A workdir made with the first mix (its split leaked, its templates
+  shared the suite's phrasing: issue 38) records no mix_version: other data."""
+  c = train_configs.get_config("smollm2_tiny")
+  sd._check_same_data(c, tmp_path)
+  recorded = json.loads((tmp_path / sd.DATA_CONFIG_FILE).read_text())
+  assert recorded["mix_version"] == replies.MIX_VERSION == 2
+  del recorded["mix_version"]
+  (tmp_path / sd.DATA_CONFIG_FILE).write_text(json.dumps(recorded))
+  with pytest.raises(ConfigError, match="data made with other settings"):
+    sd._check_same_data(c, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +344,28 @@ def test_pipeline_runs_resumes_and_exports(tiny_run):
   assert dcfg.vocab_size == target.cfg.vocab_size
   draft = speculative.generate(target, steps.Runner(dcfg, dparams), prompts, 12, 3)
   assert head.tokens == want and draft.tokens == want
+
+
+def trained_on(data, prompts: list[list[int]]) -> list[int]:
+  """The prompts (indices) that begin a stored sequence."""
+  tokens, starts = data["tokens"], list(data["starts"]) + [len(data["tokens"])]
+  seqs = {tuple(tokens[a:b]) for a, b in zip(starts[:-1], starts[1:])}
+  return [i for i, p in enumerate(prompts) if any(s[:len(p)] == tuple(p) for s in seqs)]
+
+
+def test_no_held_out_prompt_is_trained_on(tiny_run):
+  """The stored data begins no sequence with a held-out prompt, and does with
+  the training ones (a variant that trained on every held-out prompt passed
+  every other test here: issue 38)."""
+  _, work, _, _, _, _, tok, _ = tiny_run
+  mix = json.loads((work / sd.PROMPTS_FILE).read_text())
+  with np.load(work / sd.DATA_FILE) as z:
+    data = {k: z[k] for k in ("tokens", "starts")}
+  held = [tok.encode_chat(r["messages"]) for r in mix if r["heldout"]]
+  train = [tok.encode_chat(r["messages"]) for r in mix if not r["heldout"]]
+  assert held and not trained_on(data, held)
+  assert len(trained_on(data, train)) == len(train)
+  # Deliberate bug, found: a held-out prompt (and its reply) among the sequences.
+  leaked = {"tokens": np.concatenate([data["tokens"], np.asarray(held[0] + [7, 8], np.int32)]),
+            "starts": np.append(data["starts"], len(data["tokens"]))}
+  assert trained_on(leaked, held) == [0]

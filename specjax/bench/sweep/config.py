@@ -59,6 +59,7 @@ class SweepConfig:
   taskbench_category: str = ""
   taskbench_prompts: int = 0
   taskbench_trees: tuple[str, ...] = ()
+  taskbench_suite: str = "dev"
   noise_threshold: float = 0.15
 
   def __post_init__(self):
@@ -179,6 +180,9 @@ def _check_suite(cfg: SweepConfig) -> None:
     if c not in taskbench.CATEGORIES:
       raise ConfigError(f"config.taskbench: unknown category {c!r}; valid: "
                         f"{', '.join(taskbench.CATEGORIES)}")
+  if cfg.taskbench_suite not in taskbench.SUITES:
+    raise ConfigError(f"config.taskbench_suite must be one of {', '.join(taskbench.SUITES)}, "
+                      f"got {cfg.taskbench_suite!r}")
   rows = tree_rows(cfg)
   if len(set(rows)) < len(rows):
     raise ConfigError(f"config.taskbench_trees names a row twice: {list(cfg.taskbench_trees)}")

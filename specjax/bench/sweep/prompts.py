@@ -20,7 +20,7 @@ def sweep_prompts(cfg: SweepConfig, tok, vocab_size: int) -> list[list[int]]:
   n = cfg.heldout_prompts
   if cfg.taskbench_category and not cfg.prompt_tokens:
     return taskbench.category_prompts(cfg.taskbench_category, tok, vocab_size,
-                                      cfg.taskbench_prompts)
+                                      cfg.taskbench_prompts, cfg.taskbench_suite)
   if n:
     if tok is None:
       raise ConfigError("config.heldout_prompts needs a target with a tokenizer")

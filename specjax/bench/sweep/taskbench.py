@@ -2,13 +2,15 @@
 
 Acceptance depends on the task (code editing and QA copy from the prompt,
 open chat does not), so Spec-Bench (Xia et al. 2024) reports MAT and speedup
-per category; this suite has its shape at this project's scale, shipped in
-specjax/assets/taskbench/ and held out from every training set: multi_turn,
-code_completion, code_editing, summarization, qa and math (`math_problems`,
-seeded, each with its expression and integer answer). Each line of
-CATEGORY.jsonl is {"messages": [...], ...}, a conversation ending in a user
-turn, rendered with the target's chat template. The passages are invented,
-so no public data set leaks into them. docs/taskbench.md.
+per category; this suite has its shape at this project's scale: multi_turn,
+code_completion, code_editing, summarization, qa and math (each with its
+expression and integer answer). Two suites (SUITES): "dev", shipped in
+specjax/assets/taskbench/ (math from `math_problems`, seeded), which the
+training data was designed against, and "eval", in taskbench_eval/, written
+by hand before the next drafts were trained and never used to design their
+data. Each line of CATEGORY.jsonl is {"messages": [...], ...}, a
+conversation ending in a user turn, rendered with the target's chat
+template. The passages are invented. docs/taskbench.md.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from specjax.formats import chat as chat_lib
 from specjax.train import mathgen
 
 DIR = Path(__file__).resolve().parents[2] / "assets" / "taskbench"
+# The suites by name (SweepConfig.taskbench_suite): development and evaluation.
+SUITES = {"dev": DIR, "eval": DIR.parent / "taskbench_eval"}
 CATEGORIES = ("multi_turn", "code_completion", "code_editing", "summarization", "qa", "math")
 # Spec-Bench's column names for ours (the leaderboard's header).
 TITLES = {"multi_turn": "Multi-turn", "code_completion": "Code compl.",
@@ -63,10 +67,14 @@ def load_suite(directory: Path = DIR) -> dict[str, list[dict]]:
   return {name: load_category(name, directory) for name in CATEGORIES}
 
 
-def category_prompts(name: str, tok, vocab_size: int, n: int = 0) -> list[list[int]]:
-  """The first n (0: all) conversations of a category as prompt ids, rendered
-  with the target's chat template (a target without one is refused)."""
-  recs = load_category(name)
+def category_prompts(name: str, tok, vocab_size: int, n: int = 0, suite: str = "dev"
+                     ) -> list[list[int]]:
+  """The first n (0: all) conversations of a category of `suite` (SUITES) as
+  prompt ids, rendered with the target's chat template (a target without
+  one is refused)."""
+  if suite not in SUITES:
+    raise ConfigError(f"unknown taskbench suite {suite!r}; valid: {', '.join(SUITES)}")
+  recs = load_category(name, SUITES[suite])
   recs = recs[:n] if n else recs
   return [cli.check_ids(cli.chat_ids(tok, r["messages"], f"taskbench {name}"), vocab_size)
           for r in recs]

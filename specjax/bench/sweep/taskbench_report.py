@@ -170,7 +170,8 @@ def write_report(workdir: str, records: list[dict], cfg, notes: list[str] = ()) 
   """taskbench.md (config, machine, the tables, `notes`: each sweep's noise
   verdict) and taskbench.png."""
   env = records[0].get("env", {}) if records else {}
-  text = (f"# Task suite: {cfg.target}\n\n"
+  suite = cfg.taskbench_suite
+  text = (f"# Task suite ({suite}: {taskbench.SUITES[suite].name}/): {cfg.target}\n\n"
           + "".join(f"{n}\n\n" for n in notes)
           + f"{cfg.n_predict} tokens per prompt, {cfg.reps} repetitions, "
           f"dtype {cfg.dtype or 'the model default'}, prompts through the chat template; "
