@@ -176,9 +176,38 @@ def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
                         "--loop=host"], r"error: --tree=auto runs the device loop"),
     ("speculative.py", ["--model=tiny", "--drafter=ngram", "--tree=dynamic:2,2,3"],
      r"error: drafter ngram:1-4 drafts static trees only; dynamic:2,2,3 needs"),
+    ("speculative.py", ["--model=tiny", "--drafter=ngram:vocab=full"],
+     r"error: .*ngram has no LM head to reduce"),
+    ("speculative.py", ["--model=tiny", "--drafter=model:vocab=/no/such/vocab"],
+     r"error: vocab=/no/such/vocab: no such file"),
+    ("speculative.py", ["--model=tiny", "--model_draft=tiny-draft", "--drafter=model:vocab=64",
+                        "--n_predict=8", "--prompt_tokens=1,2"],
+     r"error: vocab=64: no shipped ranking for a vocabulary of 256 ids"),
+    ("vocab_cost.py", ["--model=tiny", "--sizes=full,lots"], r"error: --sizes: 'lots'"),
+    ("draft_vocab.py", ["--n_train=0"], r"error: --n_train"),
 ])
 def test_bad_input_is_one_line(script, args, pattern):
   assert_one_line_error(run(script, *args), pattern)
+
+
+def test_speculative_with_a_reduced_vocabulary_and_its_cost(tmp_path):
+  """--drafter=model:vocab=PATH end to end (greedy: target-only's tokens), and
+  vocab_cost.py's table over the full head."""
+  from specjax.drafters import vocab  # pylint: disable=import-outside-toplevel
+  vocab.save(tmp_path, list(range(0, 256, 3)), 256, [0])
+  out = {}
+  for spec in ("model", f"model:vocab={tmp_path}"):
+    proc = run("speculative.py", "--model=tiny", "--model_draft=tiny-draft", "--n_predict=10",
+               "--gamma=3", "--prompt_tokens=4,5,6", f"--drafter={spec}",
+               f"--json_out={tmp_path / 'o.json'}")
+    assert proc.returncode == 0, proc.stderr
+    out[spec] = json.loads((tmp_path / "o.json").read_text())
+  a, b = out.values()
+  assert a["tokens"] == b["tokens"] and b["drafter"] == f"model:vocab={tmp_path}"
+  proc = run("vocab_cost.py", "--model=tiny", "--model_draft=tiny-draft", "--drafters=model",
+             "--sizes=full", "--reps=1", "--depth=8")
+  assert proc.returncode == 0, proc.stderr
+  assert re.search(r"model\s+full\s+[0-9.]+\s+[0-9.]+", proc.stdout), proc.stdout
 
 
 def test_vocab_mismatch_is_one_line(other_vocab_dir):
