@@ -5,6 +5,7 @@ both sibling kinds of trees (the set leaves out ids where the target has
 mass: the residual must cover them), and the committed deliberate bugs."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -204,3 +205,21 @@ def test_each_deliberate_bug_fails(pair, vocab_dir, monkeypatch, bug):
         test_the_set_is_the_specials_and_the_most_frequent_ids()
   finally:
     jax.clear_caches()
+
+
+def test_the_cost_probe_times_the_head_the_drafter_runs(pair, vocab_dir):
+  """probes.draft_probe of model:vocab=... multiplies by the set's rows (the
+  sweep's and auto's cost models then see the cheaper step), not by V."""
+  from specjax.decode import probes  # pylint: disable=import-outside-toplevel
+  target, draft = pair
+  widths = {}
+  for spec in ("model", f"model:vocab={vocab_dir}"):
+    probe = probes.draft_probe(registry.parse(spec), target, draft, 2, 8, 4)
+    hlo = probes.repeat_forward.lower(probe.m.params, jnp.zeros((1, 1), jnp.int32),
+                                      probe.holder[0], jax.random.PRNGKey(0), cfg=probe.m.cfg,
+                                      k=1, sp=SamplingParams()).as_text()
+    widths[spec] = {int(w) for w in re.findall(r"dot_general.*-> tensor<1x1x(\d+)xf32>", hlo)}
+  # the head's product is the only dot of width V (6) or V_d (3) in this model
+  assert lawcheck.V in widths["model"] and len(SET) not in widths["model"], widths
+  reduced = widths[f"model:vocab={vocab_dir}"]
+  assert len(SET) in reduced and lawcheck.V not in reduced, widths
