@@ -43,7 +43,8 @@ def main(argv):
   c = _CONFIG.value
   work = Path(_WORKDIR.value)
   settings = {"target": str(c.target), "mix": dict(c.mix), "seed": int(c.seed),
-              "heldout_every": int(c.heldout_every), "n_train": _N_TRAIN.value,
+              "heldout_every": int(c.heldout_every), "mix_version": replies.MIX_VERSION,
+              "max_files": int(c.max_files), "n_train": _N_TRAIN.value,
               "n_heldout": _N_HELD.value, "n_new": _N_NEW.value}
   wd.check_stage(work / "vocab.settings.json", settings, [work / "gen"],
                  "use a new --workdir for other settings")
