@@ -159,18 +159,23 @@ def _flat(text: str) -> str:
 
 def sources(max_files: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
   """(functions, docstring paragraphs) of the stdlib's training split as
-  (group, text), group "file:<path>": only those whose text occurs in one
-  file, once, so a held-out file's prompts are nowhere else."""
+  (group, text), group "file:<path>": only those whose text (and a
+  function's def line, the start of what "complete" shows) occurs once, so
+  a held-out file's prompts are nowhere else."""
   files, _ = corpus.list_files()
   files = files[:max_files] if max_files else files
   root = corpus.stdlib_root()
   found: dict[str, list[tuple[str, str, str]]] = {}  # flat text -> (kind, group, text)
+  defs: dict[str, int] = {}
   for path, text in corpus.readable(files):
     group = f"file:{path.relative_to(root).as_posix()}"
     items = [("func", c) for _, c in corpus.function_blocks(text) if 120 <= len(c) <= 1400]
     for kind, t in items + [("para", p) for p in _docstring_paragraphs(text)]:
       found.setdefault(_flat(t), []).append((kind, group, t))
-  once = [v[0] for v in found.values() if len(v) == 1]
+      if kind == "func":
+        defs[_flat(t.split("\n", 1)[0])] = defs.get(_flat(t.split("\n", 1)[0]), 0) + 1
+  once = [v[0] for v in found.values() if len(v) == 1
+          and (v[0][0] == "para" or defs[_flat(v[0][2].split("\n", 1)[0])] == 1)]
   return ([(g, t) for k, g, t in once if k == "func"],
           [(g, t) for k, g, t in once if k == "para"])
 

@@ -11,7 +11,8 @@ checked on the shipped mix (configs/train.py:smollm2, train/replies.py):
   self/cls, dunders, one-letter names: `def __init__(self):` is the
   language, not a leak); and no suite instruction line is a training one
   with one word changed;
-- the held-out code and prose prompts' sources are in no training document.
+- the held-out code and prose prompts' sources are in no training document
+  or prompt.
 
 Tokens: SmolLM2's tokenizer, read from its packaged GGUF (about 3 s); without
 the package, words and punctuation marks (`WordTokenizer`). Each check runs
@@ -238,6 +239,8 @@ def test_held_out_code_and_prose_are_in_no_training_document(data):
   assert len(held) > 40 and {r["kind"] for r in held} >= {"edit", "prose", "code_complete"}
   doc_words = " ".join(words(tok.decode([t for d in docs for t in d])))
   assert not in_documents(mix, doc_words)
+  prompt_words = " | ".join(" ".join(words(t)) for _, t in train_texts(mix))
+  assert not in_documents(mix, prompt_words)  # nor in a training prompt (a shared head)
   # Deliberate bug, found: documents read from the held-out files.
   files, _ = corpus.list_files()
   root = corpus.stdlib_root()
