@@ -67,6 +67,20 @@ def test_prompt_mix_is_seeded_split_and_never_the_suite():
   assert not suite & {m["content"] for r in a for m in r["messages"]}
 
 
+@pytest.mark.parametrize("text", [
+    '"""Doc.\n\n    More."""  # a comment\nimport os\n', "# c\n\n'a' 'b'\nx = 1\n",
+    'b"bytes"\n', "x = 1\n'not first'\n", "", "'''never closed\n", "f'{x}'\n",
+    '"one" + "two"\n', '(\n  "in parentheses"\n)\n'])
+def test_the_module_docstring_is_asts(text):
+  """replies reads a module's docstring from its first tokens (not a parse
+  of the whole file): the same as ast.get_docstring."""
+  try:
+    want = ast.get_docstring(ast.parse(text)) or ""
+  except SyntaxError:
+    want = ""
+  assert replies._module_docstring(text) == want
+
+
 def test_edits_come_after_the_rest_of_the_mix_and_name_their_function():
   counts = {"code": 8, "prose": 4, "instruct": 6, "math": 6}
   base = replies.prompt_mix(counts, 5, 4, max_files=40)
