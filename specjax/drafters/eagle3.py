@@ -190,3 +190,169 @@ def fit_error(head: Head3, target: ModelConfig) -> str | None:
     return (f"EAGLE-3 head {head.cfg.name} reads layers {list(head.layers)}; target "
             f"{target.name or 'the target'} has {target.n_layers}")
   return None
+
+
+def shipped_head_for(target: ModelConfig) -> str:
+  """The name of the shipped head that fits `target` (ConfigError, one line, if none)."""
+  names = [n for n in SHIPPED_EAGLE3 if fit_error(_load_cached(n), target) is None]
+  if len(names) != 1:
+    shipped = ", ".join(f"{n} (for {_load_cached(n).meta.get('target', '?')})"
+                        for n in SHIPPED_EAGLE3) or "none yet"
+    raise ConfigError(f"no shipped EAGLE-3 head fits target {target.name or 'the target'} "
+                      f"(dim {target.dim}, vocab {target.vocab_size}); shipped: {shipped}; "
+                      "give one with --drafter=eagle3:PATH")
+  return names[0]
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(path: str) -> Head3:
+  return load_head3(path)
+
+
+# ---------------------------------------------------------------- the drafter
+
+
+@struct.dataclass
+class Pending3:
+  """The pairs the next draft phase feeds first: the last verify's target
+  features (three layers, fused when fed) and the kept tokens paired with
+  them, from head-cache slot `start` (eagle.Pending's, without x_start)."""
+  feats: jax.Array   # [B, gamma+1, 3E]
+  tokens: jax.Array  # [B, gamma+1] (real up to k+1)
+  start: jax.Array   # [B]
+
+
+@struct.dataclass
+class Feed3:
+  """One step's feeding state: fed index f is head slot base + f (base =
+  n - 2, the root's pair, already cached); each fed node's output hidden
+  state (its children's feature)."""
+  hcache: kvc.KVCache
+  base: jax.Array   # [B]
+  feats: jax.Array  # [B, F, E] (index 0: the root's output at pair n - 2)
+
+
+def refresh3(hparams, tparams, hcache, pending: Pending3, n, sc):
+  """A step's first part: the head over the pending pairs (fused target
+  features) from `start`, rolled back to the real pairs (length n - 1).
+  Returns (hcache, the root's output hidden state [B, 1, E], at pair n - 2)."""
+  hcache = kvc.rollback(hcache, pending.start)
+  fused = fuse(hparams, pending.feats)
+  out, hcache = head_forward3(hparams, tparams, fused, pending.tokens, hcache, sc.draft,
+                              sc.target)
+  hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
+  idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
+  return hcache, jnp.take_along_axis(out, idx[:, None, None], 1)
+
+
+@functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "gamma"))
+def _prefill_head3(hparams, tparams, feats, tokens, lens, first, hcache, *, hcfg, tcfg, gamma):
+  """Head cache <- pairs 0..P-2 of each prompt (fused features [B, Tb, 3E]);
+  pending <- (f_{P-1}, x_P) at slot P-1."""
+  b, tb = tokens.shape
+  # pair i = (f_i, x_{i+1}): the prompt shifted left, x_P (the first token) at P-1
+  nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
+  nxt = jnp.where(jnp.arange(tb)[None] == (lens - 1)[:, None], first[:, None], nxt)
+  _, hcache = head_forward3(hparams, tparams, fuse(hparams, feats), nxt, hcache, hcfg, tcfg)
+  hcache = kvc.rollback(hcache, lens - 1)
+  last = jnp.take_along_axis(feats, (lens - 1)[:, None, None], 1)  # [B, 1, 3E]
+  pend = jnp.concatenate([last, jnp.zeros((b, gamma, feats.shape[-1]), feats.dtype)], 1)
+  toks = jnp.concatenate([first[:, None], jnp.zeros((b, gamma), jnp.int32)], 1)
+  return eagle.HeadState(hcache=hcache, pending=Pending3(feats=pend, tokens=toks,
+                                                         start=lens - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter(network.NetworkDrafter):
+  """The EAGLE-3 head at `path` as a drafter (spec 'eagle3:PATH', or
+  'eagle3': the head shipped for the loaded target, `for_target`). State:
+  eagle.HeadState over Pending3; the verify's three-layer features
+  (`feature_layers`) come through commit. The prompt's come from a target
+  prefill pass of init's own. Chains, static and dynamic trees: the walkers.
+  Its LM head covers the set stored with it, so it takes no ':vocab='."""
+  path: str = ""  # "": the head shipped for the target (for_target names it)
+  kind: ClassVar[str] = "eagle3"
+  needs_features: ClassVar[bool] = True
+  gamma_free_state: ClassVar[bool] = False  # pending pairs are [B, gamma+1, ...]
+
+  def __post_init__(self):
+    if self.vocab:
+      raise ConfigError(f"drafter eagle3 drafts over the set stored with its head; "
+                        f"':vocab={self.vocab}' is not accepted")
+
+  @property
+  def base_spec(self) -> str:
+    return f"eagle3:{self.path}" if self.path else "eagle3"
+
+  def head(self) -> Head3:
+    if not self.path:
+      raise ConfigError("drafter 'eagle3' names no head yet: resolve it for the target "
+                        "(Drafter.for_target, as SpecConfig does)")
+    return _load_cached(self.path)
+
+  @property
+  def feature_layers(self) -> tuple[int, ...]:
+    return tuple(self.head().layers)
+
+  def own_params(self, dparams) -> int:
+    return model_lib.param_count(dparams["head"])  # the target's embedding: only read
+
+  def for_target(self, target):
+    return self if self.path else dataclasses.replace(self, path=shipped_head_for(target))
+
+  def draft_config(self, target, draft):
+    head = self.for_target(target).head()
+    error = fit_error(head, target)
+    if error:
+      raise ConfigError(error)
+    return head.cfg
+
+  def draft_params(self, tparams, draft):
+    head = self.head()
+    return {"head": head.params, "target": tparams, "ids": jnp.asarray(head.ids)}
+
+  def logits(self, dparams, hidden, sc):
+    """The head's logits over its set, expanded to target ids (q = 0 outside)."""
+    return vocab.expand(head_logits3(dparams["head"], hidden), dparams["ids"],
+                        sc.target.padded_vocab)
+
+  def init(self, sc, target, dparams, prompts, capacity, first):
+    _, _, feats = target.prefill(prompts, target.new_cache(len(prompts), capacity),
+                                 return_hidden=True, hidden_layers=self.feature_layers)
+    tokens = np.zeros((len(prompts), feats.shape[1]), np.int32)
+    for b, p in enumerate(prompts):
+      tokens[b, :len(p)] = p
+    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    return _prefill_head3(dparams["head"], dparams["target"], feats, jnp.asarray(tokens), lens,
+                          jnp.asarray(first, jnp.int32), new_cache(sc.draft, len(prompts),
+                                                                   capacity),
+                          hcfg=sc.draft, tcfg=sc.target, gamma=sc.gamma)
+
+  def begin(self, dparams, dstate, tcache, tail, n, live, sc, width):
+    hcache, root = refresh3(dparams["head"], dparams["target"], dstate.hcache, dstate.pending,
+                            n, sc)
+    b = n.shape[0]
+    feats = jnp.zeros((b, width, root.shape[-1]), root.dtype).at[:, :1].set(root)
+    return Feed3(hcache=hcache, base=n - 2, feats=feats), jnp.zeros((b,), bool)
+
+  def feed(self, dparams, fst, tokens, lo, anc, parent, sc):
+    if isinstance(lo, int) and lo == 0:  # the root: its pair is cached, its output known
+      return self.logits(dparams, fst.feats[:, :1], sc), fst
+    feats = jnp.take_along_axis(fst.feats, parent[:, :, None], 1)  # the parents' outputs
+    out, hcache = head_forward3(dparams["head"], dparams["target"], feats, tokens,
+                                kvc.rollback(fst.hcache, fst.base + lo), sc.draft, sc.target,
+                                tree_mask=None if anc is None else anc[..., 1:])
+    fst = fst.replace(hcache=hcache,
+                      feats=jax.lax.dynamic_update_slice_in_dim(fst.feats, out, lo, 1))
+    return self.logits(dparams, out, sc), fst
+
+  def end(self, dparams, fst, dstate, tcache, n, sc):
+    return dstate.replace(hcache=kvc.rollback(fst.hcache, n - 1)), tcache
+
+  def commit(self, dstate, c):
+    # As EAGLE-1's (docs/eagle.md): the verified features with the kept
+    # tokens from the old length's slot (a tree's: along its accepted path);
+    # a row that was not live keeps its pending pairs.
+    new = Pending3(feats=c.features, tokens=c.emitted, start=c.n_prev - 1)
+    pick = lambda a, b: jnp.where(c.live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    return dstate.replace(pending=jax.tree_util.tree_map(pick, new, dstate.pending))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.drafters import eagle
+from specjax.drafters import eagle3
 from specjax.drafters import vocab
 from specjax.drafters.network import NetworkDrafter
 from specjax.drafters.base import Drafter
@@ -13,7 +14,7 @@ from specjax.drafters.ngram import NgramDrafter
 from specjax.errors import ConfigError
 
 
-KINDS = ("model", "ngram", "layerskip", "eagle")
+KINDS = ("model", "ngram", "layerskip", "eagle", "eagle3")
 NGRAM_DEFAULT = (1, 4)
 
 
@@ -26,8 +27,8 @@ def _int(text: str, spec: str) -> int:
 
 def parse(spec: str | Drafter) -> Drafter:
   """'model' | 'ngram' | 'ngram:A-B' | 'layerskip:N' | 'layerskip:0-9,12,15'
-  | 'eagle' | 'eagle:PATH' -> a Drafter (ConfigError, one line, for anything
-  else); a network drafter's spec may end in ':vocab=V' (full, N, a shipped
+  | 'eagle' | 'eagle:PATH' | 'eagle3' | 'eagle3:PATH' -> a Drafter (ConfigError,
+  one line, for anything else); a network drafter's spec may end in ':vocab=V' (full, N, a shipped
   ranking or a path: its reduced draft vocabulary, drafters/vocab.py).
 
   Layer indices are checked against the target later (draft_config)."""
@@ -49,10 +50,12 @@ def parse(spec: str | Drafter) -> Drafter:
   kind = kind.strip().lower()
   if kind not in KINDS:
     raise ConfigError(f"unknown drafter {text!r}; valid: model, ngram[:A-B], layerskip:N, "
-                      "layerskip:LIST (e.g. 0-9,12,15), eagle[:PATH], each network drafter "
-                      "with an optional :vocab=V")
+                      "layerskip:LIST (e.g. 0-9,12,15), eagle[:PATH], eagle3[:PATH], each "
+                      "network drafter with an optional :vocab=V")
   if kind == "eagle":
     return eagle.EagleDrafter(arg.strip())  # bare: the target's shipped head
+  if kind == "eagle3":
+    return eagle3.Eagle3Drafter(arg.strip())  # bare: the target's shipped head
   if kind == "model":
     if colon:
       raise ConfigError(f"drafter 'model' takes no argument, got {text!r}")

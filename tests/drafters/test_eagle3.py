@@ -19,6 +19,7 @@ from specjax.decode import plan
 from specjax.decode import speculative
 from specjax.drafters import eagle3
 from specjax.drafters import registry
+from specjax.drafters import vocab
 from specjax.errors import CheckpointError, ConfigError
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model
@@ -53,6 +54,24 @@ def make_head(target: steps.Runner, ids, layers, path, seed: int = 3) -> str:
   hp["fc"] = {"kernel": hp["fc"]["kernel"] * 20, "bias": hp["fc"]["bias"]}
   hp["block"] = jax.tree_util.tree_map(lambda x: 4 * x if x.ndim == 2 else x, hp["block"])
   hp["lm_head"] = {"table": hp["lm_head"]["table"] * 60}
+  eagle3.save_head3(path, hcfg, hp, layers, ids, cfg, cfg.name)
+  return str(path)
+
+
+def make_exit_head(target: steps.Runner, ids, layers, path) -> str:
+  """A head that drafts well without training: `fuse` picks the third
+  layer's output, fc passes it on (plus a little of the token's embedding),
+  a random layer adds a little, and the target's final norm and LM head rows
+  for `ids` read it: an early exit of the target, so that drafts are often
+  accepted."""
+  cfg, e = target.cfg, target.cfg.dim
+  hcfg = eagle3.head_config(cfg)
+  hp = eagle3.init_head3(hcfg, len(ids), 5)
+  eye = jnp.eye(e)
+  hp["fuse"] = {"kernel": jnp.concatenate([jnp.zeros((2 * e, e)), eye], 0)}
+  hp["fc"] = {"kernel": hp["fc"]["kernel"].at[e:].set(eye), "bias": hp["fc"]["bias"]}
+  hp["norm"] = {"scale": target.params["final_norm"]["scale"]}
+  hp["lm_head"] = {"table": vocab.head_table(target.params, ids)}
   eagle3.save_head3(path, hcfg, hp, layers, ids, cfg, cfg.name)
   return str(path)
 
@@ -118,3 +137,178 @@ def test_save_and_load_round_trip(tmp_path, dtype):
   for x, y in zip(jax.tree_util.tree_leaves(hp), jax.tree_util.tree_leaves(head.params)):
     assert y.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=tol, atol=1e-7)
+
+
+def test_a_head_that_does_not_fit_is_one_line(tmp_path):
+  """A head for another width, or reading a layer the target lacks, is
+  refused by SpecConfig (one line); a bare eagle3 with no shipped head too."""
+  target = make_target(64, 1)
+  path = make_head(target, IDS64, LAYERS, tmp_path / "h")
+  wide = target.cfg.replace(dim=64, n_heads=4)
+  with pytest.raises(ConfigError, match=r"^EAGLE-3 head v64-eagle3 \(dim 32, vocab 64\) does "
+                                        r"not fit target v64 \(dim 64, vocab 64\)$"):
+    plan.SpecConfig(wide, None, 2, drafter=f"eagle3:{path}")
+  with pytest.raises(ConfigError, match=r"reads layers \[0, 1, 2\]; target v64 has 2$"):
+    plan.SpecConfig(target.cfg.replace(n_layers=2), None, 2, drafter=f"eagle3:{path}")
+  with pytest.raises(CheckpointError, match="not found"):
+    plan.SpecConfig(target.cfg, None, 2, drafter=f"eagle3:{tmp_path / 'none'}")
+  if not eagle3.SHIPPED_EAGLE3:
+    with pytest.raises(ConfigError, match="no shipped EAGLE-3 head fits target v64 .*none yet"):
+      plan.SpecConfig(target.cfg, None, 2, drafter="eagle3")
+  with pytest.raises(ConfigError, match="is not accepted"):
+    registry.parse(f"eagle3:{path}:vocab=full")
+  d = registry.parse(f"eagle3:{path}")
+  assert d == eagle3.Eagle3Drafter(path) and registry.parse(d.spec) == d
+
+
+# ---------------------------------------------------------------- greedy
+
+
+PROMPTS64 = [[5, 17, 42, 9], [7, 7, 7, 1, 2, 60, 33, 8, 1], [40, 1]]
+DYN = trees.DynamicTree(2, 3, 6)
+SHAPES = {"chain": None, "static": trees.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0]]),
+          "dynamic": DYN}
+
+
+@pytest.fixture(scope="module")
+def v64(tmp_path_factory):
+  """(target, drafter): the V = 64 target and an early-exit head over 40 of
+  its ids (make_exit_head)."""
+  target = make_target(64, 1)
+  ids = np.sort(np.random.default_rng(0).choice(64, 40, replace=False)).astype(np.int32)
+  path = make_exit_head(target, ids, LAYERS, tmp_path_factory.mktemp("v64") / "v64-eagle3")
+  return target, eagle3.Eagle3Drafter(path)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_with_the_head_equals_greedy_target_only(v64, shape):
+  target, drafter = v64
+  tree = SHAPES[shape]
+  res = speculative.generate(target, None, PROMPTS64, 20, 3 if tree is None else tree.max_depth,
+                             tree=tree, drafter=drafter)
+  assert res.tokens == generation.generate(target, PROMPTS64, 20).tokens
+  assert res.stats.n_accept > 0  # the acceptance paths ran
+
+
+# ---------------------------------------------------------------- the drafts, teacher-forced
+
+
+@pytest.fixture(scope="module")
+def sharp64(tmp_path_factory):
+  """(target, drafter): the V = 64 target and a random sharp head (make_head)
+  over 40 of its ids."""
+  target = make_target(64, 1)
+  ids = np.sort(np.random.default_rng(1).choice(64, 40, replace=False)).astype(np.int32)
+  path = make_head(target, ids, LAYERS, tmp_path_factory.mktemp("sharp64") / "sharp-eagle3")
+  return target, eagle3.Eagle3Drafter(path)
+
+
+TF_LEN = 32  # every teacher-forced pass at one shape (causal: the padding changes nothing before it)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "layers"))
+def _fused_target_features(tparams, hparams, seq, tcfg, layers):
+  cache = kvc.init_cache(tcfg, 1, seq.shape[1])
+  feats3 = model.forward(tparams, seq, cache, tcfg, return_hidden=True, hidden_layers=layers)[2]
+  return eagle3.fuse(hparams, feats3)
+
+
+@functools.partial(jax.jit, static_argnames=("hcfg", "tcfg"))
+def _head_pass(hparams, tparams, feats, toks, ids, hcfg, tcfg):
+  """pairs [1, TF_LEN] -> (outputs [1, TF_LEN, E], q over target ids [1, TF_LEN, V])."""
+  out = eagle3.head_forward3(hparams, tparams, feats, toks,
+                             eagle3.new_cache(hcfg, 1, toks.shape[1]), hcfg, tcfg)[0]
+  logits = vocab.expand(eagle3.head_logits3(hparams, out), ids, tcfg.padded_vocab)
+  return out, jax.nn.softmax(logits)
+
+
+def teacher_forced_q(target, head, seq, drafts):
+  """The head's q of each draft [gamma, V] from passes without a cache's
+  bookkeeping: pairs (fused f_i, x_{i+1}), i = 0..n-2, give the first draft's
+  q at output n-2; draft j + 1's come from the same pairs followed by
+  (h_{n-2+i}, d_i), i = 1..j, the head's own outputs standing in for the
+  features."""
+  tcfg, hcfg = target.cfg.replace(attn_block=0), head.cfg.replace(attn_block=0)
+  n = len(seq)
+  pad = lambda x: jnp.asarray([list(x) + [0] * (TF_LEN - len(x))], jnp.int32)
+  feats = _fused_target_features(target.params, head.params, pad(seq), tcfg, head.layers)
+  feats = feats.at[:, n - 1:].set(0)  # pairs 0..n-2 only: f_{n-1} is not known yet
+  toks, qs = list(seq[1:]), []
+  for j, d in enumerate([None] + list(drafts[:-1])):
+    if d is not None:
+      feats = feats.at[:, n - 2 + j].set(out[:, n - 3 + j])  # h of the pair before
+      toks.append(d)
+    out, q = _head_pass(head.params, target.params, feats, pad(toks), jnp.asarray(head.ids),
+                        hcfg, tcfg)
+    qs.append(q[0, n - 2 + j])
+  return np.asarray(jnp.stack(qs))
+
+
+def teacher_forced_mismatches(v, gamma: int = 4) -> list[str]:
+  """Runs a greedy gamma-chain, then one sampled draft phase from its final
+  state, and lists the rows whose q differ from teacher_forced_q."""
+  target, drafter = v
+  res = speculative.generate(target, None, PROMPTS64, 12, gamma, keep_state=True,
+                             drafter=drafter)
+  st = res.state
+  sc = plan.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter=drafter)
+  dparams = sc.drafter.draft_params(target.params, None)
+  d = sc.drafter.propose(dparams, st.dcache, None, st.tail, st.n, jnp.ones(st.n.shape, bool),
+                         jax.random.PRNGKey(5), sc)[0]
+  head, bad = eagle3.load_head3(drafter.path), []
+  for b, p in enumerate(PROMPTS64):
+    seq = p + res.tokens[b]
+    assert int(st.n[b]) == len(seq)
+    want = teacher_forced_q(target, head, seq, np.asarray(d.tokens[b]).tolist())
+    err = np.max(np.abs(np.asarray(d.q[b]) - want), -1)
+    bad += [f"row {b} draft {j + 1}: |q - q_tf| {e:.2g}" for j, e in enumerate(err) if e > 1e-4]
+  return bad
+
+
+def test_drafts_equal_the_teacher_forced_head(sharp64):
+  """Every draft of a chain is the teacher-forced head's: the first from the
+  fused target features (the refresh pairs them with the right tokens and
+  takes the right output), the next from the head's own outputs at the
+  right slots, over the right set."""
+  assert teacher_forced_mismatches(sharp64) == []
+
+
+def _as_property(mutated):
+  return mutated if isinstance(mutated, property) else property(mutated)
+
+
+# Each a one-expression bug (lawcheck.mutant) that must fail the
+# teacher-forced check; the ids' one also fails the sampled law below.
+MUTATIONS = {
+    "a child fed the fused target feature, not the head's own output": (
+        eagle3, "refresh3", "jnp.take_along_axis(out, idx", "jnp.take_along_axis(fused, idx"),
+    "the wrong layers' features (each one layer up)": (
+        eagle3.Eagle3Drafter, "feature_layers", "return tuple(self.head().layers)",
+        "return tuple(i + 1 for i in self.head().layers)"),
+    "the reduced ids off by one in the head's LM head": (
+        eagle3.Eagle3Drafter, "logits", 'dparams["ids"],', 'dparams["ids"] + 1,'),
+    "every child reads the root's output, not its parent's": (
+        eagle3.Eagle3Drafter, "feed", "parent[:, :, None], 1)", "0 * parent[:, :, None], 1)"),
+}
+
+
+def mutated(monkeypatch, bug):
+  owner, name, old, new = MUTATIONS[bug]
+  orig = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+  if isinstance(orig, property):
+    monkeypatch.setattr(owner, name, _as_property(lawcheck.mutant(orig.fget, old, new)))
+  else:
+    monkeypatch.setattr(owner, name, lawcheck.mutant(orig, old, new))
+
+
+@pytest.mark.parametrize("bug", list(MUTATIONS))
+def test_each_deliberate_bug_fails_the_teacher_forced_check(sharp64, monkeypatch, bug):
+  jax.clear_caches()
+  mutated(monkeypatch, bug)
+  try:
+    bad = teacher_forced_mismatches(sharp64)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  print(f"MUTATION | {bug} | {len(bad)} mismatches, first: {bad[:1]}")
+  assert bad
