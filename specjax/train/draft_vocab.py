@@ -27,7 +27,8 @@ def pick(mix: list[dict], n: int, heldout: bool, seed: int) -> list[dict]:
 
 
 def build(target: steps.Runner, tok, mix: list[dict], n_train: int, n_held: int, n_new: int,
-          batch: int, work: Path, seed: int = 0, log: Callable[[str], None] = print):
+          batch: int, work: Path, seed: int = 0, log: Callable[[str], None] = print,
+          sizes=SIZES):
   """(ranking [V] int32, {size: held-out coverage}, counts [V]). The replies
   are written under work/gen and read back on a resumed run."""
   train = pick(mix, n_train, False, seed)
@@ -39,5 +40,5 @@ def build(target: steps.Runner, tok, mix: list[dict], n_train: int, n_held: int,
   ranked = vocab.ranking(counts, special)
   out = replies.generate_replies(target, tok, held, n_new, batch, work / "gen", "heldout", log)
   cover = {size: vocab.coverage(np.sort(ranked[:size]), out)
-           for size in SIZES if size <= len(ranked)}
+           for size in sizes if size <= len(ranked)}
   return ranked, cover, counts
