@@ -164,8 +164,9 @@ def shared_runs(tok, grams: dict, the_suites) -> list[str]:
 
 
 def train_texts(mix):
-  return [(f"{r['kind']} prompt", m["content"]) for r in mix if not r["heldout"]
-          for m in r["messages"]]
+  """(source, text) of every training user turn: the mix's and the follow-ups'."""
+  return ([(f"{r['kind']} prompt", m["content"]) for r in mix if not r["heldout"]
+           for m in r["messages"]] + [("followup", f) for f in replies.FOLLOWUPS])
 
 
 def test_no_suite_shares_a_run_with_the_training_data(data):
