@@ -9,8 +9,12 @@ and verify cost, llama-160m and llama-7b shapes, bf16, T(N)/T(1) to N = 64),
 attention (over the used length), sweep (configs/sweep_gamma.py:gpu, the
 7B / 160m pair), batch (configs/sweep_gamma.py:gpu_batch: the crossover
 batch), overhead (the device loop's), trees (the tree verify T(B, N)), mesh
-(several local GPUs) and taskbench (configs/sweep_gamma.py:taskbench_quick
-on SmolLM2-135M-Instruct; --taskbench_tree adds tree rows). They run in
+(several local GPUs), taskbench (configs/sweep_gamma.py:taskbench_quick
+on SmolLM2-135M-Instruct with the new EAGLE-3 head's rows, each left out
+with one line while missing; --taskbench_tree adds tree rows), levers (the
+draft's and the target's ms/token and c under each of model/levers.py's
+levers) and lever_sweep (the sweep again under the best lever, in a process
+started under its XLA_FLAGS; cli's --lever runs the check under one). They run in
 ORDER, so that a run cut short keeps the ones the README quotes; a part that
 fails is one FAILED line in the summary and the rest still run. Writes
 gpu_summary.md (rewritten after every part) and gpu_check.jsonl (one record
@@ -30,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # noqa: E402
 from specjax import cli
 from specjax import workdir as wd
+from specjax.bench.studies import draft_levers
 from specjax.bench.studies import gpu_study as gs
 from specjax.bench.studies import roofline
 from specjax.bench.sweep.config import SweepConfig
@@ -48,12 +53,37 @@ _REPS = flags.DEFINE_integer("reps", 5, "Benchmark repetitions.", lower_bound=1)
 _TREES = flags.DEFINE_multi_string("taskbench_tree", None, "A tree row of the task suite "
                                    "(DRAFTER@TREE; repeat the flag); default: taskbench_quick's.")
 _SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: peaks, bench, attention, sweep, batch, "
-                         "overhead, trees, mesh, taskbench.")
+                         "overhead, trees, mesh, taskbench, levers, lever_sweep.")
 
 
-# The order the parts run in: the cost curves and the task suite first.
-ORDER = ("peaks", "bench", "taskbench", "sweep", "trees", "attention", "batch", "overhead",
-         "mesh")
+# The order the parts run in: the cost curves, the task suite and the levers first.
+ORDER = ("peaks", "bench", "taskbench", "levers", "sweep", "lever_sweep", "trees", "attention",
+         "batch", "overhead", "mesh")
+# The levers measured (model/levers.py; 'default' is the backend's attention).
+LEVERS = ("default", "blocked", "fused", "draft_scan", "command_buffers", "all")
+
+
+def levers_part(scfg, names, point, reps, out, bandwidth, measured: dict) -> list[str]:
+  """The draft's and the target's ms/token and c under each lever; the
+  best one is kept (`measured`) for the lever_sweep part."""
+  recs = draft_levers.lever_costs(scfg.draft, scfg.target, scfg.dtype, names, *point, reps,
+                                  out=lambda r: out("levers", r))
+  measured["best_lever"] = draft_levers.best_lever(recs)
+  return draft_levers.levers_section(recs, scfg.draft, scfg.target, bandwidth)
+
+
+def lever_sweep_part(scfg, measured: dict, args: list[str], smoke: bool) -> list[str]:
+  """The sweep under the best lever of the levers part (--smoke: under
+  'all', so that the path runs whatever the CPU measured)."""
+  best = "all" if smoke and "best_lever" in measured else measured.get("best_lever")
+  if best in (None, "default"):
+    return ["## Speedup under the best lever", "",
+            "The levers part did not run." if best is None else
+            "The best lever is the default: the speedup section above is its sweep."]
+  points = gs.lever_sweep_run(os.path.abspath(__file__), best,
+                              os.path.join(_WORKDIR.value, "lever_sweep"), ORDER, args)
+  section = gs.sweep_section(points, scfg)
+  return [section[0] + f", under lever {best}"] + section[1:]
 
 
 def peaks_part(smoke: bool, reps: int, out, measured: dict) -> list[str]:
@@ -117,11 +147,16 @@ def main(argv):
     tcfg.n_predict, tcfg.ctx_size = 8, 48
     tnote = ("Smoke: the tiny target (random weights), the n-gram drafter, one category; "
              "the real part runs configs/sweep_gamma.py:taskbench_quick.")
+    lever_names, lever_point = ("default", "all"), (48, 8, 4)
   else:
     models, n_prompt, n_gen, depth = ["llama-160m", "llama-7b"], [1, 2, 4, 8, 16, 32, 64], 64, 128
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
     tree_model, tree_batches, tree_sizes = "llama-7b", (1, 4, 16, 32), (4, 8, 16, 32, 64)
+    lever_names, lever_point = LEVERS, (512, 128, 64)  # capacity, depth, steps timed
   scfg, bcfg, tcfg = (SweepConfig.from_mapping(c) for c in (scfg, bcfg, tcfg))
+  if not _SMOKE.value:
+    tcfg = gs.with_new_head(tcfg)
+  child = [f"--reps={reps}"] + ["--smoke"] * _SMOKE.value + ["--overwrite"] * _OVERWRITE.value
   bandwidth = _BANDWIDTH.value or roofline.device_bandwidth_gbs(dev.device_kind)
   lines = [f"# GPU check: {dev.device_kind}", ""]
   measured = {}  # filled by the peaks part
@@ -148,6 +183,9 @@ def main(argv):
       ("mesh", lambda: mesh_part("tiny" if _SMOKE.value else "llama-7b", scfg.dtype, reps,
                                  out)),
       ("taskbench", lambda: taskbench_part(tcfg, _WORKDIR.value, out, tnote)),
+      ("levers", lambda: levers_part(scfg, lever_names, lever_point, reps, out, bandwidth,
+                                     measured)),
+      ("lever_sweep", lambda: lever_sweep_part(scfg, measured, child, _SMOKE.value)),
   ]
   # The parts the README quotes first, so that a run cut short (a device lease is
   # minutes) still has them; the summary is rewritten after every part.

@@ -64,6 +64,10 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
                                       lower_bound=1)
 _PROCESS_ID = flags.DEFINE_integer("process_id", None,
                                    "Multi-process runs: this process's index.", lower_bound=0)
+_LEVER = flags.DEFINE_string(
+    "lever", "default", "A GPU lever (specjax/model/levers.py, BUILD.md): default | blocked | "
+    "masked | fused (attention kinds) | draft_scan | command_buffers | all; one with XLA flags "
+    "needs them in XLA_FLAGS when the process starts (python -m specjax.model.levers NAME).")
 
 
 DRAFTER_HELP = ("What proposes the drafts: model (the --model_draft model) | ngram[:A-B] "
@@ -102,10 +106,24 @@ def setup_devices() -> None:
                                           _PROCESS_ID.value)
   if multi and jax.process_index() != 0:
     sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
+  use_lever(_LEVER.value)
   if _MESH.value is not None:
     sharding.activate(sharding.make_mesh(_MESH.value), _DRAFT_SHARDING.value)
   elif multi:  # several processes and no mesh: all devices on the model axis
     sharding.activate(sharding.make_mesh("model:-1"), _DRAFT_SHARDING.value)
+
+
+def use_lever(name: str) -> None:
+  """Makes --lever the process's (checkpoint.load_model applies it). Its XLA
+  flags must already be in XLA_FLAGS: XLA reads them once, when it starts,
+  so a run without them would measure the default silently."""
+  from specjax.model import levers  # pylint: disable=import-outside-toplevel
+  lever = levers.parse(name)
+  missing = lever.missing_flags(os.environ.get("XLA_FLAGS", ""))
+  if missing:
+    raise SpecjaxError(f"--lever={name} needs XLA_FLAGS to hold {' '.join(missing)} when the "
+                       f"process starts: XLA_FLAGS=\"$(python -m specjax.model.levers {name})\"")
+  levers.activate(lever)
 
 
 def run(main: Callable[[list[str]], Any]) -> None:

@@ -291,9 +291,9 @@ def attend_blocked(q, k_cache, v_cache, positions, block: int, dtype, tree=None)
 
 def cache_mask(positions, s_cap: int, tree: TreeBlock | None = None):
   """Which cache slots each new token sees, bool [B, T, S]: slots <= its
-  position (a chain); with `tree`, the cached slots < tree.lengths and, of
-  the block at tree.lengths .. (written there before attending, see
-  tree_block), its row of the tree mask."""
+  position (a chain); with `tree`, the cached slots before the block's start
+  (the TreeBlock's lengths) and, of the block from there (written before
+  attending, see tree_block), its row of the tree mask."""
   slots = jnp.arange(s_cap)
   if tree is None:
     return slots[None, None, :] <= positions[:, :, None]

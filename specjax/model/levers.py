@@ -1,20 +1,16 @@
 """Levers against a launch-bound draft on a GPU (issue 38, part 6): settings
 that change how a step is compiled, never what it computes.
 
-  command buffers  XLA records the step's kernels (and, with CONDITIONAL and
-                   WHILE, its loops) as CUDA graphs: one launch replays many
-                   (COMMAND_BUFFER, as compile options or as XLA_FLAGS)
+  command buffers  XLA records the step's kernels and loops as CUDA graphs
+                   (COMMAND_BUFFER: compile options, or XLA_FLAGS)
   draft_scan       the draft's layers as one lax.scan (ModelConfig.scan_layers)
   fused / blocked  an attention kind instead of the backend's default
-                   (ModelConfig.attention)
 
 On the CPU every lever gives the same tokens (tests/model/test_levers.py);
-what they buy is measured on a GPU (experiments/gpu_check.py, its levers
-part; BUILD.md). A lever is made active for a process at its edge
-(`activate`, like the mesh), and `checkpoint.load_model` applies it.
-
-    XLA_FLAGS="$(python -m specjax.model.levers command_buffers)" python ...
-runs a script under a lever's flags (the module prints them).
+what they buy is measured on a GPU (experiments/gpu_check.py; BUILD.md).
+A process's lever is set at its edge (`activate`: cli's --lever), and
+`checkpoint.load_model` applies it.
+  XLA_FLAGS="$(python -m specjax.model.levers NAME)" python ... --lever=NAME
 """
 
 from __future__ import annotations

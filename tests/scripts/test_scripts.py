@@ -252,6 +252,10 @@ def test_gpu_check_smoke(tmp_path):
   assert "## Task suite (tiny" in summary and "| ngram:1-4 | 0 | " in summary
   assert "## Goals" in summary and "taskbench" in parts
   assert (tmp_path / "taskbench" / "taskbench.md").exists()
+  # the levers (issue 38 part 6): c per lever, then the sweep under one in its own process
+  assert "## Levers: tiny-draft draft / tiny target" in summary and "| all | fused scan |" in summary
+  assert "Best lever: " in summary and "random weights), under lever all" in summary
+  assert "levers" in parts and (tmp_path / "lever_sweep" / "sweep" / "results.jsonl").exists()
 
 
 def test_mesh_bench_smoke(tmp_path):

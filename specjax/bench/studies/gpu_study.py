@@ -208,6 +208,27 @@ def batch_section(points: Records, cfg) -> list[str]:
   return lines
 
 
+def lever_sweep_run(script: str, lever: str, workdir: str, parts: tuple[str, ...],
+                    args: list[str]) -> Records:
+  """The sweep under `lever` (model/levers.py): the GPU check's `script`
+  again, in a process started under the lever's XLA_FLAGS (XLA reads them
+  once, at its start), running the sweep part alone into workdir; its
+  points."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from specjax.model import levers  # pylint: disable=import-outside-toplevel
+  flags = " ".join(x for x in (os.environ.get("XLA_FLAGS", ""), levers.parse(lever).xla_flags())
+                   if x)
+  skip = ",".join(p for p in parts if p != "sweep")
+  proc = subprocess.run([sys.executable, script, f"--lever={lever}", f"--workdir={workdir}",
+                         f"--skip={skip}", *args], env={**os.environ, "XLA_FLAGS": flags},
+                        capture_output=True, text=True, check=False)
+  if proc.returncode:
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"the sweep under --lever={lever} failed: {last[:300]}")
+  return wd.read_jsonl(os.path.join(workdir, "sweep", "results.jsonl"))
+
+
 # ---------------------------------------------------------------- loop overhead
 
 
@@ -293,16 +314,18 @@ def taskbench_available(cfg) -> tuple[Any, list[str]]:
   there (an EAGLE head, the draft model: still being trained, or not
   shipped with this checkout), and one line per row left out, so that the
   rest of the suite runs."""
-  from specjax.drafters import eagle, registry  # pylint: disable=import-outside-toplevel
+  from specjax.drafters import eagle, eagle3, registry  # pylint: disable=import-outside-toplevel
   from specjax.errors import SpecjaxError  # pylint: disable=import-outside-toplevel
   missing: dict[str, str] = {}
 
   def ok(spec: str) -> bool:
-    d = registry.parse(spec)
     if spec not in missing:
       try:
+        d = registry.parse(spec)
         if isinstance(d, eagle.EagleDrafter):
           eagle.load_eagle(d.path)
+        elif isinstance(d, eagle3.Eagle3Drafter):
+          eagle3.load_head3(d.path)
         elif d.needs_draft_model:
           checkpoint.load_model(cfg.draft, dtype=cfg.dtype, role="draft")
       except SpecjaxError as e:
@@ -314,6 +337,17 @@ def taskbench_available(cfg) -> tuple[Any, list[str]]:
                                           if ok(r.rpartition("@")[0])))
   dropped = [f"{spec}: left out ({why})" for spec, why in missing.items()]
   return sub, dropped
+
+
+# The head issue 38 trains (drafters/eagle3.py), and its CPU-sized dynamic tree.
+NEW_HEAD, NEW_HEAD_TREE = "eagle3:smollm2-eagle3", "dynamic:4,4,16"
+
+
+def with_new_head(cfg):
+  """cfg (taskbench_quick) plus the new head's rows: a chain and its
+  dynamic tree (left out with one line while the head is not shipped)."""
+  return cfg.replace(drafters=cfg.drafters + (NEW_HEAD,),
+                     taskbench_trees=cfg.taskbench_trees + (f"{NEW_HEAD}@{NEW_HEAD_TREE}",))
 
 
 def taskbench_part_run(cfg, workdir: str, name: str = "taskbench",

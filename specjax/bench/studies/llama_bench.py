@@ -218,9 +218,10 @@ def attention_scaling(m: steps.Runner, points: Sequence[tuple[int, int]], n_gen:
   """Decode ms/token (batch 1) at each (capacity, depth) point: n_gen decode
   steps from a cache of `capacity` slots holding `depth` tokens.
 
-  Blocked attention (the model's cfg.attn_block) and, with `masked`, the same
-  weights with one masked pass over the capacity (attn_block 0), alternating
-  at every point so both see the same machine state.
+  Blocked attention (cfg.attn_block; forced, as a GPU loads the masked kind
+  by default) and, with `masked`, the same weights with one masked pass
+  over the capacity (attn_block 0), alternating at every point so both see
+  the same machine state.
   """
   if reps < 1 or n_gen < 1:
     raise ConfigError(f"need reps >= 1 and n_gen >= 1, got {reps}, {n_gen}")
@@ -228,7 +229,7 @@ def attention_scaling(m: steps.Runner, points: Sequence[tuple[int, int]], n_gen:
     if depth < 1 or depth + n_gen > cap:
       raise ConfigError(f"point (capacity {cap}, depth {depth}): need 1 <= depth and "
                         f"depth + n_gen ({n_gen}) <= capacity")
-  variants = [("blocked", m)]
+  variants = [("blocked", steps.Runner(m.cfg.replace(attention="blocked"), m.params))]
   if masked and m.cfg.attn_block:
     variants.append(("masked", steps.Runner(m.cfg.replace(attn_block=0), m.params)))
   rng = np.random.RandomState(seed)

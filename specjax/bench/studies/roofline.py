@@ -31,9 +31,9 @@ def device_bandwidth_gbs(device_kind: str) -> float | None:
 def attended_slots(cfg: ModelConfig, capacity: int, length: int) -> int:
   """Cache slots one decode step reads at `length` used slots: whole
   attention blocks up to the used length (layers.attend_blocked), or the
-  whole capacity (attend_masked)."""
+  whole capacity (attend_masked, and the fused kind's mask)."""
   block = cfg.attn_block
-  if block and capacity > block:
+  if block and capacity > block and cfg.attention in ("auto", "blocked"):
     return min(capacity, -(-int(length) // block) * block)
   return capacity
 
