@@ -11,6 +11,7 @@ task suites (tests/train/test_leaks.py)."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
@@ -182,16 +183,16 @@ def sources(max_files: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, 
   files = files[:max_files] if max_files else files
   root = corpus.stdlib_root()
   found: dict[str, list[tuple[str, str, str]]] = {}  # flat text -> (kind, group, text)
-  defs: dict[str, int] = {}
+  def_line = lambda code: _flat(code.split("\n", 1)[0])
+  defs: collections.Counter = collections.Counter()
   for path, text in corpus.readable(files):
     group = f"file:{path.relative_to(root).as_posix()}"
-    items = [("func", c) for _, c in corpus.function_blocks(text) if 120 <= len(c) <= 1400]
-    for kind, t in items + [("para", p) for p in _docstring_paragraphs(text)]:
+    funcs = [c for _, c in corpus.function_blocks(text) if 120 <= len(c) <= 1400]
+    defs.update(def_line(c) for c in funcs)
+    for kind, t in [("func", c) for c in funcs] + [("para", p) for p in _docstring_paragraphs(text)]:
       found.setdefault(_flat(t), []).append((kind, group, t))
-      if kind == "func":
-        defs[_flat(t.split("\n", 1)[0])] = defs.get(_flat(t.split("\n", 1)[0]), 0) + 1
   once = [v[0] for v in found.values() if len(v) == 1
-          and (v[0][0] == "para" or defs[_flat(v[0][2].split("\n", 1)[0])] == 1)]
+          and (v[0][0] == "para" or defs[def_line(v[0][2])] == 1)]
   return ([(g, t) for k, g, t in once if k == "func"],
           [(g, t) for k, g, t in once if k == "para"])
 
