@@ -278,7 +278,8 @@ def _as_property(mutated):
 
 
 # Each a one-expression bug (lawcheck.mutant) that must fail the
-# teacher-forced check; the ids' one also fails the sampled law below.
+# teacher-forced check (the ids' one, run by hand against the sampled chain
+# law below, failed it too: adjusted p 1.9e-92, at f1ed9f1+).
 MUTATIONS = {
     "a child fed the fused target feature, not the head's own output": (
         eagle3, "refresh3", "jnp.take_along_axis(out, idx", "jnp.take_along_axis(fused, idx"),
@@ -312,3 +313,111 @@ def test_each_deliberate_bug_fails_the_teacher_forced_check(sharp64, monkeypatch
     jax.clear_caches()
   print(f"MUTATION | {bug} | {len(bad)} mismatches, first: {bad[:1]}")
   assert bad
+
+
+# ---------------------------------------------------------------- exact sampling (V = 6)
+
+
+IDS6 = np.array([0, 2, 3, 5], np.int32)  # leaves out 1 and 4, where the target has mass
+EXACT_TREE = trees.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])  # width 2, depth 2
+
+
+@pytest.fixture(scope="module")
+def v6(tmp_path_factory):
+  """(target, drafter, law): lawcheck's V = 6 world with a 4-layer target, a
+  sharp random head over IDS6, and law(prompt, sp, gamma), the exact
+  acceptance law of its chain drafts jointly with t_0 (head3_acceptance_law)."""
+  target = make_target(lawcheck.V, 11)
+  path = make_head(target, IDS6, LAYERS, tmp_path_factory.mktemp("v6") / "v6-eagle3", seed=4)
+  return target, eagle3.Eagle3Drafter(path), head3_acceptance_law(target,
+                                                                    eagle3.load_head3(path))
+
+
+def head3_acceptance_law(target, head):
+  """law(prompt, sp, gamma) -> the law of (t_0, k1, 1[k2 > 0]) [V, gamma+1, 2]
+  (lawcheck.acceptance_law) under EAGLE-3 drafting, its q from teacher-forced
+  passes without a cache over every continuation of the prompt at once (as
+  test_eagle.head_acceptance_law for EAGLE-1): the second step's first draft
+  after x_0..x_{n-1} from the fused pairs 0..n-2, output n-2; the first
+  step's d_j after the prompt (P tokens) and t_0 d_1..d_{j-1} from the fused
+  pairs 0..P-1, then (h_{P-2+i}, d_i), i = 1..j-1, output P+j-2."""
+  tcfg, hcfg, v = target.cfg.replace(attn_block=0), head.cfg.replace(attn_block=0), lawcheck.V
+
+  @jax.jit
+  def fused(tokens):
+    cache = kvc.init_cache(tcfg, tokens.shape[0], tokens.shape[1])
+    return eagle3.fuse(head.params, model.forward(target.params, tokens, cache, tcfg,
+                                                  return_hidden=True,
+                                                  hidden_layers=head.layers)[2])
+
+  @jax.jit
+  def head_logits(feats, tokens):  # pairs 0..T-1 -> (h [R, T, E], logits over target ids)
+    cache = eagle3.new_cache(hcfg, tokens.shape[0], tokens.shape[1])
+    h = eagle3.head_forward3(head.params, target.params, feats, tokens, cache, hcfg, tcfg)[0]
+    return h, vocab.expand(eagle3.head_logits3(head.params, h), head.ids, tcfg.padded_vocab)
+
+  def q_laws(prompt, sp, gamma):
+    big_p, m = len(prompt), gamma + 2
+    seqs = np.array(list(itertools.product(range(v), repeat=m)), np.int32)
+    x = jnp.asarray(np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], 1))
+    f = fused(x)                                       # f_0 .. f_{P+m-1}
+    h, logits = head_logits(f[:, :-1], x[:, 1:])       # h_0 .. h_{P+m-2}
+    law = lambda a, j: lawcheck.warp(np.asarray(a)[::v ** (m - j)], sp)
+    q_next = [None, None] + [law(logits[:, big_p + j - 2], j) for j in range(2, m + 1)]
+    q_draft, own = [None, law(logits[:, big_p - 1], 1)], [h[:, big_p - 1]]
+    for j in range(2, gamma + 1):
+      feats = jnp.concatenate([f[:, :big_p], jnp.stack(own, 1)], 1)
+      hj, lj = head_logits(feats, x[:, 1:big_p + j])
+      q_draft.append(law(lj[:, -1], j))
+      own.append(hj[:, -1])
+    return q_draft, q_next
+
+  @functools.lru_cache(maxsize=None)
+  def law(prompt, sp, gamma):
+    p = [lawcheck.warp(x, sp) for x in lawcheck.next_token_logits(target, list(prompt), gamma + 2)]
+    return lawcheck.acceptance_law(p, *q_laws(list(prompt), sp, gamma), gamma, by_first=True)
+  return lambda prompt, sp, gamma: law(tuple(prompt), sp, gamma)
+
+
+def test_the_reduced_set_leaves_out_ids_the_target_samples(v6):
+  """The test below is only a test of the residual if the target puts mass
+  where the head cannot draft."""
+  target = v6[0]
+  out = set(range(lawcheck.V)) - set(IDS6.tolist())
+  mass = [lawcheck.warp(lawcheck.next_token_logits(target, p, 1)[1], SamplingParams(1.0))
+          [:, sorted(out)].sum(-1).max() for p in lawcheck.PROMPTS]
+  assert min(mass) > 0.05, mass
+
+
+def test_sampled_chain_follows_the_target_and_the_heads_law(v6):
+  """At T = 1, gamma 3: the output law is the target's (the residual covers
+  the ids outside the set) and the accepted counts follow the law of the
+  drafts the head must propose given its features."""
+  target, drafter, law = v6
+  ps = lawcheck.pvalues(target, target, SamplingParams(1.0), 3, lawcheck.ROWS, drafter=drafter,
+                        accept_law=law)
+  assert min(1.0, min(ps.values()) * len(ps)) > lawcheck.ALPHA, ps
+
+
+def tree_pvalues(target, drafter, siblings, tree=EXACT_TREE) -> dict[str, float]:
+  """Pair laws of the first depth + 3 tokens against the target's own (as
+  test_tree_drafters.output_pvalues)."""
+  w, rows = tree.max_depth + 3, lawcheck.ROWS
+  prompts = [p for p in lawcheck.PROMPTS for _ in range(rows)]
+  res = speculative.generate(target, None, prompts, w, 1, sp=SamplingParams(1.0), tree=tree,
+                             siblings=siblings, drafter=drafter)
+  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(lawcheck.PROMPTS)), rows)
+  out = {}
+  for i, prompt in enumerate(lawcheck.PROMPTS):
+    laws = lawcheck.exact_laws(target, target, prompt, SamplingParams(1.0), w - 3)
+    t = tokens[which == i]
+    for j, pair_law in enumerate(laws.pairs):
+      counts = np.bincount(t[:, j] * lawcheck.V + t[:, j + 1], minlength=lawcheck.V ** 2)
+      out[f"prompt {i} pair t{j},t{j + 1}"] = lawcheck.chi2_pvalue(counts, pair_law)
+  return out
+
+
+@pytest.mark.parametrize("siblings", ["topk", "stochastic"])
+def test_sampled_static_tree_follows_the_target(v6, siblings):
+  ps = tree_pvalues(v6[0], v6[1], siblings)
+  assert min(1.0, min(ps.values()) * len(ps)) > lawcheck.ALPHA, ps
