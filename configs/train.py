@@ -157,4 +157,20 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
   # The head also reads each pair's current token (drafters/eagle.reads_prev_token: fc 3E -> E),
   # so that one layer can copy from the context; off: EAGLE-1's pair (the shipped head).
   c.head_train.prev_token = False
+  # EAGLE-3 head (--stages=head3; specjax/train/eagle3.py, eagle3_stage.py):
+  # fuses the target's layers head3_layers (() = 2, L//2, L-3), drafts over
+  # the head3_vocab most frequent ids of the target's replies (specials
+  # included), trained with training-time test over ttt_steps steps, the
+  # loss of step j weighted ttt_decay^(j-1).
+  c.head3_name = "smollm2-eagle3"
+  c.head3_vocab = 8192
+  c.head3_layers = ()
+  c.head3_train = _train(1000, 8, 256, 2e-3, 25, seed=5, eval_every=100, eval_batches=4,
+                         ckpt_every=25, log_every=5)
+  if arg == "smollm2_tiny":
+    c.head3_vocab = 256
+    c.head3_train = _train(2, 2, 16, 3e-3, 1, seed=5, eval_every=2, eval_batches=1,
+                           ckpt_every=1, log_every=1)
+  c.head3_train.ttt_steps = 6
+  c.head3_train.ttt_decay = 0.8
   return c

@@ -1,0 +1,201 @@
+"""Training the EAGLE-3 head with training-time test (specjax/train/eagle3.py,
+eagle3_stage.py): step j's logits at pair t are the logits the drafter
+computes on a chain rooted at pair t - j + 1 with the true tokens forced
+(head_forward3 on a head KV cache), for every root and step; the loss
+counts the set's labels only, over the pairs whose root exists; a tiny run
+overfits, a resumed run equals an uninterrupted one; the stored layers are
+the target's, recorded and refused for other layers. MUTATIONS are
+deliberate bugs, each failing a check."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import train as train_configs
+from specjax.drafters import eagle3 as head3
+from specjax.errors import ConfigError
+from specjax.model import kv_cache as kvc
+from specjax.model import llama as model
+from specjax.model import steps
+from specjax.model.config import ModelConfig
+from specjax.train import eagle3 as ttt
+from specjax.train import eagle3_stage as stage
+from specjax.train import loop as train_lib
+from specjax.train import replies
+
+TINY = ModelConfig("t", 97, 32, 4, 4, 2, 64, max_seq_len=256, tie_embeddings=True, attn_block=8)
+B, T, K = 2, 12, 4
+SET = np.arange(0, 97, 2)  # every other id: labels outside the set exist
+
+
+@pytest.fixture(scope="module")
+def head(init_params):
+  """A tiny target, a window's tokens and layers' outputs, a random head."""
+  params = dict(init_params(TINY, 3))
+  params["embed"] = {"embedding": params["embed"]["embedding"] * 30.0}  # peaked laws
+  toks = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (B, T + 1)),
+                     jnp.int32)
+  layers = head3.default_layers(TINY.n_layers)
+  _, _, feats = model.forward(params, toks, kvc.init_cache(TINY, B, T + 1), TINY,
+                              return_hidden=True, hidden_layers=layers)
+  hcfg = head3.head_config(TINY)
+  return params, toks, feats, hcfg, head3.init_head3(hcfg, len(SET), 1), layers
+
+
+@jax.jit
+def drafted_chains(hparams, tparams, feats, toks):
+  """The drafter's logits along the chain rooted at each pair r, the true
+  tokens forced, one batch row per (row, root): the true pairs 0..r in the
+  head's cache with fused target features (all T fed, rolled back to r + 1,
+  as the drafter's refresh does), then pairs (h, x_{t+1}) fed one at a time,
+  each reading the previous output. Returns [K] x [B, T (root), V_d]."""
+  hcfg = head3.head_config(TINY)
+  rows = jnp.repeat(toks, T, 0)  # row b * T + r: row b's window, root r
+  roots = jnp.tile(jnp.arange(T), B)
+  cache = head3.new_cache(hcfg, B * T, T + K)
+  fused = head3.fuse(hparams, jnp.repeat(feats[:, :T], T, 0))
+  hs, cache = head3.head_forward3(hparams, tparams, fused, rows[:, 1:], cache, hcfg, TINY)
+  cache = kvc.rollback(cache, roots + 1)
+  h = jnp.take_along_axis(hs, roots[:, None, None], 1)  # [B*T, 1, E]: the root's output
+  out = [head3.head_logits3(hparams, h[:, 0])]
+  for i in range(1, K):  # pair r + i reads h and x_{r+i+1}
+    tok = jnp.take_along_axis(rows, jnp.minimum(roots + i + 1, T)[:, None], 1)
+    h, cache = head3.head_forward3(hparams, tparams, h, tok, cache, hcfg, TINY)
+    out.append(head3.head_logits3(hparams, h[:, 0]))
+  return [o.reshape(B, T, -1) for o in out]
+
+
+def gap_to_drafting(head) -> float:
+  """The largest difference between TTT step j at pair t and the chain from root t - j + 1."""
+  tparams, toks, feats, hcfg, hparams, _ = head
+  hs = jax.jit(lambda p: ttt.ttt_hidden(p, tparams, feats[:, :-1], toks[:, 1:], hcfg, TINY, K)
+               )(hparams)
+  chains = drafted_chains(hparams, tparams, feats, toks)
+  worst = 0.0
+  for j in range(1, K + 1):  # pair t = r + j - 1 < T
+    got = head3.head_logits3(hparams, hs[j - 1][:, j - 1:])
+    diff = jnp.abs(got - chains[j - 1][:, :T - j + 1])
+    worst = max(worst, float(jnp.where(jnp.isnan(diff), jnp.inf, diff).max()))  # NaN: apart
+  return worst
+
+
+def test_ttt_steps_are_the_drafted_chains(head):
+  assert gap_to_drafting(head) < 1e-4
+
+
+MUTATIONS = {
+    # step j's feature from the same pair, h^{j-1}_t, not the previous pair's
+    "same pair's feature": ("step_features", lambda orig: lambda h: h),
+    # step j attends to the true prefix only: its own chain's keys dropped
+    "no diagonal": ("diagonal", lambda orig: lambda kvs, j: []),
+    # the true prefix one pair too long, or too short
+    "prefix s <= t-j+2": ("prefix_mask", lambda orig: lambda n, j: orig(n, j - 1)),
+    "prefix s <= t-j": ("prefix_mask", lambda orig: lambda n, j: orig(n, j + 1)),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_each_mutation_parts_from_drafting(head, monkeypatch, name):
+  attr, make = MUTATIONS[name]
+  monkeypatch.setattr(ttt, attr, make(getattr(ttt, attr)))
+  assert gap_to_drafting(head) > 1e-2
+
+
+def test_the_loss_counts_the_sets_labels_over_rooted_pairs(head):
+  """set_ce against a NumPy reference (labels outside the set ignored, not
+  renormalised); ttt_loss's step j averages pairs t >= j - 1 only, and its
+  accuracy maps the set's argmax back to target ids."""
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(3, len(SET))).astype(np.float32)
+  top_i = np.asarray([[0, 1, 2], [3, 4, 96], [5, 7, 9]], np.int32)  # 1, 3, 5, 7, 9: outside
+  top_p = np.asarray([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.7, 0.2, 0.1]], np.float32)
+  logq = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  col = {int(v): i for i, v in enumerate(SET)}
+  want = [-sum(p * logq[r, col[i]] for i, p in zip(top_i[r], top_p[r]) if i in col)
+          for r in range(3)]
+  got = ttt.set_ce(jnp.asarray(logits), jnp.asarray(ttt.set_index(SET, 97)),
+                   jnp.asarray(top_i), jnp.asarray(top_p))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+  assert float(got[2]) == 0.0  # no label in the set: nothing counted
+  tparams, toks, feats, hcfg, hparams, _ = head
+  w = {"tokens": toks, "layers": feats, "top_i": jnp.broadcast_to(toks[..., None], (B, T + 1, 2)),
+       "top_p": jnp.full((B, T + 1, 2), 0.5)}
+  vocab = {"ids": jnp.asarray(SET), "index": jnp.asarray(ttt.set_index(SET, 97))}
+  _, m = jax.jit(lambda p: ttt.ttt_loss(p, hcfg, tparams, TINY, w, vocab, K, 0.8))(hparams)
+  hs = jax.jit(lambda p: ttt.ttt_hidden(p, tparams, feats[:, :-1], toks[:, 1:], hcfg, TINY, K)
+               )(hparams)
+  for j in (1, 3):
+    lg = head3.head_logits3(hparams, hs[j - 1])[:, j - 1:]
+    lab = toks[:, j:]  # pair t's label: top_i at position t + 1
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(lg, -1), jnp.maximum(
+        jnp.asarray(ttt.set_index(SET, 97))[lab], 0)[..., None], -1)[..., 0]
+    ce = jnp.where(lab % 2 == 0, ce, 0.0)  # odd ids are outside the set
+    np.testing.assert_allclose(float(m[f"ce_{j}"]), float(ce.mean()), rtol=1e-5)
+    acc = jnp.mean(jnp.asarray(SET)[jnp.argmax(lg, -1)] == lab)
+    np.testing.assert_allclose(float(m[f"acc_{j}"]), float(acc), rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def data(head, tmp_path_factory):
+  """Stored data of a few sequences of the tiny target: tokens, top-K
+  labels (replies.features) and the layers' outputs (stage.layer_features)."""
+  tparams = head[0]
+  target = steps.Runner(TINY, tparams)
+  rng = np.random.default_rng(2)
+  seqs = [list(rng.integers(0, TINY.vocab_size, n)) for n in (70, 50, 90, 40)]
+  d = replies.features(target, seqs, 8, 2, log=lambda s: None)
+  path = tmp_path_factory.mktemp("layers") / stage.LAYERS_FILE
+  stage.layer_features(target, d["tokens"], d["starts"], head[5], 3, path, log=lambda s: None)
+  d["layers"] = np.load(path)
+  return target, d
+
+
+def test_stored_layers_are_the_targets_outputs(head, data):
+  target, d = data
+  s, e = stage.spans(d["starts"], len(d["tokens"]))[2]
+  fwd = jax.jit(lambda p, x: model.forward(p, x, kvc.init_cache(TINY, 1, e - s), TINY,
+                                           return_hidden=True, hidden_layers=head[5])[2])
+  want = fwd(target.params, jnp.asarray(d["tokens"][None, s:e]))
+  np.testing.assert_allclose(d["layers"][s:e].astype(np.float32), np.asarray(want[0]),
+                             rtol=2e-3, atol=2e-3)
+
+
+def _tc(steps_=6, **kw):
+  tc = train_configs.get_config("smollm2_tiny").head3_train
+  tc.steps, tc.seq_len, tc.batch, tc.lr, tc.warmup = steps_, 16, 2, 1e-2, 1
+  tc.eval_every, tc.ckpt_every, tc.log_every, tc.ttt_steps = steps_, 3, 1, 3
+  for key, v in kw.items():
+    tc[key] = v
+  return tc
+
+
+def test_a_tiny_run_overfits_and_resumes_exactly(head, data, tmp_path):
+  """Loss falls over 6 steps on the same few sequences; 3 steps, stopped,
+  resumed to 6, equal 6 steps uninterrupted (params and metrics)."""
+  target, d = data
+  hcfg = head[3]
+  init = lambda: stage.init_params(hcfg, target.params, SET, 3)
+  run = lambda work, stop=None: ttt.train(hcfg, init(), TINY, target.params, d, SET, 200,
+                                          _tc(), work, stop_at=stop, progress=False,
+                                          log=lambda s: None)
+  full = run(tmp_path / "full")
+  losses = [r["loss"] for r in train_lib.read_metrics(tmp_path / "full") if "loss" in r]
+  assert losses[-1] < 0.8 * losses[0], losses
+  recs = train_lib.read_metrics(tmp_path / "full")
+  assert {f"acc_{j}" for j in range(1, 4)} <= set(recs[0]) and "eval_acc_3" in recs[-1]
+  run(tmp_path / "cut", stop=3)
+  again = run(tmp_path / "cut")
+  for a, b in zip(jax.tree_util.tree_leaves(full), jax.tree_util.tree_leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  strip = lambda rs: [{k: v for k, v in r.items() if k not in ("tok_s", "compile_s")} for r in rs]
+  assert strip(train_lib.read_metrics(tmp_path / "cut")) == strip(recs)
+  with pytest.raises(ConfigError, match="different config"):  # other TTT settings: refused
+    ttt.train(hcfg, init(), TINY, target.params, d, SET, 200, _tc(ttt_steps=2),
+              tmp_path / "full", progress=False, log=lambda s: None)
+  with pytest.raises(ConfigError, match="ttt_steps"):
+    ttt.check_settings(_tc(ttt_steps=0))
+  with pytest.raises(ConfigError, match="ttt_decay"):
+    ttt.check_settings(_tc(ttt_decay=0.0))
