@@ -298,6 +298,9 @@ def test_the_draft_starts_from_the_targets_principal_directions(stored):
   np.testing.assert_allclose(full @ vt[:8].T @ coef, emb, atol=1e-4)
 
 
+DOCUMENTS_EXCLUDED: list = []  # tiny_run's calls of replies.stdlib_documents: their `exclude`
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   """The smollm2_tiny pipeline on a tiny random target with SmolLM2's
@@ -316,6 +319,13 @@ def tiny_run(tmp_path_factory):
 
   mp = pytest.MonkeyPatch()
   mp.setattr(sd.checkpoint, "load_model", load_model)
+  real_documents = replies.stdlib_documents
+
+  def documents(*args, **kw):  # which files the pipeline leaves out of the documents
+    DOCUMENTS_EXCLUDED.append(kw.get("exclude"))
+    return real_documents(*args, **kw)
+
+  mp.setattr(sd.replies, "stdlib_documents", documents)
   c = train_configs.get_config("smollm2_tiny")
   work, out = tmp_path_factory.mktemp("sd"), tmp_path_factory.mktemp("assets")
   lines = []
@@ -379,6 +389,8 @@ def test_no_held_out_prompt_is_trained_on(tiny_run):
   train = [tok.encode_chat(r["messages"]) for r in mix if not r["heldout"]]
   assert held and not trained_on(data, held)
   assert len(trained_on(data, train)) == len(train)
+  # the held-out prompts' files are left out of the stdlib documents
+  assert DOCUMENTS_EXCLUDED == [replies.heldout_files(mix)] and DOCUMENTS_EXCLUDED[0]
   # Deliberate bug, found: a held-out prompt (and its reply) among the sequences.
   leaked = {"tokens": np.concatenate([data["tokens"], np.asarray(held[0] + [7, 8], np.int32)]),
             "starts": np.append(data["starts"], len(data["tokens"]))}
