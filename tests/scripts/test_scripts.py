@@ -185,6 +185,8 @@ def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
      r"error: vocab=64: no shipped ranking for a vocabulary of 256 ids"),
     ("vocab_cost.py", ["--model=tiny", "--sizes=full,lots"], r"error: --sizes: 'lots'"),
     ("draft_vocab.py", ["--n_train=0"], r"error: --n_train"),
+    ("heldout_alpha.py", ["--temps=hot"], r"error: --temps"),
+    ("heldout_alpha.py", ["--drafters=eagle:nowhere"], r"error: EAGLE head 'nowhere'"),
 ])
 def test_bad_input_is_one_line(script, args, pattern):
   assert_one_line_error(run(script, *args), pattern)
