@@ -3,11 +3,12 @@
 A drafter is static config (a frozen, hashable dataclass, part of
 SpecConfig and so a jit static argument), parsed from one spec string by
 drafters/registry.py (`model`, `ngram[:A-B]`, `layerskip:N`,
-`layerskip:LIST`, `eagle[:PATH]`). The loops call `init` on the host, then,
-traced in the jitted step, `propose` (a chain) or `propose_tree` (a token
-tree) and `commit`; what differs between drafters is a property of the
-class (`deterministic`, `needs_draft_model`, `needs_features`,
-`gamma_free_state`, `catches_up`, `can_graft`, `own_params`). A drafter
+`layerskip:LIST`, `eagle[:PATH]`, `eagle3[:PATH]`). The loops call `init`
+on the host, then, traced in the jitted step, `propose` (a chain) or
+`propose_tree` (a token tree) and `commit`; what differs between drafters
+is a property of the class (`deterministic`, `needs_draft_model`,
+`needs_features`, `feature_layers`, `gamma_free_state`, `catches_up`,
+`can_graft`, `own_params`). A drafter
 that runs a network is a feeder (drafters/network.py). The drafters and
 their caches: docs/drafters.md; a new one: ARCHITECTURE.md.
 """
