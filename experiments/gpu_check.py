@@ -1,6 +1,7 @@
 """The GPU check: the one prepared script for a machine with a GPU (no network;
-about 15 minutes on an H200: bench 226 s, sweep 298 s, attention 33 s,
-overhead 39 s measured there, docs/results.md).
+about 15 minutes on an H200 before issue 38's parts: bench 226 s, sweep 298 s,
+attention 33 s, overhead 39 s, docs/results.md; a device call is at most 10
+minutes: BUILD.md gives the --skip of issue 38's run).
 
   pip install --no-deps -e . && python experiments/gpu_check.py --workdir=/tmp/specjax_gpu
 
@@ -9,16 +10,15 @@ and verify cost, llama-160m and llama-7b shapes, bf16, T(N)/T(1) to N = 64),
 attention (over the used length), sweep (configs/sweep_gamma.py:gpu, the
 7B / 160m pair), batch (configs/sweep_gamma.py:gpu_batch: the crossover
 batch), overhead (the device loop's), trees (the tree verify T(B, N)), mesh
-(several local GPUs), taskbench (configs/sweep_gamma.py:taskbench_quick
-on SmolLM2-135M-Instruct with the new EAGLE-3 head's rows, each left out
-with one line while missing; --taskbench_tree adds tree rows), levers (the
-draft's and the target's ms/token and c under each of model/levers.py's
-levers) and lever_sweep (the sweep again under the best lever, in a process
-started under its XLA_FLAGS; cli's --lever runs the check under one). They run in
+(several local GPUs), taskbench (configs/sweep_gamma.py:taskbench_quick on
+SmolLM2-135M-Instruct plus the new EAGLE-3 head's rows, one line each while
+it is missing), levers (draft and target ms/token and c under each of
+model/levers.py's levers) and lever_sweep (the sweep's largest gamma under
+the best lever, in a process started under its XLA_FLAGS). They run in
 ORDER, so that a run cut short keeps the ones the README quotes; a part that
-fails is one FAILED line in the summary and the rest still run. Writes
-gpu_summary.md (rewritten after every part) and gpu_check.jsonl (one record
-per measurement, with the environment) to --workdir. `--smoke` runs the same
+fails is one FAILED line and the rest still run. Writes gpu_summary.md
+(rewritten after every part) and gpu_check.jsonl (one record per
+measurement, with the environment) to --workdir. `--smoke` runs the same
 path on tiny models on any backend (the tests use it). What each part
 measures: docs/results.md, "On a GPU"; each part's runner and its summary
 section: specjax.bench.studies.gpu_study.
@@ -52,6 +52,9 @@ _BANDWIDTH = flags.DEFINE_float("bandwidth_gbs", None, "Peak memory bandwidth (G
 _REPS = flags.DEFINE_integer("reps", 5, "Benchmark repetitions.", lower_bound=1)
 _TREES = flags.DEFINE_multi_string("taskbench_tree", None, "A tree row of the task suite "
                                    "(DRAFTER@TREE; repeat the flag); default: taskbench_quick's.")
+_SWEEP_GAMMA = flags.DEFINE_multi_integer("sweep_gamma", None, "The sweep part's gammas "
+                                           "(repeat the flag); default: the config's.",
+                                           lower_bound=1)
 _SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: peaks, bench, attention, sweep, batch, "
                          "overhead, trees, mesh, taskbench, levers, lever_sweep.")
 
@@ -153,10 +156,13 @@ def main(argv):
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
     tree_model, tree_batches, tree_sizes = "llama-7b", (1, 4, 16, 32), (4, 8, 16, 32, 64)
     lever_names, lever_point = LEVERS, (512, 128, 64)  # capacity, depth, steps timed
+  if _SWEEP_GAMMA.value:
+    scfg.gammas = tuple(_SWEEP_GAMMA.value)
   scfg, bcfg, tcfg = (SweepConfig.from_mapping(c) for c in (scfg, bcfg, tcfg))
   if not _SMOKE.value:
     tcfg = gs.with_new_head(tcfg)
-  child = [f"--reps={reps}"] + ["--smoke"] * _SMOKE.value + ["--overwrite"] * _OVERWRITE.value
+  child = ([f"--reps={reps}", f"--sweep_gamma={max(scfg.gammas)}"]  # one group: minutes less
+           + ["--smoke"] * _SMOKE.value + ["--overwrite"] * _OVERWRITE.value)
   bandwidth = _BANDWIDTH.value or roofline.device_bandwidth_gbs(dev.device_kind)
   lines = [f"# GPU check: {dev.device_kind}", ""]
   measured = {}  # filled by the peaks part

@@ -45,6 +45,27 @@ def test_c_and_the_roofline_from_the_records():
   assert "| default | masked | 0.800 | 8.000 | 0.100 | 34% |" in text  # 13.2 GB / 8 ms / 4.8 TB/s
   assert "| all | masked scan | 0.400 | 12.000 | 0.033 | 23% |" in text
   assert "Best lever: all, c = 0.033 (goal <= 0.08; the parameter ratio is 0.023)" in text
+  failed = recs[:2] + [{**_rec("fused", "draft", None, 160), "error": "XlaRuntimeError: cuDNN"},
+                       _rec("fused", "target", 9.0, 7000, 13.2e9)]
+  assert draft_levers.best_lever(failed) == "default"  # a failed lever is never the best
+  text = "\n".join(draft_levers.levers_section(failed, "llama-160m", "llama-7b", None))
+  assert "| fused | masked scan | failed: XlaRuntimeError: cuDNN |" in text
+  assert draft_levers.best_lever([failed[2], failed[3]]) is None
+
+
+def test_a_failing_lever_is_one_row_not_the_end(monkeypatch):
+  """A lever that raises where it is measured (cuDNN refusing a shape) is
+  recorded with its error; the other levers are still measured."""
+  def cost(cfg, *args):
+    if cfg.attention == "fused":
+      raise RuntimeError("cuDNN: unsupported\nmore")
+    return {"ms_per_token": 1.0, "compile_s": 0.0, "times_s": [0.0]}
+
+  monkeypatch.setattr(draft_levers, "decode_cost", cost)
+  recs = draft_levers.lever_costs("tiny-draft", "tiny", "float32", ("default", "fused"),
+                                  32, 4, 2, 1)
+  assert [r.get("error") for r in recs] == [None, None, "RuntimeError: cuDNN: unsupported",
+                                            "RuntimeError: cuDNN: unsupported"]
 
 
 def test_a_lever_without_its_xla_flags_is_one_line(tmp_path):

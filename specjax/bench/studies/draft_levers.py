@@ -59,6 +59,16 @@ def decode_cost(cfg, params, options: dict, capacity: int, depth: int, n_gen: in
           "times_s": t.times}
 
 
+def measure_or_error(*args) -> dict[str, Any]:
+  """decode_cost, or {"error": its first line} when the lever fails there (a
+  cuDNN kernel that refuses a shape, an XLA flag this jax lacks): one
+  lever's failure must not cost the others' figures on a device lease."""
+  try:
+    return decode_cost(*args)
+  except Exception as e:  # pylint: disable=broad-except
+    return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
+
+
 def lever_costs(draft: str, target: str, dtype: str, names: Sequence[str], capacity: int,
                 depth: int, n_gen: int, reps: int,
                 out: Callable[[dict], None] = lambda r: None) -> Records:
@@ -74,7 +84,7 @@ def lever_costs(draft: str, target: str, dtype: str, names: Sequence[str], capac
       cfg, options = lever.model_config(cfg0, role), lever.compiler_options()
       key = (role, cfg, tuple(sorted(options.items())))
       if key not in seen:
-        seen[key] = decode_cost(cfg, params, options, capacity, depth, n_gen, reps)
+        seen[key] = measure_or_error(cfg, params, options, capacity, depth, n_gen, reps)
       rec = {"lever": name, "role": role, **tables.model_info(cfg, params),
              "attention": cfg.attention, "scan_layers": cfg.scan_layers,
              "command_buffers": lever.command_buffers, "capacity": capacity, "depth": depth,
@@ -88,39 +98,45 @@ def lever_costs(draft: str, target: str, dtype: str, names: Sequence[str], capac
 
 
 def c_by_lever(recs: Records) -> dict[str, float]:
-  """c = T_draft(1) / T_target(1) per lever, both under it."""
-  ms = {(r["lever"], r["role"]): r["ms_per_token"] for r in recs}
+  """c = T_draft(1) / T_target(1) per lever, both under it (a lever that
+  failed for either model has none)."""
+  ms = {(r["lever"], r["role"]): r.get("ms_per_token") for r in recs}
   return {lv: ms[(lv, "draft")] / ms[(lv, "target")]
-          for lv in dict.fromkeys(r["lever"] for r in recs)}
+          for lv in dict.fromkeys(r["lever"] for r in recs)
+          if ms[(lv, "draft")] and ms[(lv, "target")]}
 
 
-def best_lever(recs: Records) -> str:
-  """The lever with the smallest c."""
+def best_lever(recs: Records) -> str | None:
+  """The lever with the smallest c (None if every lever failed)."""
   c = c_by_lever(recs)
-  return min(c, key=c.get)
+  return min(c, key=c.get) if c else None
 
 
 def levers_section(recs: Records, draft: str, target: str, bandwidth: float | None
                    ) -> list[str]:
-  """The table (ms/token of both, c, the target's roofline share) and the
-  goals, from the records alone."""
+  """The table (ms/token of both, c, the target's roofline share; a failed
+  lever's error), and the goals, from the records alone."""
   by = {(r["lever"], r["role"]): r for r in recs}
   c = c_by_lever(recs)
   lines = [f"## Levers: {draft} draft / {target} target ({recs[0]['dtype']}, decode loop, "
            f"{recs[0]['depth']} of {recs[0]['capacity']} slots used)", "",
            "| lever | attention (draft) | draft ms/token | target ms/token | c | "
            "target roofline | compile s (draft / target) |", "|---" * 7 + "|"]
-  for lever, cv in c.items():
+  for lever in dict.fromkeys(r["lever"] for r in recs):
     d, t = by[(lever, "draft")], by[(lever, "target")]
+    kind = f"{d['attention']}{' scan' if d['scan_layers'] else ''}"
+    if lever not in c:
+      lines.append(f"| {lever} | {kind} | failed: {d.get('error') or t.get('error')} |")
+      continue
     roof = (f"{100 * t['step_bytes'] / (t['ms_per_token'] / 1e3) / (bandwidth * 1e9):.0f}%"
             if bandwidth else "-")
-    lines.append(f"| {lever} | {d['attention']}{' scan' if d['scan_layers'] else ''} | "
-                 f"{d['ms_per_token']:.3f} | {t['ms_per_token']:.3f} | {cv:.3f} | {roof} | "
-                 f"{d['compile_s']:.1f} / {t['compile_s']:.1f} |")
-  best = min(c, key=c.get)
+    lines.append(f"| {lever} | {kind} | {d['ms_per_token']:.3f} | {t['ms_per_token']:.3f} | "
+                 f"{c[lever]:.3f} | {roof} | {d['compile_s']:.1f} / {t['compile_s']:.1f} |")
+  best = best_lever(recs)
+  if best is None:
+    return lines + ["", "Every lever failed."]
   ratio = by[(best, "draft")]["n_params"] / by[(best, "target")]["n_params"]
   return lines + ["", f"Best lever: {best}, c = {c[best]:.3f} (goal <= {C_GOAL}; the "
                   f"parameter ratio is {ratio:.3f}). Roofline: the target's bytes per step "
                   f"(weights + attended cache) / its time, against "
                   f"{bandwidth or 'an unknown'} GB/s (goal >= {100 * ROOFLINE_GOAL:.0f} %)."]
-
