@@ -27,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import workdir as wd
+from specjax.decode import speculative
 from specjax.drafters import eagle3 as head3
 from specjax.drafters import vocab
 from specjax.errors import ConfigError
 from specjax.model import steps
 from specjax.model.config import ModelConfig
+from specjax.model.sampling import SamplingParams
 from specjax.train import eagle3 as ttt
 from specjax.train import loop as train_lib
 from specjax.train import pair
@@ -41,6 +43,10 @@ LAYERS_RECORD = "layers.settings.json"
 RUN_DIR = "head3"          # the training run (orbax checkpoints, metrics.jsonl)
 VOCAB_DIR = "head3_vocab"  # the set and its ranking (vocab.VOCAB_FILE)
 PLOT_FILE = "training_head3.png"
+ALPHA_FILE = "alpha_head3.json"
+# What alpha_head3.json depends on besides the data and the head's training.
+ALPHA_FIELDS = ("alpha_prompts", "alpha_gamma", "alpha_n_predict", "alpha_temps", "export_dtype",
+                "head3_name", "head3_vocab", "head3_layers", "head3_train")
 F16_MAX = float(np.finfo(np.float16).max)
 
 # ---------------------------------------------------------------- the layers' outputs
@@ -142,18 +148,44 @@ def _layers(c, tcfg: ModelConfig) -> tuple[int, ...]:
   return layers
 
 
-def run(c, work: Path, target: steps.Runner, tok, data, n_train: int,
+def measure_alpha(c, target: steps.Runner, tok, held: list[dict], head_dir: str, data,
+                  work: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+  """The saved head's acceptance (the engine, a gamma-alpha_gamma chain) on
+  the first alpha_prompts held-out prompts at each of alpha_temps; kept in
+  ALPHA_FILE and reused for the same settings and data."""
+  file = work / ALPHA_FILE
+  want = {**train_lib.settings_of(c, ALPHA_FIELDS), "tokens_sha256": tokens_digest(data["tokens"])}
+  if wd.check_stage(work / "alpha_head3.settings.json", want, [file],
+                    f"delete {file} to measure again, or use a new --workdir"):
+    return wd.read_json(file)
+  prompts = [tok.encode_chat(r["messages"]) for r in held[:int(c.alpha_prompts)]]
+  log(f"head3: acceptance on {len(prompts)} held-out prompts")
+  out: dict[str, Any] = {"gamma": int(c.alpha_gamma), "n_predict": int(c.alpha_n_predict),
+                         "prompts": len(prompts)}
+  for t in c.alpha_temps:
+    s = speculative.generate(target, None, prompts, int(c.alpha_n_predict), int(c.alpha_gamma),
+                             sp=SamplingParams(float(t)), seed=0, eos_id=tok.eos_id,
+                             drafter=f"eagle3:{head_dir}").stats
+    out[f"{float(t):g}"] = {"alpha": s.alpha, "tokens_per_step": s.tokens_per_step,
+                            "alpha_at_pos": s.alpha_at_pos, "n_steps": s.n_steps}
+  wd.write_json(file, out)
+  return out
+
+
+def run(c, work: Path, target: steps.Runner, tok, data, n_train: int, held: list[dict],
         export_dir: str | os.PathLike | None = None, progress: bool = True,
         log: Callable[[str], None] = print) -> dict[str, Any]:
-  """The stage (module docstring); returns its part of the summary."""
+  """The stage (module docstring) on the stored data (data.npz: positions
+  [0, n_train) train) with the held-out prompts `held` for its acceptance;
+  returns its part of the summary."""
   tcfg, tparams = target.cfg, target.params
   ttt.check_settings(c.head3_train)
   layers = _layers(c, tcfg)
   ids, ranked, special, cover = reply_set(tok, work, int(c.head3_vocab), tcfg.vocab_size)
   vocab.save(work / VOCAB_DIR, ids, tcfg.vocab_size, special, ranked=ranked)
-  held = vocab.coverage(ids, [data["tokens"][n_train:]])
+  cover_held = vocab.coverage(ids, [data["tokens"][n_train:]])
   log(f"head3: {len(ids)} ids ({len(special)} special) cover {cover:.3f} of the training "
-      f"replies' tokens, {held:.3f} of the held-out positions; layers {list(layers)}, "
+      f"replies' tokens, {cover_held:.3f} of the held-out positions; layers {list(layers)}, "
       f"{int(c.head3_train.ttt_steps)} TTT steps")
   feats = stored_layers(c, target, data, layers, work, log)
   hcfg = head3.head_config(tcfg)
@@ -168,12 +200,13 @@ def run(c, work: Path, target: steps.Runner, tok, data, n_train: int,
          "train_seconds": pair.train_seconds(work / RUN_DIR), "layers": list(layers),
          "ttt_steps": int(c.head3_train.ttt_steps),
          "vocab": {"size": int(len(ids)), "special": len(special),
-                   "coverage_train_replies": cover, "coverage_heldout_positions": held}}
+                   "coverage_train_replies": cover, "coverage_heldout_positions": cover_held}}
   plot(work / RUN_DIR, work / PLOT_FILE, int(c.head3_train.ttt_steps))
   dt = str(c.export_dtype)
   save = lambda d, extra: str(head3.save_head3(d, hcfg, params, layers, ids, tcfg, str(c.target),
                                                special, dt, extra))
   out["saved"] = save(work / str(c.head3_name), None)
+  out["alpha"] = measure_alpha(c, target, tok, held, out["saved"], data, work, log)
   if export_dir is not None:
     out["exported"] = save(Path(export_dir) / str(c.head3_name), {"training": out})
   return out

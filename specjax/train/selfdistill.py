@@ -38,7 +38,7 @@ from specjax.model import llama as model_lib
 from specjax.model import steps
 from specjax.model.config import ModelConfig
 from specjax.model.sampling import SamplingParams
-from specjax.train import corpus, pair, replies
+from specjax.train import corpus, eagle3_stage, pair, replies
 from specjax.train import loop as train_lib
 
 DATA_FILE = "data.npz"
@@ -381,7 +381,11 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
     summary["draft"] = {"config": dcfg.to_dict(), "params": model_lib.param_count(dparams),
                         "init": "target embedding, top principal directions",
                         "train_seconds": pair.train_seconds(work / "draft")}
-  plot(work, work / "training.png")
+  if "head3" in stages:  # the EAGLE-3 head: trained, measured, saved and exported there
+    summary["head3"] = eagle3_stage.run(c, work, target, tok, data, n_train, held, export_dir,
+                                        progress, log)
+  if {"head", "draft"} & set(stages):
+    plot(work, work / "training.png")
   prompts = [tok.encode_chat(r["messages"]) for r in held[:int(c.alpha_prompts)]]
   alpha_file = work / ALPHA_FILE
   reuse = wd.check_stage(work / "alpha.settings.json",

@@ -199,3 +199,68 @@ def test_a_tiny_run_overfits_and_resumes_exactly(head, data, tmp_path):
     ttt.check_settings(_tc(ttt_steps=0))
   with pytest.raises(ConfigError, match="ttt_decay"):
     ttt.check_settings(_tc(ttt_decay=0.0))
+
+
+@pytest.fixture(scope="module")
+def tiny_stage(tmp_path_factory):
+  """selfdistill.run(stages=("head3",)) with configs/train.py:smollm2_tiny on
+  a tiny random 4-layer target with SmolLM2's tokenizer and chat template."""
+  from specjax.formats import checkpoint  # pylint: disable=import-outside-toplevel
+  from specjax.train import selfdistill as sd  # pylint: disable=import-outside-toplevel
+  try:
+    _, _, tok = checkpoint.load_model("smollm2-135m", "float32")
+  except Exception as e:  # pylint: disable=broad-except
+    pytest.skip(f"smollm2-135m: {e}")
+  cfg = ModelConfig("tiny-smol", tok.vocab_size, 32, 4, 4, 2, 64, max_seq_len=512,
+                    tie_embeddings=True, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+  params = model.init_params(cfg, 0)
+  real = checkpoint.load_model
+  mp = pytest.MonkeyPatch()
+  mp.setattr(sd.checkpoint, "load_model", lambda spec, dtype=None, seed=0, role="target": (
+      (cfg, params, tok) if spec == "smollm2-135m" else real(spec, dtype, seed, role)))
+  work, out = tmp_path_factory.mktemp("sd3"), tmp_path_factory.mktemp("assets3")
+  lines = []
+  c = train_configs.get_config("smollm2_tiny")
+  s = sd.run(c, work, out, progress=False, log=lines.append, stages=("head3",))
+  yield sd, c, work, out, s, lines, steps.Runner(cfg, params), tok
+  mp.undo()
+
+
+def test_the_stage_trains_measures_and_exports_the_head(tiny_stage):
+  from specjax.decode import generation, speculative  # pylint: disable=import-outside-toplevel
+  from specjax.drafters import vocab  # pylint: disable=import-outside-toplevel
+  sd, c, work, out, s, lines, target, tok = tiny_stage
+  h3 = s["head3"]
+  assert h3["layers"] == list(head3.default_layers(4)) == [2, 2, 1]
+  assert [r["step"] for r in train_lib.read_metrics(work / stage.RUN_DIR) if "loss" in r] == [1, 2]
+  assert {f"eval_acc_{j}" for j in range(1, 7)} <= set(h3["heldout"])
+  assert (work / stage.PLOT_FILE).is_file() and set(h3["alpha"]["0"]) >= {"alpha"}
+  loaded = head3.load_head3(out / str(c.head3_name))
+  assert loaded.meta["dtype"] == "bfloat16" and loaded.layers == (2, 2, 1)
+  # the set: the specials and the most frequent ids of the stored (training) replies
+  seqs = [r for f in sorted((work / "gen").glob("*.json")) for r in json.loads(f.read_text())]
+  assert seqs and len(loaded.ids) == c.head3_vocab
+  want = vocab.top_ids(vocab.count_tokens(seqs, tok.vocab_size), c.head3_vocab,
+                       tok.special_ids())
+  assert loaded.ids.tolist() == want.tolist() and set(tok.special_ids()) <= set(want.tolist())
+  # the exported head drafts: greedy output equals target-only
+  prompts = [tok.encode_chat([{"role": "user", "content": "Hello there."}]), [5, 6, 7]]
+  got = speculative.generate(target, None, prompts, 10, 3,
+                             drafter=f"eagle3:{out / 'smollm2-eagle3'}")
+  assert got.tokens == generation.generate(target, prompts, 10).tokens
+
+
+def test_the_stage_resumes_and_refuses_other_layers(tiny_stage):
+  sd, c, work, out, s, lines, _, _ = tiny_stage
+  assert any(l.startswith("layer features") for l in lines)
+  again = []
+  s2 = sd.run(c, work, None, progress=False, log=again.append, stages=("head3",))
+  assert not any(l.startswith(("layer features", "replies", "head3: acceptance")) for l in again)
+  assert s2["head3"]["alpha"] == s["head3"]["alpha"]
+  other = train_configs.get_config("smollm2_tiny")
+  other.head3_layers = (0, 1, 3)
+  with pytest.raises(ConfigError, match=r"layers.npy was made with other settings \(layers"):
+    sd.run(other, work, None, progress=False, log=again.append, stages=("head3",))
+  other.head3_layers = (0, 1)
+  with pytest.raises(ConfigError, match="head3_layers"):
+    sd.run(other, work, None, progress=False, log=again.append, stages=("head3",))
