@@ -72,6 +72,9 @@ class SpecConfig:
     object.__setattr__(self, "draft", self.drafter.draft_config(self.target, self.draft))
     if self.draft is not None:
       check_vocabularies(self.target, self.draft)
+      if self.draft.attention == "auto":  # a head read from its file: the target's kind,
+        object.__setattr__(self, "draft",  # resolved for the backend at load
+                           self.draft.replace(attention=self.target.attention))
 
   @property
   def step(self):

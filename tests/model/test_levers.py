@@ -163,9 +163,31 @@ def test_a_lever_is_applied_by_role(monkeypatch):
   assert (draft.attention, draft.scan_layers) == ("fused", True)
 
 
+def test_the_roofline_reads_the_capacity_unless_blocked():
+  from specjax.bench.studies import roofline  # pylint: disable=import-outside-toplevel
+  cfg = config.get_preset("llama-160m")
+  assert roofline.attended_slots(cfg, 4096, 128) == 256
+  assert roofline.attended_slots(cfg.replace(attention="blocked"), 4096, 128) == 256
+  for kind in ("masked", "fused"):
+    assert roofline.attended_slots(cfg.replace(attention=kind), 4096, 128) == 4096
+
+
 def test_the_flags_helper_prints_one_line(capsys):
   assert levers.main(["levers", "command_buffers"]) == 0
   assert capsys.readouterr().out.startswith("--xla_gpu_enable_command_buffer=")
   assert levers.main(["levers", "graphs"]) == 1
   assert capsys.readouterr().err.strip() == (
       "error: unknown lever 'graphs'; valid: " + ", ".join(levers.LEVERS))
+
+
+def test_a_head_takes_the_targets_attention_kind():
+  """A draft config read from its own file (an EAGLE head: attention 'auto')
+  runs the target's resolved kind: masked beside a GPU-loaded target, and
+  unchanged on the CPU."""
+  from specjax.decode import plan  # pylint: disable=import-outside-toplevel
+  target, draft = config.get_preset("tiny"), config.get_preset("tiny-draft")
+  assert plan.SpecConfig(target=target, draft=draft, gamma=2).draft == draft
+  gpu = target.replace(attention="masked")
+  assert plan.SpecConfig(target=gpu, draft=draft, gamma=2).draft.attention == "masked"
+  fused = draft.replace(attention="fused")
+  assert plan.SpecConfig(target=gpu, draft=fused, gamma=2).draft.attention == "fused"
