@@ -8,7 +8,7 @@ Each drafter runs over the full vocabulary and over the top V_d ids of the
 target's shipped ranking (--sizes; a drafter spec's :vocab=N), next to the
 target's decode step; medians of --reps alternating repetitions. Prints
 T_draft(1), c = T_draft(1) / T_target(1) and the held-out coverage stored
-with the ranking; --json_out writes the records.
+with the ranking; --json_out writes the records, --plot c against V_d.
 """
 
 from absl import flags
@@ -31,6 +31,7 @@ _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length of a proposal.", lower_b
 _DEPTH = flags.DEFINE_integer("depth", 256, "Tokens in the caches.", lower_bound=2)
 _REPS = flags.DEFINE_integer("reps", 9, "Timed repetitions (alternating).", lower_bound=1)
 _JSON = flags.DEFINE_string("json_out", None, "Write the records here (JSON).")
+_PLOT = flags.DEFINE_string("plot", None, "Write c against V_d here (PNG).")
 
 
 def main(argv):
@@ -60,6 +61,8 @@ def main(argv):
     cov = "" if r["coverage"] is None else f"{r['coverage']:.4f}"
     print(f"{r['drafter']:<28} {r['vocab']:>7} {1e3 * r['t_draft_s']:>14.3f} {r['c']:>7.3f} "
           f"{100 * r['spread']:>6.1f}% {cov:>9}")
+  if _PLOT.value:
+    vocab_cost.plot(recs, tcfg.vocab_size, _PLOT.value)
   if _JSON.value:
     wd.write_json(_JSON.value, {"records": recs, "model": _MODEL.value, "dtype": _DTYPE.value})
 

@@ -72,7 +72,7 @@ def check_config_flags() -> None:
 
 # Output flags, by name: checked before the work by `run` in every script
 # that defines them (a path the run cannot write fails now, not at the end).
-OUTPUT_FILES = ("json_out", "jsonl_out")
+OUTPUT_FILES = ("json_out", "jsonl_out", "plot")
 OUTPUT_DIRS = ("workdir", "out_dir", "export_dir", "dir")
 
 

@@ -207,8 +207,9 @@ def test_speculative_with_a_reduced_vocabulary_and_its_cost(tmp_path):
   a, b = out.values()
   assert a["tokens"] == b["tokens"] and b["drafter"] == f"model:vocab={tmp_path}"
   proc = run("vocab_cost.py", "--model=tiny", "--model_draft=tiny-draft", "--drafters=model",
-             "--sizes=full", "--reps=1", "--depth=8")
+             "--sizes=full", "--reps=1", "--depth=8", f"--plot={tmp_path / 'c.png'}")
   assert proc.returncode == 0, proc.stderr
+  assert (tmp_path / "c.png").stat().st_size > 1000
   assert re.search(r"model\s+full\s+[0-9.]+\s+[0-9.]+", proc.stdout), proc.stdout
 
 

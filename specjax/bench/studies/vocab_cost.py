@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specjax import workdir as wd
 from specjax.decode import probes
 from specjax.drafters import registry
 from specjax.drafters.network import NetworkDrafter
@@ -51,3 +52,28 @@ def vocab_cost(target: steps.Runner, draft: steps.Runner | None, specs: Sequence
            "t_target_s": tt, "c": float(np.median(v)) / tt, "reps": reps,
            "spread": float((np.max(v) - np.min(v)) / np.median(v))}
           for (spec, size), v in times.items()]
+
+
+def plot(recs: list[dict], vocab_size: int, path) -> None:
+  """c against V_d per drafter (the full vocabulary at V), and each size's
+  held-out coverage on a second axis where the records carry it."""
+  plt = wd.pyplot()
+  fig, ax = plt.subplots(figsize=(6.4, 4.2))
+  size = lambda r: vocab_size if r["vocab"] == "full" else int(r["vocab"])
+  for spec in dict.fromkeys(r["drafter"] for r in recs):
+    rs = sorted((r for r in recs if r["drafter"] == spec), key=size)
+    ax.plot([size(r) for r in rs], [r["c"] for r in rs], "o-", label=spec)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("draft vocabulary V_d (ids)")
+  ax.set_ylabel("c = T_draft(1) / T_target(1)")
+  ax.set_ylim(bottom=0)
+  cov = sorted({(size(r), r["coverage"]) for r in recs if r.get("coverage") is not None})
+  if cov:
+    ax2 = ax.twinx()
+    ax2.plot([s for s, _ in cov], [c for _, c in cov], "k:", label="held-out coverage")
+    ax2.set_ylabel("held-out coverage of the target's tokens")
+    ax2.set_ylim(0, 1.02)
+    ax2.legend(loc="lower right")
+  ax.legend(loc="upper left")
+  ax.grid(alpha=0.3)
+  wd.save_figure(fig, path)
