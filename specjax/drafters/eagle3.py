@@ -43,11 +43,10 @@ from specjax.model.layers import weight_init
 CONFIG_FILE = "eagle3_config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "specjax-eagle-3"
-# Shipped heads by name (specjax/train/eagle3.py); listed once their files exist.
-SHIPPED_EAGLE3 = {name: Path(__file__).resolve().parents[1] / "assets" / name
-                  for name in ("smollm2-eagle3",)
-                  if (Path(__file__).resolve().parents[1] / "assets" / name / CONFIG_FILE
-                      ).is_file()}
+# Shipped heads by name (specjax/train/eagle3_stage.py); listed once their files exist.
+_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+SHIPPED_EAGLE3 = {name: _ASSETS / name for name in ("smollm2-eagle3",)
+                  if (_ASSETS / name / CONFIG_FILE).is_file()}
 
 # The head's own final norm: a constant of the head (trained with it), not the target's.
 NORM_EPS = 1e-6
