@@ -48,6 +48,8 @@ ALPHA_FILE = "alpha_head3.json"
 ALPHA_FIELDS = ("alpha_prompts", "alpha_gamma", "alpha_n_predict", "alpha_temps", "export_dtype",
                 "head3_name", "head3_vocab", "head3_layers", "head3_train")
 F16_MAX = float(np.finfo(np.float16).max)
+# selfdistill's reply batches: first replies, follow-ups, edits (train prompts only)
+REPLY_TAGS = ("first", "followup", "edit")
 
 # ---------------------------------------------------------------- the layers' outputs
 
@@ -109,8 +111,10 @@ def stored_layers(c, target: steps.Runner, data, layers, work: Path,
 
 
 def training_replies(work: Path) -> list[list[int]]:
-  """The target's replies the data stage stored (gen/*.json: training prompts only)."""
-  files = sorted((work / "gen").glob("*.json"))
+  """The target's replies the data stage stored (gen/<tag>-NNNN.json of
+  REPLY_TAGS: training prompts only; another tag, such as draft_vocab.py's
+  'heldout', is never counted)."""
+  files = sorted(f for tag in REPLY_TAGS for f in (work / "gen").glob(f"{tag}-*.json"))
   if not files:
     raise ConfigError(f"{work / 'gen'} holds no replies: run the data stage first")
   return [r for f in files for r in wd.read_json(f)]
@@ -233,7 +237,7 @@ def plot(run_dir: Path, path: Path, k: int) -> None:
     axes[1].plot([r["step"] * per / 1e6 for r in ev], [r[f"eval_acc_{j}"] for r in ev], "o--",
                  color=col, ms=4)
   axes[0].set_ylabel("TTT loss (set cross-entropy, steps weighted)")
-  axes[1].set_ylabel("top-1 agreement with the target at step j (o: held-out)")
+  axes[1].set_ylabel("top-1 agreement at TTT step j (o: held-out)")
   for ax in axes:
     ax.set_xlabel("tokens seen (M)")
     ax.grid(alpha=0.3)

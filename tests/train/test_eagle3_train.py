@@ -251,7 +251,7 @@ def test_the_stage_trains_measures_and_exports_the_head(tiny_stage):
 
 
 def test_the_stage_resumes_and_refuses_other_layers(tiny_stage):
-  sd, c, work, out, s, lines, _, _ = tiny_stage
+  sd, c, work, out, s, lines, _, tok = tiny_stage
   assert any(l.startswith("layer features") for l in lines)
   again = []
   s2 = sd.run(c, work, None, progress=False, log=again.append, stages=("head3",))
@@ -264,3 +264,7 @@ def test_the_stage_resumes_and_refuses_other_layers(tiny_stage):
   other.head3_layers = (0, 1)
   with pytest.raises(ConfigError, match="head3_layers"):
     sd.run(other, work, None, progress=False, log=again.append, stages=("head3",))
+  # replies of held-out prompts (draft_vocab.py's 'heldout' batches) are never counted
+  ids = stage.reply_set(tok, work, c.head3_vocab, tok.vocab_size)[0]
+  (work / "gen" / "heldout-0000.json").write_text(json.dumps([[40000 + i] * 9 for i in range(300)]))
+  assert stage.reply_set(tok, work, c.head3_vocab, tok.vocab_size)[0].tolist() == ids.tolist()
