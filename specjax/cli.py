@@ -98,32 +98,19 @@ def define_drafter_flag():
 
 
 def setup_devices() -> None:
-  """jax.distributed (if asked for) and the --mesh, before the script runs.
+  """jax.distributed (if asked for), the --lever and the --mesh, before the script runs.
   Processes other than 0 print nothing on stdout and write no files."""
-  from specjax.model import sharding  # pylint: disable=import-outside-toplevel
+  from specjax.model import levers, sharding  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   multi = sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
                                           _PROCESS_ID.value)
   if multi and jax.process_index() != 0:
     sys.stdout = open(os.devnull, "w")  # pylint: disable=consider-using-with
-  use_lever(_LEVER.value)
+  levers.use(_LEVER.value, os.environ.get("XLA_FLAGS", ""))
   if _MESH.value is not None:
     sharding.activate(sharding.make_mesh(_MESH.value), _DRAFT_SHARDING.value)
   elif multi:  # several processes and no mesh: all devices on the model axis
     sharding.activate(sharding.make_mesh("model:-1"), _DRAFT_SHARDING.value)
-
-
-def use_lever(name: str) -> None:
-  """Makes --lever the process's (checkpoint.load_model applies it). Its XLA
-  flags must already be in XLA_FLAGS: XLA reads them once, when it starts,
-  so a run without them would measure the default silently."""
-  from specjax.model import levers  # pylint: disable=import-outside-toplevel
-  lever = levers.parse(name)
-  missing = lever.missing_flags(os.environ.get("XLA_FLAGS", ""))
-  if missing:
-    raise SpecjaxError(f"--lever={name} needs XLA_FLAGS to hold {' '.join(missing)} when the "
-                       f"process starts: XLA_FLAGS=\"$(python -m specjax.model.levers {name})\"")
-  levers.activate(lever)
 
 
 def run(main: Callable[[list[str]], Any]) -> None:

@@ -93,6 +93,18 @@ def active() -> Lever:
   return _ACTIVE[0]
 
 
+def use(name: str, xla_flags: str) -> None:
+  """Activates the lever `name` (cli's --lever) if the process's XLA_FLAGS
+  hold its flags: XLA reads them once, when it starts, so a run without them
+  would measure the default silently (ConfigError, one line, instead)."""
+  lever = parse(name)
+  missing = lever.missing_flags(xla_flags)
+  if missing:
+    raise ConfigError(f"--lever={name} needs XLA_FLAGS to hold {' '.join(missing)} when the "
+                      f"process starts: XLA_FLAGS=\"$(python -m specjax.model.levers {name})\"")
+  activate(lever)
+
+
 def main(argv: list[str]) -> int:
   """`python -m specjax.model.levers NAME`: prints NAME's XLA_FLAGS."""
   if len(argv) != 2:

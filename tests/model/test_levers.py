@@ -132,6 +132,16 @@ def test_lever_flags_and_names():
     cfg.replace(attention="flash")
 
 
+def test_a_lever_needs_its_flags_from_the_start(monkeypatch):
+  monkeypatch.setattr(levers, "_ACTIVE", [levers.parse("default")])
+  with pytest.raises(ConfigError, match="--lever=all needs XLA_FLAGS to hold --xla_gpu_enable"):
+    levers.use("all", "--xla_gpu_graph_min_graph_size=1")
+  assert levers.active().name == "default"
+  levers.use("all", "--xla_foo=1 " + levers.parse("all").xla_flags())
+  levers.use("fused", "")  # no flags to need
+  assert levers.active().name == "fused"
+
+
 def test_the_cpu_default_is_unchanged(monkeypatch):
   """Loaded on the CPU, a preset is its preset (attention 'auto'), and its
   forward runs the blocked loop."""
