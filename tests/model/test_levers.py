@@ -132,6 +132,16 @@ def test_lever_flags_and_names():
     cfg.replace(attention="flash")
 
 
+def test_build_md_gives_the_helpers_flags():
+  """BUILD.md quotes the command-buffer flags the helper prints."""
+  import os  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  with open(os.path.join(root, "BUILD.md")) as f:
+    text = f.read()
+  assert levers.parse("command_buffers").xla_flags() in text
+  assert 'XLA_FLAGS="$(python -m specjax.model.levers command_buffers)"' in text
+
+
 def test_a_lever_needs_its_flags_from_the_start(monkeypatch):
   monkeypatch.setattr(levers, "_ACTIVE", [levers.parse("default")])
   with pytest.raises(ConfigError, match="--lever=all needs XLA_FLAGS to hold --xla_gpu_enable"):
