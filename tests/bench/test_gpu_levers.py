@@ -97,3 +97,19 @@ def test_a_script_under_a_lever_gives_the_same_tokens(tmp_path):
   assert runs["all"]["tokens"] == runs["default"]["tokens"]
   assert (runs["default"]["config"]["attention"], runs["all"]["config"]["attention"]) == (
       "auto", "fused")
+
+
+@pytest.mark.parametrize("backend,slots", [("cpu", 256), ("gpu", 4096)])
+def test_the_bench_roofline_reads_what_the_backend_ran(backend, slots):
+  """The bench part's roofline counts the cache slots the loaded kind read:
+  blocks up to the used length on the CPU, the whole capacity on a GPU."""
+  from specjax.bench.studies import roofline  # pylint: disable=import-outside-toplevel
+  from specjax.model import config  # pylint: disable=import-outside-toplevel
+  cfg = config.get_preset("llama-160m", "bfloat16")
+  base = {"model": cfg.name, "capacity": 4096, "size_bytes": 324_000_000, "backend": backend}
+  recs = [{**base, "kind": "tg", "median_s": 0.064, "n_tokens": 64, "n_params": 162_000_000},
+          {**base, "kind": "pp", "n_tokens": 1, "median_s": 0.001, "verify_ratio": 1.0},
+          {**base, "kind": "pp", "n_tokens": 2, "median_s": 0.001, "verify_ratio": 1.0}]
+  text = "\n".join(gs.bench_section(recs, ["llama-160m"], "bfloat16", [1, 2], 64, 128, 4800.0))
+  want = roofline.roofline_fraction(cfg, 324_000_000, slots, 0.001, 4800.0)
+  assert f"| llama-160m | 1000.0 | 1.00 | {100 * want:.0f}% of 4800 GB/s |" in text

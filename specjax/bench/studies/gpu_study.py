@@ -126,7 +126,8 @@ def bench_section(records: Records, models, dtype, n_prompt, n_gen, depth, bandw
     pp = {r["n_tokens"]: r for r in rs if r["kind"] == "pp"}
     ratio = {n: r["verify_ratio"] for n, r in pp.items()}
     step_s = tg["median_s"] / tg["n_tokens"]
-    slots = roofline.attended_slots(cfg, tg["capacity"], depth + n_gen)
+    slots = roofline.attended_slots(config.for_backend(cfg, tg["backend"]), tg["capacity"],
+                                    depth + n_gen)  # the kind it ran with (a GPU's: masked)
     roof = (roofline.roofline_fraction(cfg, tg["size_bytes"], slots, step_s, bandwidth)
             if bandwidth else None)
     leave, _ = scaling_report({n: r["median_s"] for n, r in pp.items()})
