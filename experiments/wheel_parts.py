@@ -60,6 +60,21 @@ def checkout_bytes(root: str) -> int:
   return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
 
 
+def check_not_sent(out_dir: str, root: str) -> None:
+  """Refuses an out_dir inside the checkout that git does not ignore: every
+  device call would send all the parts (add it to .git/info/exclude)."""
+  out, root = os.path.realpath(out_dir), os.path.realpath(root)
+  if os.path.commonpath([out, root]) != root:
+    return
+  probe = os.path.join(os.path.relpath(out, root), "part1")
+  ignored = subprocess.run(["git", "-C", root, "check-ignore", "-q", "--no-index", probe],
+                           capture_output=True, check=False).returncode == 0
+  if not ignored:
+    raise SpecjaxError(f"{out_dir} is inside the checkout and not ignored: every device call "
+                       f"would send all the parts; add /{os.path.relpath(out, root)}/ to "
+                       ".git/info/exclude first")
+
+
 def parts_needed(size: int, room: int) -> int:
   """How many parts of at most `room` bytes hold `size` bytes."""
   if room <= 0:
@@ -181,6 +196,7 @@ def main(argv: list[str]) -> None:
   j.add_argument("--out", required=True)
   a = p.parse_args(argv)
   if a.cmd == "split":
+    check_not_sent(a.out, a.checkout)
     size = os.path.getsize(a.file) if os.path.isfile(a.file) else 0
     room = TRANSFER_LIMIT - MARGIN - checkout_bytes(a.checkout) if not a.parts else 0
     n = a.parts or parts_needed(size, room)

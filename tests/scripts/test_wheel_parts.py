@@ -107,3 +107,17 @@ def test_the_count_fits_the_checkout(wheel, tmp_path):
   assert mod.checkout_bytes(ROOT) > 1_000_000  # the tracked assets at least
   proc = run("split", wheel, tmp_path / "p", f"--checkout={ROOT}")
   assert proc.returncode == 0 and "in 1 part(s)" in proc.stdout, proc.stderr
+
+
+def test_parts_the_checkout_would_send_are_refused(wheel, tmp_path):
+  """Parts written inside the checkout must be ignored by git, or every
+  device call would carry all of them."""
+  repo = tmp_path / "repo"
+  subprocess.run(["git", "init", "-q", str(repo)], check=True)
+  one_line_error(run("split", wheel, repo / ".parts", f"--checkout={repo}"),
+                 "is inside the checkout and not ignored")
+  assert not (repo / ".parts").exists()
+  (repo / ".git" / "info").mkdir(exist_ok=True)
+  (repo / ".git" / "info" / "exclude").write_text("/.parts/\n")
+  proc = run("split", wheel, repo / ".parts", f"--checkout={repo}")
+  assert proc.returncode == 0 and "in 1 part(s)" in proc.stdout, proc.stderr
