@@ -173,6 +173,6 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
     c.head3_vocab = 256
     c.head3_train = _train(2, 2, 16, 3e-3, 1, seed=5, eval_every=2, eval_batches=1,
                            ckpt_every=1, log_every=1)
-  c.head3_train.ttt_steps = 6
+  c.head3_train.ttt_steps = 3 if arg == "smollm2_tiny" else 6
   c.head3_train.ttt_decay = 0.8
   return c

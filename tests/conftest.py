@@ -53,7 +53,8 @@ if _CACHE:  # also in this process, should a plugin have imported jax before thi
 SLOW_FILES_FIRST = ("parallel/test_sharding.py", "scripts/test_scripts.py",
                     "drafters/test_tree_drafters.py", "bench/test_sweep.py",
                     "bench/test_taskbench.py", "train/test_selfdistill.py",
-                    "drafters/test_eagle.py", "decode/test_trees.py")
+                    "drafters/test_eagle.py", "decode/test_trees.py",
+                    "train/test_eagle3_train.py")
 
 
 def pytest_collection_modifyitems(items):
