@@ -350,6 +350,9 @@ def run(c, workdir: str | os.PathLike, export_dir: str | os.PathLike | None = No
   """The whole pipeline (module docstring) for the target c.target; exports
   <export_dir>/<c.head_name> and <c.draft.name>. Returns the summary."""
   work = Path(workdir)
+  for path, what in ((work, "--workdir"), (export_dir, "--export_dir")):
+    if path is not None:  # refused before hours of work, not after
+      wd.check_output_dir(path, what)
   tcfg, tparams, tok = checkpoint.load_model(str(c.target), dtype="float32")
   if tok is None or tok.chat is None:
     raise ConfigError(f"target {c.target}: the prompt mix needs its tokenizer and chat template")

@@ -268,3 +268,15 @@ def test_the_stage_resumes_and_refuses_other_layers(tiny_stage):
   ids = stage.reply_set(tok, work, c.head3_vocab, tok.vocab_size)[0]
   (work / "gen" / "heldout-0000.json").write_text(json.dumps([[40000 + i] * 9 for i in range(300)]))
   assert stage.reply_set(tok, work, c.head3_vocab, tok.vocab_size)[0].tolist() == ids.tolist()
+
+
+def test_an_export_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
+  from specjax.errors import OutputError  # pylint: disable=import-outside-toplevel
+  from specjax.train import selfdistill as sd  # pylint: disable=import-outside-toplevel
+  file = tmp_path / "assets"
+  file.write_text("not a folder")
+  c = train_configs.get_config("smollm2_tiny")
+  c.target = "no-such-model"  # loading it would fail: the check comes first
+  with pytest.raises(OutputError, match="--export_dir .* is a file"):
+    sd.run(c, tmp_path / "work", file, progress=False, stages=("head3",))
+  assert file.read_text() == "not a folder" and not (tmp_path / "work").exists()
