@@ -76,12 +76,13 @@ def layer_features(target: steps.Runner, tokens: np.ndarray, starts, layers, bat
     cache = target.new_cache(len(rows), steps.prefill_bucket(max(map(len, rows))))
     _, _, hidden = target.prefill(rows, cache, return_hidden=True, hidden_layers=tuple(layers))
     hidden = np.asarray(hidden, np.float32)
-    if not np.all(np.abs(hidden) < F16_MAX):
-      raise ConfigError(f"layers {list(layers)}: an output beyond float16's range "
-                        f"({float(np.abs(hidden).max()):.3g}); they cannot be stored as float16")
     for j, i in enumerate(idx):
       s, e = seqs[i]
-      out[s:e] = hidden[j, :e - s]
+      part = hidden[j, :e - s]
+      if not np.all(np.abs(part) < F16_MAX):
+        raise ConfigError(f"layers {list(layers)}: an output beyond float16's range "
+                          f"({float(np.abs(part).max()):.3g}); they cannot be stored as float16")
+      out[s:e] = part
     if (b // batch) % 50 == 0:
       log(f"layer features: {min(len(order), b + batch)}/{len(order)} sequences")
   out.flush()

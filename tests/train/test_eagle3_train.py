@@ -163,6 +163,15 @@ def test_stored_layers_are_the_targets_outputs(head, data):
                              rtol=2e-3, atol=2e-3)
 
 
+def test_outputs_beyond_float16_are_refused_not_stored_as_inf(head, tmp_path):
+  loud = dict(head[0], embed={"embedding": head[0]["embed"]["embedding"] * 1e6})
+  path = tmp_path / stage.LAYERS_FILE
+  with pytest.raises(ConfigError, match="beyond float16's range"):
+    stage.layer_features(steps.Runner(TINY, loud), np.arange(20, dtype=np.int32), [0], head[5],
+                         1, path, log=lambda s: None)
+  assert not path.exists()
+
+
 def _tc(steps_=6, **kw):
   tc = train_configs.get_config("smollm2_tiny").head3_train
   tc.steps, tc.seq_len, tc.batch, tc.lr, tc.warmup = steps_, 16, 2, 1e-2, 1
