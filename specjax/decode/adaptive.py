@@ -7,10 +7,11 @@ picks the next candidate (`choose(remaining, live)`: the most tokens any
 live row still needs, and the live rows). Auto gamma
 (autogamma.GammaChooser) and auto tree (autotree.TreeChooser) are two
 choosers with their cost models; `Fixed` forces a schedule (warm-up,
-calibration, tests). Every candidate continues one SpecState (the plan
-checks its drafter's state does not depend on the shape); the output
-buffer is as wide as the deepest candidate needs and the cache holds the
-widest block, so nothing recompiles between chunks.
+calibration, tests). Every candidate continues one SpecState (its
+drafter's state does not depend on the shape; what it carries between
+steps is as wide as the widest candidate's: SpecConfig.carried); the
+output buffer is as wide as the deepest candidate needs and the cache holds
+the widest block, so nothing recompiles between chunks.
 """
 
 from __future__ import annotations
@@ -80,10 +81,11 @@ class AdaptiveResult(speculative.SpecResult):
 def generate(target: steps.Runner, draft: steps.Runner | None, prompts, n_predict: int,
              plan: Plan, chooser: Chooser, seed: int = 0, eos_id: int | None = None,
              every: int = EVERY, ctx_size: int | None = None,
-             capacity: int | None = None) -> AdaptiveResult:
+             capacity: int | None = None, keep_state: bool = False) -> AdaptiveResult:
   """Speculative generation with the plan's candidate re-chosen between
   chunks (module docstring). Same keys, capacity rule and outputs as
-  speculative.run: with one candidate it emits that candidate's tokens."""
+  speculative.run (`keep_state` too): with one candidate it emits that
+  candidate's tokens."""
   if every < 1:
     raise ConfigError(f"every (steps per choice) must be >= 1, got {every}")
   unknown = set(getattr(chooser, "names", ())) - set(plan.configs)
@@ -136,7 +138,8 @@ def generate(target: steps.Runner, draft: steps.Runner | None, prompts, n_predic
                             eval_s=eval_s)
   return AdaptiveResult(tokens=tokens, stats=stats, prompt_s=prompt_s, eval_s=eval_s,
                         compile_s=cw.seconds, records=records, chosen=chosen,
-                        estimates=list(chooser.estimates), chooser=chooser)
+                        estimates=list(chooser.estimates), chooser=chooser,
+                        state=st if keep_state else None)
 
 
 def warm_up(target, draft, prompts, n_predict: int, plan: Plan, **kw) -> float:

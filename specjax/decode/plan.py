@@ -56,10 +56,14 @@ class SpecConfig:
   drafter: Drafter = MODEL
   tree: trees.Tree | trees.DynamicTree | None = None
   siblings: str = "topk"    # a tree's siblings: the draft's top-k, or i.i.d. draws from q
+  carry: int = 0  # the run's `carried` width (an auto run's widest candidate's); 0: gamma + 1
 
   def __post_init__(self):
     if self.gamma < 1:
       raise ConfigError(f"gamma (draft length) must be >= 1, got {self.gamma}")
+    if self.carry and self.carry < self.gamma + 1:
+      raise ConfigError(f"carry {self.carry} is narrower than a gamma-{self.gamma} step's "
+                        f"{self.gamma + 1} emitted tokens")
     if not 0.0 <= self.p_min <= 1.0:
       raise ConfigError(f"p_min must lie in [0, 1], got {self.p_min}")
     if self.siblings not in ("topk", "stochastic"):
@@ -89,12 +93,22 @@ class SpecConfig:
             and (self.tree is None or self.siblings == "stochastic"))
 
   @property
+  def carried(self) -> int:
+    """The width of what a drafter's state carries from one step to the next
+    (an EAGLE head's pending pairs: the emitted tokens and their features,
+    padded): gamma + 1 (a tree's: its depth + 1), or in an auto run the
+    widest candidate's (`carry`, set by the plan), so that steps of every
+    candidate continue one state."""
+    return self.carry or self.gamma + 1
+
+  @property
   def block(self) -> int:
     """Slots one step writes past the cache's length: gamma + 1, or the
-    larger of a tree's verify block and its draft's feed layout."""
+    larger of a tree's verify block and its draft's feed layout (and of the
+    `carried` pairs a head refreshes from the length)."""
     if self.tree is None:
-      return self.gamma + 1
-    return max(self.tree.block_size, self.tree.fed_slots)
+      return max(self.gamma + 1, self.carried)
+    return max(self.tree.block_size, self.tree.fed_slots, self.carried)
 
 
 def check_shape(drafter: Drafter, tree, p_min: float) -> None:
@@ -240,8 +254,10 @@ class RunFlags:
   p_min: float = 0.0
 
   def resolve(self, target: ModelConfig, draft: ModelConfig | None) -> Plan:
+    # an auto run's candidates carry the widest one's state (SpecConfig.carried)
+    carry = max(g for g, _ in self.candidates.values()) + 1 if self.auto else 0
     configs = {k: SpecConfig(target, draft, g, self.sp, self.rule.simulated, self.p_min,
-                             self.drafter, t, self.siblings)
+                             self.drafter, t, self.siblings, carry)
                for k, (g, t) in self.candidates.items()}
     return Plan(configs, self.rule, self.auto)
 

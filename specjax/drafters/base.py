@@ -102,8 +102,10 @@ class Drafter:
   deterministic: ClassVar[bool] = False
   needs_draft_model: ClassVar[bool] = False
   needs_features: ClassVar[bool] = False
-  # the state's shapes do not depend on gamma, so steps of different gammas
-  # continue each other (autogamma's requirement)
+  # the state's shapes do not depend on the step's shape (gamma, tree), so
+  # steps of different candidates continue each other (an auto run's
+  # requirement); a state carrying one step's output is as wide as the
+  # run's widest step (SpecConfig.carried: the EAGLE heads' pending pairs)
   gamma_free_state: ClassVar[bool] = True
   # pays a catch-up draft forward after a fully accepted step (Drafted.caught_up)
   catches_up: ClassVar[bool] = False

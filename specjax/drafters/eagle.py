@@ -231,13 +231,14 @@ def load_eagle(path: str | os.PathLike) -> tuple[ModelConfig, Any, dict]:
 @struct.dataclass
 class Pending:
   """The pairs the next draft phase feeds first (module docstring)."""
-  feats: jax.Array   # [B, gamma+1, E] features of the last verify (or the prompt's last)
-  tokens: jax.Array  # [B, gamma+1] the tokens paired with them (real up to k+1)
+  feats: jax.Array   # [B, W, E] features of the last verify (or the prompt's last);
+                     # W = sc.carried, the run's widest step's gamma + 1
+  tokens: jax.Array  # [B, W] the tokens paired with them (real up to k+1)
   start: jax.Array   # [B] head-cache slot of the first pair
   prev: jax.Array    # [B] the first pair's current token x_start (reads_prev_token)
 
   def prev_tokens(self):
-    """[B, gamma+1]: each pending pair's current token (x_start, then the
+    """[B, W]: each pending pair's current token (x_start, then the
     tokens of the pairs before it)."""
     return jnp.concatenate([self.prev[:, None], self.tokens[:, :-1]], 1)
 
@@ -262,6 +263,15 @@ class HeadFeed:
   tokens: jax.Array  # [B, F] (index 0: the root, x_{n-1})
 
 
+def pad_pairs(a, width: int):
+  """A step's pairs [B, k, ...] -> [B, width, ...], zero pairs after them:
+  a pending state as wide as the run's widest step (SpecConfig.carried), so
+  steps of any candidate continue it. The refresh feeds the padding after
+  the real pairs and rolls it back with the rest past n - 1; the root's
+  index n - 2 - start is unchanged."""
+  return jnp.pad(a, [(0, 0), (0, width - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+
+
 def refresh(tparams, hparams, hcache, pending: Pending, n, sc):
   """A step's first part: the head over the pending pairs from `start`,
   rolled back to the real pairs (length n - 1). Returns (hcache, the root's
@@ -274,10 +284,11 @@ def refresh(tparams, hparams, hcache, pending: Pending, n, sc):
   return hcache, jnp.take_along_axis(pred, idx[:, None, None], 1)
 
 
-@functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "gamma"))
+@functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "width"))
 def _prefill_head(hparams, tparams, hidden, tokens, lens, first, hcache, *, hcfg, tcfg,
-                  gamma):
-  """Head cache <- pairs 0..P-2 of each prompt; pending <- (f_{P-1}, x_P)."""
+                  width):
+  """Head cache <- pairs 0..P-2 of each prompt; pending <- (f_{P-1}, x_P),
+  padded to `width` pairs."""
   b, tb = tokens.shape
   # pair i = (f_i, x_{i+1}): the prompt shifted left, x_P (the first token) at P-1
   nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
@@ -286,11 +297,10 @@ def _prefill_head(hparams, tparams, hidden, tokens, lens, first, hcache, *, hcfg
                            prev_tokens=tokens)
   hcache = kvc.rollback(hcache, lens - 1)
   last = jnp.take_along_axis(hidden, (lens - 1)[:, None, None], 1)  # [B, 1, E]
-  feats = jnp.concatenate([last, jnp.zeros((b, gamma, hidden.shape[-1]), hidden.dtype)], 1)
-  toks = jnp.concatenate([first[:, None], jnp.zeros((b, gamma), jnp.int32)], 1)
   prev = jnp.take_along_axis(tokens, (lens - 1)[:, None], 1)[:, 0]  # x_{P-1}
-  return HeadState(hcache=hcache, pending=Pending(feats=feats, tokens=toks, start=lens - 1,
-                                                  prev=prev))
+  return HeadState(hcache=hcache, pending=Pending(
+      feats=pad_pairs(last, width), tokens=pad_pairs(first[:, None], width), start=lens - 1,
+      prev=prev))
 
 
 _LOOKUP = ngram.NgramDrafter(1, 4)  # a grafted chain's lookup (DynamicTree.ngram)
@@ -313,7 +323,6 @@ class EagleDrafter(network.NetworkDrafter):
   path: str = ""  # "": the head shipped for the target (for_target names it)
   kind: ClassVar[str] = "eagle"
   needs_features: ClassVar[bool] = True
-  gamma_free_state: ClassVar[bool] = False  # pending pairs are [B, gamma+1, ...]
   can_graft: ClassVar[bool] = True  # its state keeps the history for the lookup
 
   def own_params(self, dparams) -> int:
@@ -355,7 +364,7 @@ class EagleDrafter(network.NetworkDrafter):
     state = _prefill_head(dparams["head"], dparams["target"], hidden, jnp.asarray(tokens),
                           lens, jnp.asarray(first, jnp.int32),
                           new_cache(sc.draft, len(prompts), capacity), hcfg=sc.draft,
-                          tcfg=sc.target, gamma=sc.gamma)
+                          tcfg=sc.target, width=sc.carried)
     graft = sc.tree is not None and sc.tree.graft  # the lookup's history: ngram.py's state
     return state.replace(hist=_LOOKUP.init(sc, target, None, prompts, capacity, first) if graft
                          else None)
@@ -405,7 +414,9 @@ class EagleDrafter(network.NetworkDrafter):
     old = dstate.pending
     prev = jnp.take_along_axis(old.tokens, jnp.clip(c.n_prev - 2 - old.start, 0,
                                                     old.tokens.shape[1] - 1)[:, None], 1)[:, 0]
-    new = Pending(feats=c.features, tokens=c.emitted, start=c.n_prev - 1, prev=prev)
+    width = old.tokens.shape[1]  # the run's widest step's (SpecConfig.carried)
+    new = Pending(feats=pad_pairs(c.features, width), tokens=pad_pairs(c.emitted, width),
+                  start=c.n_prev - 1, prev=prev)
     pick = lambda a, b: jnp.where(c.live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
     hist = None if dstate.hist is None else _LOOKUP.commit(dstate.hist, c)
     return dstate.replace(pending=jax.tree_util.tree_map(pick, new, dstate.pending), hist=hist)

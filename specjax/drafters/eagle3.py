@@ -216,8 +216,8 @@ class Pending3:
   """The pairs the next draft phase feeds first: the last verify's target
   features (three layers, fused when fed) and the kept tokens paired with
   them, from head-cache slot `start` (eagle.Pending's, without x_start)."""
-  feats: jax.Array   # [B, gamma+1, 3E]
-  tokens: jax.Array  # [B, gamma+1] (real up to k+1)
+  feats: jax.Array   # [B, W, 3E], W = sc.carried (eagle.pad_pairs)
+  tokens: jax.Array  # [B, W] (real up to k+1)
   start: jax.Array   # [B]
 
 
@@ -244,10 +244,10 @@ def refresh3(hparams, tparams, hcache, pending: Pending3, n, sc):
   return hcache, jnp.take_along_axis(out, idx[:, None, None], 1)
 
 
-@functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "gamma"))
-def _prefill_head3(hparams, tparams, feats, tokens, lens, first, hcache, *, hcfg, tcfg, gamma):
+@functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "width"))
+def _prefill_head3(hparams, tparams, feats, tokens, lens, first, hcache, *, hcfg, tcfg, width):
   """Head cache <- pairs 0..P-2 of each prompt (fused features [B, Tb, 3E]);
-  pending <- (f_{P-1}, x_P) at slot P-1."""
+  pending <- (f_{P-1}, x_P) at slot P-1, padded to `width` pairs."""
   b, tb = tokens.shape
   # pair i = (f_i, x_{i+1}): the prompt shifted left, x_P (the first token) at P-1
   nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
@@ -255,10 +255,9 @@ def _prefill_head3(hparams, tparams, feats, tokens, lens, first, hcache, *, hcfg
   _, hcache = head_forward3(hparams, tparams, fuse(hparams, feats), nxt, hcache, hcfg, tcfg)
   hcache = kvc.rollback(hcache, lens - 1)
   last = jnp.take_along_axis(feats, (lens - 1)[:, None, None], 1)  # [B, 1, 3E]
-  pend = jnp.concatenate([last, jnp.zeros((b, gamma, feats.shape[-1]), feats.dtype)], 1)
-  toks = jnp.concatenate([first[:, None], jnp.zeros((b, gamma), jnp.int32)], 1)
-  return eagle.HeadState(hcache=hcache, pending=Pending3(feats=pend, tokens=toks,
-                                                         start=lens - 1))
+  return eagle.HeadState(hcache=hcache, pending=Pending3(
+      feats=eagle.pad_pairs(last, width), tokens=eagle.pad_pairs(first[:, None], width),
+      start=lens - 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +271,6 @@ class Eagle3Drafter(network.NetworkDrafter):
   path: str = ""  # "": the head shipped for the target (for_target names it)
   kind: ClassVar[str] = "eagle3"
   needs_features: ClassVar[bool] = True
-  gamma_free_state: ClassVar[bool] = False  # pending pairs are [B, gamma+1, ...]
 
   def __post_init__(self):
     if self.vocab:
@@ -325,7 +323,7 @@ class Eagle3Drafter(network.NetworkDrafter):
     return _prefill_head3(dparams["head"], dparams["target"], feats, jnp.asarray(tokens), lens,
                           jnp.asarray(first, jnp.int32), new_cache(sc.draft, len(prompts),
                                                                    capacity),
-                          hcfg=sc.draft, tcfg=sc.target, gamma=sc.gamma)
+                          hcfg=sc.draft, tcfg=sc.target, width=sc.carried)
 
   def begin(self, dparams, dstate, tcache, tail, n, live, sc, width):
     hcache, root = refresh3(dparams["head"], dparams["target"], dstate.hcache, dstate.pending,
@@ -352,6 +350,8 @@ class Eagle3Drafter(network.NetworkDrafter):
     # As EAGLE-1's (docs/eagle.md): the verified features with the kept
     # tokens from the old length's slot (a tree's: along its accepted path);
     # a row that was not live keeps its pending pairs.
-    new = Pending3(feats=c.features, tokens=c.emitted, start=c.n_prev - 1)
+    width = dstate.pending.tokens.shape[1]  # the run's widest step's (SpecConfig.carried)
+    new = Pending3(feats=eagle.pad_pairs(c.features, width),
+                   tokens=eagle.pad_pairs(c.emitted, width), start=c.n_prev - 1)
     pick = lambda a, b: jnp.where(c.live.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
     return dstate.replace(pending=jax.tree_util.tree_map(pick, new, dstate.pending))

@@ -394,14 +394,17 @@ def test_ngram_cost_probe_times_a_proposal(target):
 
 def test_auto_gamma_runs_a_model_free_drafter(target, base):
   """The n-gram history does not depend on gamma: chunks of gamma 1 and 4
-  continue each other (greedy: target-only tokens); eagle's pending pairs
-  are [B, gamma+1, E], so it is refused."""
+  continue each other (greedy: target-only tokens); a drafter whose state
+  is shaped by the step is refused (the EAGLE heads are not: their pending
+  pairs are as wide as the widest candidate's, tests/drafters/test_auto_heads.py)."""
   p = plan.resolve(target.cfg, None, drafter="ngram", gamma="auto", auto_set=(1, 4))
   res = adaptive.generate(target, None, PROMPTS, N, p,
                           adaptive.Fixed(["chain:1", "chain:4", "chain:4", "chain:1"]), every=2)
   assert res.tokens == base and set(res.chosen) == {"chain:1", "chain:4"}
+  shaped = type("Shaped", (ngram.NgramDrafter,), {"gamma_free_state": False})
   with pytest.raises(ConfigError, match="shaped by gamma"):
-    plan.parse_flags(drafter="eagle", gamma="auto", auto_set=(1, 4))
+    plan.parse_flags(drafter=shaped(), gamma="auto", auto_set=(1, 4))
+  plan.parse_flags(drafter="eagle", gamma="auto", auto_set=(1, 4))
 
 # ---------------------------------------------------------------- mutations
 # One-expression bugs in a drafter (lawcheck.mutant), each run through the
