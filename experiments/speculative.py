@@ -3,7 +3,7 @@
 Built-in defaults (random weights at the CPU pair's real shapes, no download):
   python experiments/speculative.py --gamma=4 --accept=bernoulli:0.8
 Drafters, shapes and rules:
-  --drafter=ngram | layerskip:6 | layerskip:0-5,9 | eagle[:PATH]
+  --drafter=ngram | layerskip:6 | layerskip:0-5,9 | eagle[:PATH] | eagle3[:PATH]
   --tree=kary:2,3 | sequoia:16,4 | dynamic:10,6,60 | dynamic:4,4,16+ngram:8
   --accept=real | bernoulli:0.8 | fraction:0.8 | always | mean_length:3
 Chat models, batches, shapes chosen at run time:

@@ -74,7 +74,10 @@ DRAFTER_HELP = ("What proposes the drafts: model (the --model_draft model) | ngr
                 "(prompt lookup over the prompt and output, n-gram sizes B down to A; "
                 "default 1-4) | layerskip:N (the target's first N layers, sharing its "
                 "cache) | layerskip:LIST (listed target layers, e.g. 0-9,12,15) | eagle[:PATH] "
-                "(an EAGLE head; bare: the head shipped for the target, stdlib-eagle or smollm2-eagle).")
+                "(an EAGLE head; bare: the head shipped for the target, stdlib-eagle or smollm2-eagle) | "
+                "eagle3[:PATH] (an EAGLE-3 head: three fused target layers, its reduced "
+                "vocabulary; bare: smollm2-eagle3 once shipped). The heads draft under "
+                "--gamma=auto and --tree=auto too.")
 
 
 def DEFINE_config_file(name: str, default: str, help_string: str):  # pylint: disable=invalid-name

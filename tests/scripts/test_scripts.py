@@ -115,6 +115,26 @@ def test_speculative_eagle_graft_reports_the_heads_own_params():
   assert "greedy equality: the speculative tokens equal the target-only tokens" in proc.stdout
 
 
+def test_speculative_eagle3_tree_auto(tmp_path):
+  """--drafter=eagle3:PATH --tree=auto on a tiny random head: the tree is
+  chosen at run time among the candidates (the head's pending pairs as wide
+  as the deepest), greedy-exact; the flag's help lists eagle3."""
+  from specjax.drafters import eagle3  # pylint: disable=import-outside-toplevel
+  cfg = config.get_preset("tiny")
+  ids = list(range(0, cfg.vocab_size, 3))
+  head = eagle3.save_head3(tmp_path / "head", eagle3.head_config(cfg),
+                           eagle3.init_head3(eagle3.head_config(cfg), len(ids)),
+                           eagle3.default_layers(cfg.n_layers), ids, cfg, "tiny")
+  out = tmp_path / "spec.json"
+  proc = run("speculative.py", "--model=tiny", f"--drafter=eagle3:{head}", "--tree=auto:4",
+             "--n_predict=12", "--prompt_tokens=4,5,6", "--reps=1", f"--json_out={out}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "greedy equality: the speculative tokens equal the target-only tokens" in proc.stdout
+  rec = json.loads(out.read_text())
+  assert rec["drafter"] == f"eagle3:{head}" and rec["auto_trees"], rec
+  assert "eagle3[:PATH]" in run("speculative.py", "--helpfull").stdout
+
+
 @pytest.mark.parametrize("gamma", ["3", "auto"])
 def test_speculative_prompt_file_json_keeps_every_row(tmp_path, prompt_file, gamma):
   """A batched run's record holds every row's prompt ids, tokens and
