@@ -45,7 +45,7 @@ TOPS = {"specjax", "experiments", "configs", "tests", "docs"}
 # (`config.gammas`; the module is cited as `model.config.X` or `ModelConfig`).
 FOREIGN = re.compile(r"llama\.cpp$|expect\.py$|tokenizer\.(ggml|chat_template)\b|config\.")
 FILE_EXT = {"json", "jsonl", "md", "png", "csv", "txt", "toml", "yaml", "gguf", "safetensors",
-            "jinja", "model", "bin", "pt", "npz", "html", "log", "pdf", "svg", "sh", "py"}
+            "jinja", "model", "bin", "pt", "npz", "npy", "html", "log", "pdf", "svg", "sh", "py"}
 
 # ---------------------------------------------------------------- the repo's names
 
