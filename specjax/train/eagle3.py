@@ -11,9 +11,8 @@ EAGLE-3's diagonal), RoPE at each key's pair slot; one softmax over the
 union. The loss at step j: cross-entropy of the head's logits over its
 reduced set to the target's stored top-K soft labels of x_{t+2} (mass
 outside the set ignored), over the pairs whose root exists (t >= j - 1);
-the steps weighted decay^(j-1). Invariant (tests/train/test_eagle3_train.py):
-step j's logits at pair t equal a drafted chain's from root t - j + 1.
-Derivation: docs/training.md, "The EAGLE-3 head"; the stage: eagle3_stage.py.
+the steps weighted decay^(j-1). Invariant: step j's logits at pair t equal a
+drafted chain's from root t - j + 1. Derivation: docs/training.md.
 """
 
 from __future__ import annotations
