@@ -63,10 +63,11 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.auto_every = 8               # ... re-chosen after chunks of 1, 2, 4, .. this many steps
   c.trees = ()                   # token trees (model.tree specs, auto): bench/sweep/trees.py
   c.siblings = "topk"            # ... a tree's siblings: the draft's top-k | stochastic (from q)
+  c.auto_candidates = ""         # ... auto's candidates: "" the static trees | auto[:N1,..] (--tree=auto's)
   c.taskbench = ()               # task suite categories: bench/sweep/taskbench_run.py
   c.taskbench_category = ""      # ... the category one of its sweeps runs (set by the runner)
   c.taskbench_prompts = 0        # ... conversations per category (0 = all)
-  c.taskbench_trees = ()         # ... tree rows, DRAFTER@TREE
+  c.taskbench_trees = ()         # ... tree rows, DRAFTER@TREE (a fixed tree, or auto[:N1,..])
   c.taskbench_suite = "dev"      # ... dev (specjax/assets/taskbench) | eval (taskbench_eval)
   c.noise_threshold = 0.15       # flag the run when target-only speed or T(1) spreads more
   if arg == "quick":

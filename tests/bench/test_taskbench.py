@@ -186,7 +186,7 @@ def test_tree_rows_are_checked():
                                        ("eagle:smollm2-eagle", "dynamic:10,6,60"),
                                        ("eagle:smollm2-eagle", "dynamic:10,6,60+ngram:8")]
   assert c.draft == "smollm2-draft" and "model" in c.drafters and "eagle:smollm2-eagle" in c.drafters
-  for bad, msg in (("dynamic:2,2,3", "not DRAFTER@TREE"), ("eagle@auto", "not a fixed tree"),
+  for bad, msg in (("dynamic:2,2,3", "not DRAFTER@TREE"), ("eagle@auto:x", "expected auto"),
                    ("eagle@dynamic:2,2,30", "more nodes"), ("bogus@chain:2", "unknown drafter")):
     with pytest.raises(ConfigError, match=msg):
       c.replace(taskbench_trees=(bad,))

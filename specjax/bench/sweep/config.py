@@ -61,6 +61,7 @@ class SweepConfig:
   taskbench_trees: tuple[str, ...] = ()
   taskbench_suite: str = "dev"
   noise_threshold: float = 0.15
+  auto_candidates: str = ""  # an auto tree's: '' the config's static trees, or auto[:N1,..]
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -164,6 +165,9 @@ def _check_points(cfg: SweepConfig) -> None:
   for t in cfg.trees:
     if t != AUTO:
       engine.fixed_tree(t, "config.trees:")
+  if cfg.auto_candidates and engine.auto_candidates(cfg.auto_candidates) is None:
+    raise ConfigError(f"config.auto_candidates must be '' (the static trees) or "
+                      f"auto[:N1,..], got {cfg.auto_candidates!r}")
 
 
 def _check_prompts(cfg: SweepConfig) -> None:
@@ -190,13 +194,26 @@ def _check_suite(cfg: SweepConfig) -> None:
 
 def tree_rows(cfg: SweepConfig) -> list[tuple[str, str]]:
   """config.taskbench_trees ("DRAFTER@TREE", ...) -> [(drafter spec, tree
-  spec)], each checked (the drafter parses, the tree is a fixed one)."""
-  rows = []
+  spec)], each checked (the drafter parses, the tree is a fixed one, or
+  auto[:N1,..]: --tree=auto's candidates, plan.candidate_trees, which the
+  drafter can draft; one auto row per drafter)."""
+  rows, autos = [], set()
   for row in cfg.taskbench_trees:
     drafter, sep, tree = row.rpartition("@")
     if not sep or not drafter or not tree:
       raise ConfigError(f"config.taskbench_trees: {row!r} is not DRAFTER@TREE "
                         "(e.g. eagle:smollm2-eagle@dynamic:4,4,16)")
+    spec = engine.drafter(drafter).spec
+    if tree.strip().startswith(AUTO):  # auto[:N1,..]: the drafter drafts every candidate
+      try:
+        engine.check_auto_tree(spec, tree)
+      except ConfigError as e:
+        raise ConfigError(f"config.taskbench_trees: {row!r}: {e}") from None
+      if spec in autos:
+        raise ConfigError(f"config.taskbench_trees: {row!r}: one auto row per drafter")
+      autos.add(spec)
+      rows.append((spec, tree))
+      continue
     t = engine.fixed_tree(tree, f"config.taskbench_trees: {row!r}:")
-    rows.append((engine.drafter(drafter).spec, getattr(t, "spec", tree)))
+    rows.append((spec, getattr(t, "spec", tree)))
   return rows

@@ -69,6 +69,19 @@ def fixed_tree(spec: str, where: str):
   return t
 
 
+def auto_candidates(spec: str) -> dict | None:
+  """--tree=auto's candidates for an auto[:N1,..] spec, name -> Tree
+  (plan.candidate_trees of its sizes); None for any other spec."""
+  sizes = plan.parse_auto_sizes(spec)
+  return None if sizes is None else plan.candidate_trees(sizes)
+
+
+def check_auto_tree(d, spec: str) -> None:
+  """Drafter `d` can run --tree=`spec` (auto: it drafts every candidate, its
+  state continued across them); ConfigError, one line, if not."""
+  plan.parse_flags(drafter=d, tree=spec)
+
+
 def is_dynamic(tree) -> bool:
   return isinstance(tree, trees.DynamicTree)
 

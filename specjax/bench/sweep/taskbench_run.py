@@ -18,7 +18,7 @@ import re
 
 from specjax import workdir as wd
 from specjax.bench.sweep import gamma, harness, noise, outputs, taskbench_report, trees
-from specjax.bench.sweep.config import SweepConfig, tree_rows
+from specjax.bench.sweep.config import AUTO, SweepConfig, tree_rows
 from specjax.errors import ConfigError
 from specjax.workdir import Record
 
@@ -39,9 +39,14 @@ def tree_dir(drafter: str) -> str:
 
 def tree_config(cfg: SweepConfig, cat: str, drafter: str, specs: list[str]) -> SweepConfig:
   """The trees sweep of one category and drafter: its trees at batch 1, the
-  config's rules and temperatures."""
+  config's rules and temperatures; an auto[:N1,..] row is the sweep's auto
+  point, choosing among --tree=auto's candidates (auto_candidates), none of
+  them a row of its own."""
+  autos = [s for s in specs if s.startswith(AUTO)]
   return cfg.replace(taskbench=(), taskbench_trees=(), taskbench_category=cat,
-                     drafters=(drafter,), trees=tuple(specs), batches=(1,))
+                     drafters=(drafter,), batches=(1,),
+                     trees=tuple(AUTO if s in autos else s for s in specs),
+                     auto_candidates=autos[0] if autos else "")
 
 
 @dataclasses.dataclass(frozen=True)

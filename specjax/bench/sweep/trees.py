@@ -2,22 +2,23 @@
 at several batch sizes, measured next to the tree theory's prediction.
 
 Points are (drafter, batch, tree, rule, temperature); a tree is a model.tree
-spec or `auto` (autotree choosing among the config's static trees). Per
-point: target-only and speculative tokens/s (medians over repetitions, the
-two alternating, nothing compiled in a timed one), tokens per step and the
-acceptance by sibling rank; every static point runs autotree's chunked
-device loop, so chains, trees and auto pay the same loop. Costs, per
+spec or `auto` (autotree choosing among the config's static trees, or among
+--tree=auto's candidates: `auto_trees`). Per point: target-only and
+speculative tokens/s (medians of alternating repetitions that compile
+nothing), tokens per step, the acceptance by sibling rank; every static
+point runs autotree's chunked device loop, as auto does. Costs, per
 (drafter, batch, sampling settings), once: T_target(B, n), the draft level
 per width, each tree's accept on the tree judge (engine.Loop.tree_costs).
 Predicted: tree_theory's tokens per step at the rule's or the measured p by
-rank, and autotree's speedup from the costs. A dynamic tree (dynamic:K,D,N)
-is a fixed point of its own through the engine's device loop; a drafter that
-cannot draft a kind of point skips it with one line. docs/trees.md.
+rank, and autotree's speedup from the costs. A dynamic tree is a fixed
+point through the engine's device loop; a drafter that cannot draft a kind
+of point skips it with one line. docs/trees.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 
 import numpy as np
@@ -41,6 +42,21 @@ def fixed_trees(cfg: SweepConfig) -> dict:
 def static_trees(cands: dict) -> dict:
   """The static trees among `cands` (what autotree measures and chooses from)."""
   return {k: t for k, t in cands.items() if not engine.is_dynamic(t)}
+
+
+def auto_trees(cfg: SweepConfig) -> dict:
+  """What an auto point chooses among: the config's static trees, or with
+  config.auto_candidates --tree=auto's candidates (plan.candidate_trees of
+  its sizes), a name a static tree of the config holds with another topology
+  marked ' (auto)'."""
+  fixed = static_trees(fixed_trees(cfg))
+  if not cfg.auto_candidates:
+    return fixed
+  out = {}
+  for k, t in engine.auto_candidates(cfg.auto_candidates).items():
+    clash = k in fixed and fixed[k].paths() != t.paths()
+    out[f"{k} (auto)" if clash else k] = t
+  return out
 
 
 def rule_p(rule: str, width: int = 1) -> list[float] | None:
@@ -78,6 +94,17 @@ class TreeBench:
   def static(self) -> dict:
     return static_trees(self.cands)
 
+  @functools.cached_property
+  def auto(self) -> dict:
+    """The auto point's candidates (auto_trees)."""
+    return auto_trees(self.cfg)
+
+  @property
+  def costed(self) -> dict:
+    """The static trees whose costs the points read: the points' and, with an
+    auto point, its candidates."""
+    return self.static | (self.auto if AUTO in self.cfg.trees else {})
+
   def rows(self, p: TreePoint) -> list[list[list[int]]]:
     return batch_prompts(self.setup.prompts, p.batch)
 
@@ -86,7 +113,7 @@ class TreeBench:
     sampled apart: the probes consume the logits as the run does)."""
     k = (p.batch, p.sp)
     if k not in self.costs:
-      self.costs[k] = self.setup.loop.tree_costs(p.batch, self.setup.depth, self.static, p.sp,
+      self.costs[k] = self.setup.loop.tree_costs(p.batch, self.setup.depth, self.costed, p.sp,
                                                  p.accept_rule, self.drafter, self.cfg.reps)
     return self.costs[k]
 
@@ -103,7 +130,7 @@ class TreeBench:
     if engine.is_dynamic(self.cands.get(p.tree)):
       return [loop.dynamic(rows, self.cands[p.tree], p.sp, p.accept_rule, self.drafter,
                            cfg.siblings) for rows in self.rows(p)]
-    cands = self.static if p.auto else {p.tree: self.cands[p.tree]}
+    cands = self.auto if p.auto else {p.tree: self.cands[p.tree]}
     every, fixed = (cfg.auto_every, None) if p.auto else (cfg.n_predict, [p.tree])
     return [loop.trees(rows, cost, cands, p.sp, p.accept_rule, self.drafter, cfg.siblings,
                        every, fixed) for rows in self.rows(p)]
@@ -183,9 +210,9 @@ def run_point(bench: TreeBench, p: TreePoint) -> Record:
   with CompileWatch() as cw:
     if p.auto:
       for rows in bench.rows(p):
-        loop.warm_trees(rows, cost, bench.static, p.sp, p.accept_rule, bench.drafter)
+        loop.warm_trees(rows, cost, bench.auto, p.sp, p.accept_rule, bench.drafter)
       if bench.cfg.auto_calibrate:
-        cost = loop.calibrate_trees(bench.rows(p)[0], cost, bench.static, p.sp,
+        cost = loop.calibrate_trees(bench.rows(p)[0], cost, bench.auto, p.sp,
                                     p.accept_rule, bench.drafter)
     bench.spec(p, cost)
     bench.warm_base(p)
@@ -197,7 +224,7 @@ def point_record(bench: TreeBench, p: TreePoint, cost: engine.TreeCosts, res: li
                  reps: list[dict], compile_s: float) -> Record:
   """The point's record: measured, the p by rank, the predictions."""
   pooled = stats_lib.Records.concat([r.records for r in res])
-  cands = bench.static if p.auto else {p.tree: bench.cands[p.tree]}
+  cands = bench.auto if p.auto else {p.tree: bench.cands[p.tree]}
   depth = max(t.max_depth for t in cands.values())
   st = stats_lib.SpecStats.compute(pooled, gamma=depth,
                                    n_predict=sum(r.stats.n_predict for r in res))
@@ -207,8 +234,8 @@ def point_record(bench: TreeBench, p: TreePoint, cost: engine.TreeCosts, res: li
              t_target_s=cost.t_target[1])
   if p.auto:
     used = engine.chosen(res)
-    rec.update(auto_trees=list(bench.static),
-               trees_used={k: used.count(k) for k in bench.static if k in used})
+    rec.update(auto_trees=list(bench.auto),
+               trees_used={k: used.count(k) for k in bench.auto if k in used})
     return schema.run_record(st, **rec)
   tree = bench.cands[p.tree]
   prior = rule_p(p.accept_rule, tree.width)
@@ -230,9 +257,9 @@ class TreesRunner:
     if not cfg.trees:
       raise ConfigError("config.trees is empty")
     fixed = fixed_trees(cfg)
-    if AUTO in cfg.trees and not static_trees(fixed):
+    if AUTO in cfg.trees and not auto_trees(cfg):
       raise ConfigError("config.trees: auto chooses among the fixed trees (static ones); "
-                        "give some")
+                        "give some, or config.auto_candidates=auto")
     for a in cfg.accepts:
       for t in fixed.values():
         engine.check_rule(a, t.max_depth)
@@ -245,7 +272,8 @@ class TreesRunner:
 
   def extra_slots(self, cfg: SweepConfig) -> int:
     # the slots a step writes past the cache's length, less one (SpecConfig.block - 1)
-    return max(max(t.block_size, t.fed_slots) for t in fixed_trees(cfg).values()) - 1
+    cands = list(fixed_trees(cfg).values()) + list(auto_trees(cfg).values())
+    return max(max(t.block_size, t.fed_slots) for t in cands) - 1
 
   def measure(self, setup: Setup, todo: list[TreePoint], emit: Emit) -> tuple[dict, list[str]]:
     """The points not done, in order; a drafter that cannot run a kind of
