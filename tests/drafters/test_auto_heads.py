@@ -145,6 +145,17 @@ def _eagle_tf_q(tparams, hparams, seq, feats, cfg):
   return g, jax.nn.softmax(model.head_logits(tparams, g, cfg))
 
 
+def test_eagle_fixed_run_unchanged_by_a_wider_pending(shipped):
+  """A fixed gamma-2 run of the shipped head carrying 6 pairs accepts at
+  every step what the run carrying its own 3 does."""
+  target, prompts = shipped
+  runs = [speculative.run(target, None, prompts, N, plan.Plan(
+      {"chain:2": plan.SpecConfig(target.cfg, None, 2, drafter="eagle", carry=c)}, REAL))
+          for c in (0, 6)]
+  assert runs[0].tokens == runs[1].tokens and runs[0].stats.n_accept > 0
+  np.testing.assert_array_equal(runs[0].records.n_acc, runs[1].records.n_acc)
+
+
 def eagle_mismatches(shipped_pair) -> list[str]:
   """After a greedy auto run over SCHEDULE, one sampled gamma-4 draft phase
   from its final state: the rows whose first two q differ from a
