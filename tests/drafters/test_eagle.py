@@ -306,13 +306,14 @@ def test_sampling_with_the_head_is_exact(v6_head, name, gamma):
 # configuration above with its seed; each must fail the acceptance law.
 HEAD_MUTATIONS = {
     "pending features not updated on commit (stale)": (
-        eagle.EagleDrafter, "commit", "Pending(feats=c.features,",
+        eagle.EagleDrafter, "commit", "Pending(feats=pad_pairs(c.features, width),",
         "Pending(feats=dstate.pending.feats,"),
     "the wrong output index taken (k + 1)": (
         eagle, "refresh", "idx = jnp.clip(n - 2 - pending.start",
         "idx = jnp.clip(n - 1 - pending.start"),
     "pending tokens not shifted (pair (f_i, x_i), not (f_i, x_{i+1}))": (
-        eagle.EagleDrafter, "commit", "tokens=c.emitted,", "tokens=jnp.roll(c.emitted, 1, 1),"),
+        eagle.EagleDrafter, "commit", "tokens=pad_pairs(c.emitted, width),",
+        "tokens=pad_pairs(jnp.roll(c.emitted, 1, 1), width),"),
     "pending start one slot late (the drafted pair (g, d_1) stays)": (
         eagle.EagleDrafter, "commit", "start=c.n_prev - 1,", "start=c.n_prev,"),
 }
