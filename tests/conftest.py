@@ -51,6 +51,7 @@ if _CACHE:  # also in this process, should a plugin have imported jax before thi
 # worker at a time, so module fixtures are set up once) the workers then finish
 # together instead of one waiting out a long file at the end.
 SLOW_FILES_FIRST = ("parallel/test_sharding.py", "scripts/test_scripts.py",
+                    "scripts/test_script_runs.py",
                     "drafters/test_tree_drafters.py", "bench/test_sweep.py",
                     "bench/test_taskbench.py", "train/test_selfdistill.py",
                     "drafters/test_eagle.py", "decode/test_trees.py",
