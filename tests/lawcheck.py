@@ -234,6 +234,29 @@ def pvalues(target, draft, sp, gamma, rows, accept_law=None, **kw) -> dict[str, 
   return out
 
 
+def output_pvalues(target, draft, sp, w, rows=ROWS, gamma=1, **kw) -> dict[str, float]:
+  """Pair laws of the first w - 1 token pairs of speculative generation (rows
+  per prompt, one ragged batch; kw: generate's tree, siblings, drafter, seed)
+  against the target's own: the output test of a drafter or tree whose
+  acceptance law is not enumerated here."""
+  prompts = [p for p in PROMPTS for _ in range(rows)]
+  res = speculative.generate(target, draft, prompts, w, gamma, sp=sp, **kw)
+  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(PROMPTS)), rows)
+  out = {}
+  for i, prompt in enumerate(PROMPTS):
+    laws = exact_laws(target, target, prompt, sp, w - 3)
+    t = tokens[which == i]
+    for j, law in enumerate(laws.pairs):
+      counts = np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V)
+      out[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(counts, law)
+  return out
+
+
+def adjusted(ps: dict[str, float]) -> float:
+  """The Bonferroni-adjusted p-value of a family of tests."""
+  return min(1.0, min(ps.values()) * len(ps))
+
+
 def exactness(pair_, sp, gamma, **kw) -> tuple[float, dict[str, float]]:
   """(smallest p-value times the number of tests, all p-values) over both
   pairs: the Bonferroni-adjusted p-value of the configuration."""

@@ -401,21 +401,9 @@ def test_sampled_chain_follows_the_target_and_the_heads_law(v6):
 
 
 def tree_pvalues(target, drafter, siblings, tree=EXACT_TREE) -> dict[str, float]:
-  """Pair laws of the first depth + 3 tokens against the target's own (as
-  test_tree_drafters.output_pvalues)."""
-  w, rows = tree.max_depth + 3, lawcheck.ROWS
-  prompts = [p for p in lawcheck.PROMPTS for _ in range(rows)]
-  res = speculative.generate(target, None, prompts, w, 1, sp=SamplingParams(1.0), tree=tree,
-                             siblings=siblings, drafter=drafter)
-  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(lawcheck.PROMPTS)), rows)
-  out = {}
-  for i, prompt in enumerate(lawcheck.PROMPTS):
-    laws = lawcheck.exact_laws(target, target, prompt, SamplingParams(1.0), w - 3)
-    t = tokens[which == i]
-    for j, pair_law in enumerate(laws.pairs):
-      counts = np.bincount(t[:, j] * lawcheck.V + t[:, j + 1], minlength=lawcheck.V ** 2)
-      out[f"prompt {i} pair t{j},t{j + 1}"] = lawcheck.chi2_pvalue(counts, pair_law)
-  return out
+  """Pair laws of the first depth + 3 tokens against the target's own."""
+  return lawcheck.output_pvalues(target, None, SamplingParams(1.0), tree.max_depth + 3, tree=tree,
+                                 siblings=siblings, drafter=drafter)
 
 
 @pytest.mark.parametrize("siblings", ["topk", "stochastic"])

@@ -586,25 +586,12 @@ ROWS = 1500
 
 
 def output_pvalues(target, drafter, sp, siblings, tree=EXACT_TREE, seed=0) -> dict[str, float]:
-  """Pair laws of the first depth + 3 tokens against the target's own (as
-  tests/decode/test_trees.py's output_pvalues)."""
-  w = tree.max_depth + 3
-  prompts = [p for p in lawcheck.PROMPTS for _ in range(ROWS)]
-  res = speculative.generate(target, None, prompts, w, 1, sp=sp, seed=seed, tree=tree,
-                             siblings=siblings, drafter=drafter)
-  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(lawcheck.PROMPTS)), ROWS)
-  out = {}
-  for i, prompt in enumerate(lawcheck.PROMPTS):
-    laws = lawcheck.exact_laws(target, target, prompt, sp, w - 3)
-    t = tokens[which == i]
-    for j, law in enumerate(laws.pairs):
-      counts = np.bincount(t[:, j] * lawcheck.V + t[:, j + 1], minlength=lawcheck.V ** 2)
-      out[f"prompt {i} pair t{j},t{j + 1}"] = lawcheck.chi2_pvalue(counts, law)
-  return out
+  """Pair laws of the first depth + 3 tokens against the target's own."""
+  return lawcheck.output_pvalues(target, None, sp, tree.max_depth + 3, rows=ROWS, tree=tree,
+                                 siblings=siblings, drafter=drafter, seed=seed)
 
 
-def adjusted(ps: dict[str, float]) -> float:
-  return min(1.0, min(ps.values()) * len(ps))
+adjusted = lawcheck.adjusted
 
 
 @pytest.mark.parametrize("siblings", ["topk", "stochastic"])

@@ -30,7 +30,6 @@ from lawcheck import pair  # noqa: F401  (the V = 6 target and its noisy draft)
 SET = [1, 2, 4]        # leaves out 0, 3 and 5, where the target has mass
 SPECIAL = [1, 2]
 EXACT_TREE = trees.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
-ROWS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -134,25 +133,13 @@ def test_greedy_with_a_reduced_set_equals_target_only(pair, vocab_dir, spec):
 
 
 def output_pvalues(target, draft, drafter, tree=None, siblings="topk", gamma=2):
-  """Pair laws of the first gamma + 3 (or depth + 3) output tokens against
-  the target's own."""
+  """The output's pair laws at T = 1 over gamma + 3 (or depth + 3) tokens."""
   w = (tree.max_depth if tree is not None else gamma) + 3
-  prompts = [p for p in lawcheck.PROMPTS for _ in range(ROWS)]
-  res = speculative.generate(target, draft, prompts, w, gamma, sp=SamplingParams(1.0), tree=tree,
-                             siblings=siblings, drafter=drafter)
-  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(lawcheck.PROMPTS)), ROWS)
-  out = {}
-  for i, prompt in enumerate(lawcheck.PROMPTS):
-    laws = lawcheck.exact_laws(target, target, prompt, SamplingParams(1.0), w - 3)
-    t = tokens[which == i]
-    for j, law in enumerate(laws.pairs):
-      counts = np.bincount(t[:, j] * lawcheck.V + t[:, j + 1], minlength=lawcheck.V ** 2)
-      out[f"prompt {i} pair t{j},t{j + 1}"] = lawcheck.chi2_pvalue(counts, law)
-  return out
+  return lawcheck.output_pvalues(target, draft, SamplingParams(1.0), w, gamma=gamma, tree=tree,
+                                 siblings=siblings, drafter=drafter)
 
 
-def adjusted(ps: dict[str, float]) -> float:
-  return min(1.0, min(ps.values()) * len(ps))
+adjusted = lawcheck.adjusted
 
 
 @pytest.mark.parametrize("tree,siblings", [(None, "topk"), (EXACT_TREE, "topk"),
