@@ -2,8 +2,8 @@
 
 A drafter is static config (a frozen, hashable dataclass, part of
 SpecConfig and so a jit static argument), parsed from one spec string by
-drafters/registry.py (`model`, `ngram[:A-B]`, `layerskip:N`,
-`layerskip:LIST`, `eagle[:PATH]`, `eagle3[:PATH]`). The loops call `init`
+drafters/registry.py (`model`, `ngram[:A-B]`, `layerskip:N`, `layerskip:LIST`,
+`eagle[:PATH]`, `eagle3[:PATH]`, `streaming:W[,S]`). The loops call `init`
 on the host, then, traced in the jitted step, `propose` (a chain) or
 `propose_tree` (a token tree) and `commit`; what differs between drafters
 is a property of the class (`deterministic`, `needs_draft_model`,

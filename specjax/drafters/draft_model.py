@@ -24,6 +24,17 @@ from specjax.model import llama
 from specjax.model import steps
 
 
+def run(dparams, tokens, cache: kvc.KVCache, cfg, anc=None, window=None):
+  """One feed of a KV-cached LLaMA (llama.forward's tree_mask and window):
+  (logits [B, w, V], cache), through the reduced vocabulary's head where
+  one is attached (drafters/vocab.py)."""
+  if vocab.PARAMS_KEY not in dparams:
+    return llama.forward(dparams, tokens, cache, cfg, tree_mask=anc, window=window)
+  _, cache, hidden = llama.forward(dparams, tokens, cache, cfg, tree_mask=anc, head=False,
+                                   window=window)
+  return vocab.draft_logits(dparams, hidden, cfg.padded_vocab), cache
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDrafter(network.NetworkDrafter):
   """The draft model (--model_draft) on a KV cache of its own."""
@@ -59,12 +70,8 @@ class ModelDrafter(network.NetworkDrafter):
     return network.CacheFeed(cache=cache, base=cache.lengths), behind
 
   def feed(self, dparams, fst, tokens, lo, anc, parent, sc):
-    cache = kvc.rollback(fst.cache, fst.base + lo)
-    if vocab.PARAMS_KEY not in dparams:
-      logits, cache = llama.forward(dparams, tokens, cache, sc.draft, tree_mask=anc)
-      return logits, fst.replace(cache=cache)
-    _, cache, hidden = llama.forward(dparams, tokens, cache, sc.draft, tree_mask=anc, head=False)
-    return vocab.draft_logits(dparams, hidden, sc.draft.padded_vocab), fst.replace(cache=cache)
+    logits, cache = run(dparams, tokens, kvc.rollback(fst.cache, fst.base + lo), sc.draft, anc)
+    return logits, fst.replace(cache=cache)
 
   def end(self, dparams, fst, dstate, tcache, n, sc):
     return kvc.rollback(fst.cache, fst.base), tcache

@@ -11,10 +11,11 @@ from specjax.drafters.network import NetworkDrafter
 from specjax.drafters.base import Drafter
 from specjax.drafters.draft_model import MODEL, LayerSkipDrafter
 from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.streaming import StreamingDrafter
 from specjax.errors import ConfigError
 
 
-KINDS = ("model", "ngram", "layerskip", "eagle", "eagle3")
+KINDS = ("model", "ngram", "layerskip", "eagle", "eagle3", "streaming")
 NGRAM_DEFAULT = (1, 4)
 
 
@@ -25,9 +26,34 @@ def _int(text: str, spec: str) -> int:
     raise ConfigError(f"drafter {spec!r}: {text!r} is not an integer") from None
 
 
+def streaming(text: str, arg: str) -> StreamingDrafter:
+  """'W[,S][+layerskip:K]' (the text after 'streaming:') -> the sparse-KV
+  self-draft: a window of W >= 1 slots, S >= 0 sinks (4), the first K >= 1
+  layers (all)."""
+  arg, plus, skip = arg.partition("+")
+  w, comma, s = arg.partition(",")
+  if not w.strip():
+    raise ConfigError(f"drafter {text!r}: streaming needs a window W (streaming:W[,S])")
+  window, sinks, layers = _int(w, text), _int(s, text) if comma else 4, 0
+  if window < 1:
+    raise ConfigError(f"drafter {text!r}: the window W must be >= 1, got {window}")
+  if sinks < 0:
+    raise ConfigError(f"drafter {text!r}: the sinks S must be >= 0, got {sinks}")
+  if plus:
+    kind, _, k = skip.partition(":")
+    if kind.strip().lower() != "layerskip" or not k.strip() or "," in k or "-" in k:
+      raise ConfigError(f"drafter {text!r}: streaming combines with layerskip:K only (the "
+                        f"first K layers, which share the target's cache), got {skip!r}")
+    layers = _int(k, text)
+    if layers < 1:
+      raise ConfigError(f"drafter {text!r}: keep at least one layer (K >= 1)")
+  return StreamingDrafter(window, sinks, layers)
+
+
 def parse(spec: str | Drafter) -> Drafter:
   """'model' | 'ngram' | 'ngram:A-B' | 'layerskip:N' | 'layerskip:0-9,12,15'
-  | 'eagle' | 'eagle:PATH' | 'eagle3' | 'eagle3:PATH' -> a Drafter (ConfigError,
+  | 'eagle' | 'eagle:PATH' | 'eagle3' | 'eagle3:PATH' | 'streaming:W[,S]'
+  | 'streaming:W,S+layerskip:K' -> a Drafter (ConfigError,
   one line, for anything else); a network drafter's spec may end in ':vocab=V' (full, N, a shipped
   ranking or a path: its reduced draft vocabulary, drafters/vocab.py).
 
@@ -50,8 +76,9 @@ def parse(spec: str | Drafter) -> Drafter:
   kind = kind.strip().lower()
   if kind not in KINDS:
     raise ConfigError(f"unknown drafter {text!r}; valid: model, ngram[:A-B], layerskip:N, "
-                      "layerskip:LIST (e.g. 0-9,12,15), eagle[:PATH], eagle3[:PATH], each "
-                      "network drafter with an optional :vocab=V")
+                      "layerskip:LIST (e.g. 0-9,12,15), eagle[:PATH], eagle3[:PATH], "
+                      "streaming:W[,S][+layerskip:K], each network drafter with an optional "
+                      ":vocab=V")
   if kind == "eagle":
     return eagle.EagleDrafter(arg.strip())  # bare: the target's shipped head
   if kind == "eagle3":
@@ -70,6 +97,8 @@ def parse(spec: str | Drafter) -> Drafter:
     if n_min > n_max:
       raise ConfigError(f"drafter {text!r}: ngram_min {n_min} > ngram_max {n_max}")
     return NgramDrafter(n_min, n_max)
+  if kind == "streaming":
+    return streaming(text, arg)
   # layerskip
   if not arg.strip():
     raise ConfigError(f"drafter {text!r}: layerskip needs N (keep the first N layers) or a "

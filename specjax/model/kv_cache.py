@@ -12,7 +12,7 @@ Invariants (ARCHITECTURE.md, "Invariants"; tests/model/test_model.py):
   * rolling back is setting `lengths` (O(1), no copy);
   * capacity is checked on the host *before* a write (`check_capacity`):
     dynamic_update_slice clamps out-of-range starts, silently.
-One array per layer, not a stacked [L, ...] one: the model is unrolled.
+One array per layer (the model is unrolled); a `Window` views a few slots.
 """
 
 from __future__ import annotations
@@ -99,6 +99,32 @@ def write(cache_arr: jax.Array, new: jax.Array, lengths: jax.Array) -> jax.Array
     return jax.lax.dynamic_update_slice(cache_arr, new, (0, 0, lengths[0], 0))
   upd = lambda c, n, l: jax.lax.dynamic_update_slice(c, n, (0, l, 0))
   return jax.vmap(upd)(cache_arr, new, lengths)
+
+
+@struct.dataclass
+class Window:
+  """A sparse view of each row's cache (StreamingLLM's attention, the
+  streaming draft's): the first `sinks` slots and the last `size` slots
+  before `start[b]` (the step's kept length), then `span` slots from
+  `start[b]` on (the step's fed tokens). Slot j still holds position j, so
+  which gathered slot a query sees is decided by its slot index, as in the
+  full cache; a slot that is not real (past the capacity, a sink past the
+  row's length, a recent slot that is also a sink) is never seen."""
+  start: jax.Array                                 # [B]
+  sinks: int = struct.field(pytree_node=False)     # S
+  size: int = struct.field(pytree_node=False)      # W
+  span: int = struct.field(pytree_node=False)      # fed slots
+
+  def slots(self, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """(slots [B, n] clipped into the cache, real [B, n] bool), n = sinks +
+    size + span: the sinks, then start - size .. start + span - 1."""
+    start = self.start[:, None]  # [B, 1]
+    cut = jnp.minimum(self.sinks, start)  # [B, 1]: sinks < cut are real
+    sinks = jnp.broadcast_to(jnp.arange(self.sinks)[None, :], (start.shape[0], self.sinks))
+    recent = start - self.size + jnp.arange(self.size + self.span)[None, :]
+    slots = jnp.concatenate([sinks, recent], 1)
+    real = jnp.concatenate([sinks < cut, (recent >= cut) & (recent < capacity)], 1)
+    return jnp.clip(slots, 0, capacity - 1), real
 
 
 def commit_path(cache: KVCache, path, n_accepted) -> KVCache:

@@ -289,20 +289,37 @@ def attend_blocked(q, k_cache, v_cache, positions, block: int, dtype, tree=None)
   return jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4)).astype(dtype)
 
 
-def cache_mask(positions, s_cap: int, tree: TreeBlock | None = None):
+def cache_mask(positions, s_cap: int, tree: TreeBlock | None = None, slots=None):
   """Which cache slots each new token sees, bool [B, T, S]: slots <= its
   position (a chain); with `tree`, the cached slots before the block's start
   (the TreeBlock's lengths) and, of the block from there (written before
-  attending, see tree_block), its row of the tree mask."""
-  slots = jnp.arange(s_cap)
+  attending, see tree_block), its row of the tree mask. `slots` [B, n]:
+  the same for those slot indices (a Window's) instead of 0 .. S - 1."""
+  slots = jnp.arange(s_cap)[None, :] if slots is None else slots  # [1 or B, S]
   if tree is None:
-    return slots[None, None, :] <= positions[:, :, None]
-  j = slots[None, :] - tree.lengths[:, None]  # [B, S]: index in the block
+    return slots[:, None, :] <= positions[:, :, None]
+  j = slots - tree.lengths[:, None]  # [B, S]: index in the block
   mask = jnp.broadcast_to(tree.mask, (j.shape[0],) + tree.mask.shape[1:])  # [B, T, W]
   w = mask.shape[-1]
-  cols = jnp.broadcast_to(jnp.clip(j, 0, w - 1)[:, None, :], mask.shape[:2] + (s_cap,))
+  cols = jnp.broadcast_to(jnp.clip(j, 0, w - 1)[:, None, :], mask.shape[:2] + j.shape[-1:])
   in_block = jnp.take_along_axis(mask, cols, axis=2) & ((j >= 0) & (j < w))[:, None, :]
   return (j < 0)[:, None, :] | in_block
+
+
+def attend_window(q, k_cache, v_cache, positions, window: kv_cache.Window, dtype, tree=None):
+  """Attention over a Window's slots alone: their K/V gathered per row into
+  a compact [B, K, n, D] view (n = sinks + size + span), masked by the slot
+  each entry came from (cache_mask) and whether it is real, so the cost is
+  flat in the cache's length. The cache holds K rotated at its own
+  position: the view needs no RoPE. q [B, T, K, G, D] -> [B, T, K, G, D]."""
+  slots, real = window.slots(k_cache.shape[2])  # [B, n]
+  view = lambda c: jnp.take_along_axis(c, slots[:, None, :, None], axis=2)  # [B, K, n, D]
+  mask = cache_mask(positions, k_cache.shape[2], tree, slots) & real[:, None, :]  # [B, T, n]
+  scores = jnp.einsum("btkgd,bknd->bkgtn", q, view(k_cache),
+                      preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  return jnp.einsum("bkgtn,bknd->btkgd", probs, view(v_cache))
 
 
 def fused_implementation(dtype) -> str:
@@ -345,11 +362,13 @@ class Attention(nn.Module):
   slots until kv_cache.commit_path). [.., T, W] with W > T: the new tokens
   are the last T of a W-wide block begun at slot lengths - (W - T) (a draft
   tree's next level; see tree_block). None: the causal chain (unchanged).
+  window (optional, a kv_cache.Window): attend to its slots alone
+  (attend_window; a streaming draft), whatever cfg.attention says.
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None):
+  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None, window=None):
     # x [B, T, E]; positions [B, T]; k_cache, v_cache [B, K, S, D]; lengths [B]
     cfg = self.cfg
     b, t, _ = x.shape
@@ -369,7 +388,9 @@ class Attention(nn.Module):
     tree = (None if tree_mask is None else
             tree_block(kk, vv, tree_mask, lengths, k_cache, v_cache))
     block = cfg.attn_block
-    if cfg.attention == "fused":
+    if window is not None:
+      out = attend_window(q, k_cache, v_cache, positions, window, cfg.jnp_dtype, tree)
+    elif cfg.attention == "fused":
       out = attend_fused(q, k_cache, v_cache, cache_mask(positions, k_cache.shape[2], tree),
                          cfg.jnp_dtype)
     elif block and k_cache.shape[2] > block and cfg.attention in ("auto", "blocked"):
@@ -397,10 +418,10 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None):
+  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None, window=None):
     h, k_cache, v_cache = Attention(self.cfg, name="attn")(
         RMSNorm(self.cfg, name="attn_norm")(x), positions, k_cache, v_cache, lengths,
-        tree_mask)
+        tree_mask, window)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
     return x, k_cache, v_cache

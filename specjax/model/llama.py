@@ -31,7 +31,8 @@ class Llama(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, positions, cache: kvc.KVCache, logit_index=None,
-               return_hidden=False, tree_mask=None, head=True, hidden_layers=None):
+               return_hidden=False, tree_mask=None, head=True, hidden_layers=None,
+               window=None):
     # tokens, positions [B, T] -> logits [B, T, V] (f32), or [B, 1, V] at
     # logit_index [B] (prefill needs only the last real token's logits).
     # return_hidden: also the final-normed hidden state [B, T, E] of every
@@ -39,6 +40,7 @@ class Llama(nn.Module):
     # V is cfg.padded_vocab; the padded ids' logits are masked.
     # tree_mask: [T, T] or [B, T, T] bool, a token tree's verify (forward).
     # hidden_layers: the hidden returned is these layers' outputs, concatenated.
+    # window: a kv_cache.Window, every layer's attention over its slots alone.
     cfg = self.cfg
     embed = nn.Embed(cfg.padded_vocab, cfg.dim, dtype=cfg.jnp_dtype,
                      param_dtype=cfg.jnp_param_dtype, embedding_init=weight_init,
@@ -47,10 +49,11 @@ class Llama(nn.Module):
     ks, vs = [], []
     outs = []  # each layer's output (hidden_layers)
     if cfg.scan_layers and not self.is_initializing() and not hidden_layers:
-      x, ks, vs = scan_blocks(cfg, self.variables["params"], x, positions, cache, tree_mask)
+      x, ks, vs = scan_blocks(cfg, self.variables["params"], x, positions, cache, tree_mask,
+                              window)
     for i in range(0 if ks else cfg.n_layers):
       x, k, v = Block(cfg, name=f"layers_{i}")(
-          x, positions, cache.k[i], cache.v[i], cache.lengths, tree_mask)
+          x, positions, cache.k[i], cache.v[i], cache.lengths, tree_mask, window)
       ks.append(k)
       vs.append(v)
       outs.append(x)
@@ -81,7 +84,8 @@ class Llama(nn.Module):
     return logits, new_cache
 
 
-def scan_blocks(cfg: ModelConfig, params, x, positions, cache: kvc.KVCache, tree_mask):
+def scan_blocks(cfg: ModelConfig, params, x, positions, cache: kvc.KVCache, tree_mask,
+                window=None):
   """The layers as one lax.scan (cfg.scan_layers): the per-layer params and
   caches stacked along a new leading axis L, one Block applied per step, the
   caches unstacked after. The params keep their per-layer layout (every
@@ -96,7 +100,7 @@ def scan_blocks(cfg: ModelConfig, params, x, positions, cache: kvc.KVCache, tree
 
   def body(h, layer):
     p, k, v = layer
-    h, k, v = block.apply({"params": p}, h, positions, k, v, cache.lengths, tree_mask)
+    h, k, v = block.apply({"params": p}, h, positions, k, v, cache.lengths, tree_mask, window)
     return h, (k, v)
 
   x, (ks, vs) = jax.lax.scan(body, x, (stacked, jnp.stack(cache.k), jnp.stack(cache.v)))
@@ -195,7 +199,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
 
 def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,
             logit_index=None, return_hidden=False, tree_mask=None, head=True,
-            hidden_layers=None):
+            hidden_layers=None, window=None):
   """Runs T new tokens per row against the cache.
 
   Args:
@@ -225,6 +229,9 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
       features): the hidden returned is then the concatenation of those
       layers' outputs (the residual stream after each, not normed)
       [B, T, len * E]; the layers run unrolled. None: the final-normed state.
+    window: optional kv_cache.Window: each token attends to its slots alone
+      (the sinks, the recent window, the fed span; a streaming draft), still
+      written at lengths and rotated at `positions` (layers.attend_window).
   Returns:
     (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T), and
     hidden [B, T, E] (cfg.dtype) last when return_hidden.
@@ -240,7 +247,7 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
       raise ConfigError(f"hidden_layers {hidden_layers}: need layer indices in "
                         f"0..{cfg.n_layers - 1}")
   return Llama(cfg).apply({"params": params}, tokens, positions, cache,
-                          logit_index, return_hidden, tree_mask, head, hidden_layers)
+                          logit_index, return_hidden, tree_mask, head, hidden_layers, window)
 
 
 def tree_depths(tree_mask):
