@@ -30,6 +30,7 @@ from specjax.model import steps
 from specjax.metrics import timing
 from specjax.model.sampling import SamplingParams
 from specjax.drafters import draft_model
+from specjax.drafters import streaming
 from specjax.drafters import vocab
 from specjax.drafters.base import Drafted, DraftedTree
 
@@ -117,40 +118,51 @@ class CostProbe:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("sc", "k"))
-def _repeat_propose(dparams, dstate, tail, n, key, *, sc, k: int):
+@functools.partial(jax.jit, static_argnames=("sc", "k"), donate_argnames=("tcache",))
+def _repeat_propose(dparams, dstate, tcache, tail, n, key, *, sc, k: int):
   """k proposals (batch of n's rows) on device; each iteration's lengths
-  differ (n - i % 2), so XLA cannot hoist the proposal out of the loop."""
+  differ (n - i % 2, the target cache's with them), so XLA cannot hoist the
+  proposal out of the loop. `tcache` (None: no target) is carried, as the
+  engine's step carries it: a drafter that writes it (streaming) writes in
+  place. Returns (a checksum, tcache)."""
   live = jnp.ones(n.shape, bool)
+  base = None if tcache is None else tcache.lengths
 
-  def body(i, acc):
-    d, _, _ = sc.drafter.propose(dparams, dstate, None, tail, n - i % 2, live,
-                                 jax.random.fold_in(key, i), sc)
-    return acc + jnp.sum(d.tokens) + jnp.sum(d.n_drafted)
+  def body(i, carry):
+    acc, tc = carry
+    tc = None if tc is None else kvc.rollback(tc, base - i % 2)
+    d, _, tc = sc.drafter.propose(dparams, dstate, tc, tail, n - i % 2, live,
+                                  jax.random.fold_in(key, i), sc)
+    return acc + jnp.sum(d.tokens) + jnp.sum(d.n_drafted), tc
 
-  return jax.lax.fori_loop(0, k, body, jnp.int32(0))
+  acc, tcache = jax.lax.fori_loop(0, k, body, (jnp.int32(0), tcache))
+  return acc, None if tcache is None else kvc.rollback(tcache, base)
 
 
 class ProposeProbe:
   """T_draft(1) of a drafter that is not a plain model (n-gram lookup, an
-  EAGLE head): the time of one whole proposal of gamma tokens (batch 1, a
-  history of `depth` random tokens in `capacity` slots), divided by gamma;
-  k proposals per timed repetition in one jitted loop. The same `times`
-  interface as CostProbe (n must be 1). `target` (a Runner) is needed by
-  drafters whose state starts from the target (eagle's prefill)."""
+  EAGLE head, the streaming draft): the time of one whole proposal of gamma
+  tokens (batch `batch` rows of one history of `depth` random tokens in
+  `capacity` slots), divided by gamma; k proposals per timed repetition in
+  one jitted loop. The same `times` interface as CostProbe (n must be 1).
+  `target` (a Runner) is needed by drafters whose state starts from the
+  target (eagle's prefill) or that read its cache (streaming): the target's
+  cache then holds the history, as after the engine's prefill."""
 
   def __init__(self, drafter, target_cfg, gamma: int, capacity: int, depth: int, seed: int = 0,
-               k: int = REPEATS, target: steps.Runner | None = None):
+               k: int = REPEATS, target: steps.Runner | None = None, batch: int = 1):
     self.sc = plan.SpecConfig(target_cfg, None, gamma, drafter=drafter, simulated=True)
     self.k, self.capacity, self.depth = k, capacity, depth
     rng = np.random.RandomState(seed)
-    prompt = rng.randint(0, target_cfg.vocab_size, depth - 1).tolist()
+    prompts = [rng.randint(0, target_cfg.vocab_size, depth - 1).tolist()] * batch
     self.dparams = self.sc.drafter.draft_params(None if target is None else target.params,
                                                 None)
-    self.dstate = self.sc.drafter.init(self.sc, target, self.dparams, [prompt], capacity,
-                                       jnp.asarray([prompt[-1]]))
-    self.tail = jnp.asarray([[prompt[-1], prompt[-1]]], jnp.int32)
-    self.n = jnp.asarray([depth], jnp.int32)
+    self.dstate = self.sc.drafter.init(self.sc, target, self.dparams, prompts, capacity,
+                                       jnp.asarray([p[-1] for p in prompts]))
+    self.tcache = None if target is None else \
+        target.prefill(prompts, target.new_cache(batch, capacity))[1]
+    self.tail = jnp.asarray([[p[-1], p[-1]] for p in prompts], jnp.int32)
+    self.n = jnp.full((batch,), depth, jnp.int32)
     self.warm = False
 
   def times(self, ns: Sequence[int], reps: int = 1,
@@ -158,9 +170,12 @@ class ProposeProbe:
     del sp  # a deterministic proposal does not depend on the sampling settings
     if set(ns) != {1}:
       raise ValueError(f"ProposeProbe times T_draft(1) only, asked for {sorted(set(ns))}")
-    run = lambda: _repeat_propose(self.dparams, self.dstate, self.tail, self.n,
-                                  jax.random.PRNGKey(0),
-                                  sc=self.sc, k=self.k)
+
+    def run():
+      acc, self.tcache = _repeat_propose(self.dparams, self.dstate, self.tcache, self.tail,
+                                         self.n, jax.random.PRNGKey(0), sc=self.sc, k=self.k)
+      return acc
+
     t = timing.measure(run, reps=reps, warmup=0 if self.warm else 1)
     self.warm = True
     per = self.k * self.sc.gamma
@@ -171,12 +186,15 @@ def draft_probe(drafter, target: steps.Runner, draft: steps.Runner | None, gamma
                 capacity: int, depth: int, batch: int = 1, k: int = REPEATS):
   """The probe of T_draft(1) for a drafter: a CostProbe of the model it runs
   (the draft model, or the target's layer subset), otherwise (ngram, eagle)
-  a ProposeProbe of its whole proposal per token, at batch 1."""
+  a ProposeProbe of its whole proposal per token, at batch 1; the streaming
+  draft's at batch `batch` (it reads the batch's shared cache)."""
   if isinstance(drafter, (draft_model.ModelDrafter, draft_model.LayerSkipDrafter)):
     cfg = drafter.draft_config(target.cfg, draft and draft.cfg)
     return CostProbe(steps.Runner(cfg, drafter.draft_params(target.params, draft)), capacity,
                      depth, k=k, batch=batch)
-  return ProposeProbe(drafter, target.cfg, gamma, capacity, depth, k=k, target=target)
+  batch = batch if isinstance(drafter, streaming.StreamingDrafter) else 1
+  return ProposeProbe(drafter, target.cfg, gamma, capacity, depth, k=k, target=target,
+                      batch=batch)
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "k"))

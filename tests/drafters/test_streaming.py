@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from specjax.decode import generation
+from specjax.decode import probes
 from specjax.decode import speculative
 from specjax.drafters import registry
 from specjax.drafters import streaming
@@ -171,6 +172,16 @@ def test_sampled_streaming_drafts_follow_the_target(pair):  # noqa: F811  (the f
                                drafter="streaming:1,1")
   assert lawcheck.adjusted(ps) > lawcheck.ALPHA, {k: v for k, v in ps.items()
                                                   if v * len(ps) <= lawcheck.ALPHA}
+
+
+def test_the_cost_probe_times_the_proposal_on_the_target_cache(target):
+  """probes.draft_probe: the streaming draft's whole proposal per token, at
+  the batch asked, on the target's prefilled cache (carried, not copied)."""
+  probe = probes.draft_probe(registry.parse(f"streaming:{W},{S}"), target, None, 2, CAP, 12,
+                             batch=2, k=2)
+  assert probe.tcache.lengths.tolist() == [11, 11]
+  assert probe.times([1])[1].median > 0
+  assert probe.tcache.lengths.tolist() == [11, 11]
 
 
 # ---------------------------------------------------------------- deliberate bugs
