@@ -71,7 +71,9 @@ class StreamingDrafter(network.NetworkDrafter):
     # window ends there, and the step's fed tokens follow it.
     k = sc.draft.n_layers
     shared = kvc.KVCache(k=tcache.k[:k], v=tcache.v[:k], lengths=tcache.lengths)
-    window = kvc.Window(start=tcache.lengths, sinks=self.sinks, size=self.window, span=width)
+    cap = tcache.capacity  # a window wider than the cache is the whole cache
+    window = kvc.Window(start=tcache.lengths, sinks=min(self.sinks, cap),
+                        size=min(self.window, cap), span=width)
     return WindowFeed(cache=shared, window=window), jnp.zeros(n.shape, bool)
 
   def feed(self, dparams, fst, tokens, lo, anc, parent, sc):
