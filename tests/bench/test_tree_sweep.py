@@ -5,16 +5,23 @@ a finished point; a dynamic tree drafted on the target's own cache
 (layerskip) measured, one the n-gram drafter cannot draft skipped with one
 line. MUTATIONS are deliberate bugs, each failing a check."""
 
+import functools
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from configs import sweep_gamma
-from specjax.bench.sweep import harness, points, tree_report
+from specjax.bench.sweep import engine, harness, points, tree_report
 from specjax.bench.sweep import trees as tree_sweep
 from specjax.bench.sweep.config import SweepConfig
+from specjax.drafters import registry
 from specjax.errors import ConfigError
 from specjax.metrics import schema
+from specjax.model import llama, steps
+from specjax.model import tree as trees
+from specjax.model.config import get_preset
 
 
 def config(variant: str, **kw) -> SweepConfig:
@@ -144,6 +151,37 @@ def test_dynamic_trees_of_a_shared_cache_drafter_and_of_ngram(tmp_path, capsys):
   line = "drafter ngram:1-4, dynamic points: skipped (drafter ngram:1-4 drafts static trees only"
   assert line in capsys.readouterr().out
   assert line in (tmp_path / "summary.md").read_text()
+
+
+def _cache_copies(fn, probe) -> int:
+  """Cache-shaped copies in fn's compiled program (the probe's arguments)."""
+  shape = "f32[%s]" % ",".join(map(str, probe.tcache.k[0].shape))
+  text = fn.lower(probe.dparams, probe.dstate, probe.tcache, probe.tail, probe.n,
+                  jax.random.PRNGKey(0), sc=probe.sc, k=4).compile().as_text()
+  return sum(" copy(" in line and shape in line for line in text.splitlines())
+
+
+def test_the_dynamic_probe_carries_the_shared_cache_and_copies_none():
+  """layerskip:1 writes its drafts into the target's cache: the probe's loop
+  carries that cache (donated), so the timed program copies no cache-sized
+  array; the loop that closed over it (the probe before 2026-12-05) copied
+  the written layer's K and V, overstating the draft's cost."""
+
+  cfg = get_preset("tiny").replace(dtype="float32")
+  probe = engine.DynamicCostProbe(registry.parse("layerskip:1"),
+                                  steps.Runner(cfg, llama.init_params(cfg, 0)), None,
+                                  trees.DynamicTree(2, 2, 3), 256, 40, k=4)
+
+  @functools.partial(jax.jit, static_argnames=("sc", "k"))
+  def closed_over(dparams, dstate, tcache, tail, n, key, *, sc, k):  # the deliberate bug
+    live = jnp.ones(n.shape, bool)
+    body = lambda i, acc: acc + jnp.sum(sc.drafter.propose_tree(
+        dparams, dstate, tcache, tail, n - i % 2, live, jax.random.fold_in(key, i), sc)[0].tokens)
+    return jax.lax.fori_loop(0, k, body, jnp.int32(0))
+
+  assert _cache_copies(closed_over, probe) > 0
+  assert _cache_copies(engine._repeat_propose_tree, probe) == 0  # pylint: disable=protected-access
+  assert probe.time(1) > 0 and probe.tcache.lengths.tolist() == [39]
 
 
 def _crossover_first_win(orig):

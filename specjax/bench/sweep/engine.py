@@ -22,6 +22,7 @@ from specjax.decode import speculative
 from specjax.drafters import registry
 from specjax.errors import ConfigError
 from specjax.metrics import theory, timing
+from specjax.model import kv_cache as kvc
 from specjax.model import steps
 from specjax.model import tree as trees
 
@@ -250,20 +251,25 @@ def predicted_tree_speedup(cost: autotree.TreeCosts, p, name: str, tree, d) -> f
   return autotree.predicted_speedups(cost, p, {name: tree}, drafter=d)[name]
 
 
-@functools.partial(jax.jit, static_argnames=("sc", "k"))
+@functools.partial(jax.jit, static_argnames=("sc", "k"), donate_argnames=("tcache",))
 def _repeat_propose_tree(dparams, dstate, tcache, tail, n, key, *, sc, k: int):
   """k dynamic-tree proposals on device; each iteration's lengths differ
-  (n - i % 2), so XLA cannot hoist the proposal out of the loop. `tcache`
-  is the target's prefilled cache: a drafter that shares it (layerskip:K)
-  reads and writes it, as in the engine's step."""
+  (n - i % 2, the target cache's with them), so XLA cannot hoist the
+  proposal out of the loop. `tcache`, the target's prefilled cache, is
+  carried as the engine's step carries it: a drafter that writes it
+  (layerskip:K, streaming) writes in place, not into a copy per iteration.
+  Returns (a checksum, tcache)."""
   live = jnp.ones(n.shape, bool)
+  base = tcache.lengths
 
-  def body(i, acc):
-    dr, _, _ = sc.drafter.propose_tree(dparams, dstate, tcache, tail, n - i % 2, live,
-                                       jax.random.fold_in(key, i), sc)
-    return acc + jnp.sum(dr.tokens)
+  def body(i, carry):
+    acc, tc = carry
+    dr, _, tc = sc.drafter.propose_tree(dparams, dstate, kvc.rollback(tc, base - i % 2), tail,
+                                        n - i % 2, live, jax.random.fold_in(key, i), sc)
+    return acc + jnp.sum(dr.tokens), tc
 
-  return jax.lax.fori_loop(0, k, body, jnp.int32(0))
+  acc, tcache = jax.lax.fori_loop(0, k, body, (jnp.int32(0), tcache))
+  return acc, kvc.rollback(tcache, base)
 
 
 class DynamicCostProbe:
@@ -289,8 +295,11 @@ class DynamicCostProbe:
 
   def time(self, reps: int) -> float:
     """Median seconds of one proposal (compiles untimed first)."""
-    run = lambda: _repeat_propose_tree(self.dparams, self.dstate, self.tcache, self.tail,
-                                       self.n, jax.random.PRNGKey(0), sc=self.sc, k=self.k)
+    def run():
+      acc, self.tcache = _repeat_propose_tree(self.dparams, self.dstate, self.tcache, self.tail,
+                                              self.n, jax.random.PRNGKey(0), sc=self.sc, k=self.k)
+      return acc
+
     return timing.measure(run, reps=reps, warmup=1).median / self.k
 
 
