@@ -21,7 +21,7 @@ from specjax.model import steps
 from specjax.model import tree as trees
 from specjax.model.sampling import SamplingParams
 
-from lawcheck import PROMPTS, V, chi2_pvalue, exact_laws, perturbed, sharpen, pair  # noqa: F401
+from lawcheck import PROMPTS, V, adjusted, chi2_pvalue, exact_laws, perturbed, sharpen, pair  # noqa: F401
 
 N_PREDICT = 20
 RAGGED = [[5, 9, 3, 7, 1], [2, 8], [11, 4, 6, 250, 33, 17, 90, 3, 3], [42]]
@@ -171,10 +171,6 @@ def output_pvalues(pair_, sp, siblings, tree=EXACT_TREE, seed=0) -> dict[str, fl
       counts = np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V)
       out[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(counts, law)
   return out
-
-
-def adjusted(ps: dict[str, float]) -> float:
-  return min(1.0, min(ps.values()) * len(ps))
 
 
 @pytest.mark.parametrize("siblings", ["topk", "stochastic", "dynamic"])
