@@ -165,6 +165,13 @@ def smollm2_config(arg: str) -> ml_collections.ConfigDict:
   c.head3_name = "smollm2-eagle3"
   c.head3_vocab = 8192
   c.head3_layers = ()
+  # "own": the head trains and stores its LM head over the set; "target": it
+  # reads the target's rows of the set, frozen, and stores none (a few MB).
+  c.head3_lm_head = "own"
+  # An EAGLE-1 head (name or path) to start fc and the layer from ("": random).
+  c.head3_init = ""
+  # The exported head's weights: float32, bfloat16 or int8 (kernels per channel).
+  c.head3_dtype = "bfloat16"
   # One step (8 x 256, k = 6, V_d 8,192) took 11.5-22 s on 2 loaded Xeon cores
   # (docs/training.md): 500 steps are 1.6-3 h there.
   c.head3_train = _train(500, 8, 256, 2e-3, 25, seed=5, eval_every=50, eval_batches=4,

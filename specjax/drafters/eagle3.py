@@ -37,12 +37,18 @@ from specjax.errors import CheckpointError, ConfigError
 from specjax.formats import safetensors_io
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model_lib
+from specjax.model import quant
 from specjax.model.config import ModelConfig
 from specjax.model.layers import weight_init
 
 CONFIG_FILE = "eagle3_config.json"
 WEIGHTS_FILE = "model.safetensors"
-FORMAT = "specjax-eagle-3"
+# 2: `fuse` RMS-normalises each layer's output first; the LM head may be the
+# target's own rows (LM_HEAD_TARGET, not stored); weights may be int8.
+FORMAT = "specjax-eagle-3.2"
+LM_HEAD_TARGET = "target"   # meta["lm_head"]: the target's rows of the set, frozen
+LM_HEAD_OWN = "own"         # the head's own trained table, stored with it
+DTYPES = ("float32", "bfloat16", "int8")
 # Shipped heads by name (specjax/train/eagle3_stage.py); listed once their files exist.
 _ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_EAGLE3 = {name: _ASSETS / name for name in ("smollm2-eagle3",)
@@ -78,9 +84,14 @@ class Head3(NamedTuple):
 
 
 def fuse(hparams, target_feats):
-  """The target's three layers' outputs [..., 3E] -> the fused feature [..., E]."""
+  """The target's three layers' outputs [..., 3E] -> the fused feature [..., E]:
+  each layer's output RMS-normalised (their scales differ by orders of
+  magnitude along the depth), then one linear map [3E, E]."""
   kernel = hparams["fuse"]["kernel"]  # [3E, E]
-  return jnp.einsum("...f,fe->...e", target_feats.astype(kernel.dtype), kernel)
+  x = target_feats.astype(jnp.float32)
+  x = x.reshape(x.shape[:-1] + (3, x.shape[-1] // 3))
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + NORM_EPS)
+  return jnp.einsum("...f,fe->...e", x.reshape(target_feats.shape).astype(kernel.dtype), kernel)
 
 
 def head_forward3(hparams, tparams, feats, tokens, hcache: kvc.KVCache, hcfg: ModelConfig,
@@ -102,16 +113,33 @@ def head_logits3(hparams, hidden):
   return vocab.logits(hparams["lm_head"]["table"], x * hparams["norm"]["scale"])
 
 
-def init_head3(hcfg: ModelConfig, ids_count: int, seed: int = 0):
+def init_head3(hcfg: ModelConfig, ids_count: int, seed: int = 0, lm_head: str = LM_HEAD_OWN):
   """Random head params: EAGLE-1's fc and block (eagle.init_head), `fuse`
-  [3E, E] and the LM head table [ids_count, E] at normal(0.02), a unit norm."""
+  [3E, E] and (lm_head LM_HEAD_OWN) the LM head table [ids_count, E] at
+  normal(0.02), a unit norm. LM_HEAD_TARGET: no table (with_lm_head adds
+  the target's rows)."""
   core = eagle.init_head(hcfg, seed)
   k_fuse, k_head = jax.random.split(jax.random.PRNGKey(seed + 1))
   e, dt = hcfg.dim, hcfg.jnp_param_dtype
-  return {"fuse": {"kernel": weight_init(k_fuse, (3 * e, e), dt)},
-          "fc": core["fc"], "block": core["block"],
-          "norm": {"scale": jnp.ones((e,), dt)},
-          "lm_head": {"table": weight_init(k_head, (int(ids_count), e), dt)}}
+  params = {"fuse": {"kernel": weight_init(k_fuse, (3 * e, e), dt)},
+            "fc": core["fc"], "block": core["block"],
+            "norm": {"scale": jnp.ones((e,), dt)}}
+  if lm_head == LM_HEAD_OWN:
+    params["lm_head"] = {"table": weight_init(k_head, (int(ids_count), e), dt)}
+  return params
+
+
+def lm_head_kind(hparams) -> str:
+  """LM_HEAD_OWN when the params carry their table, else LM_HEAD_TARGET."""
+  return LM_HEAD_OWN if "lm_head" in hparams else LM_HEAD_TARGET
+
+
+def with_lm_head(hparams, tparams, ids):
+  """Params whose logits head_logits3 can take: a head without its own
+  table gets the target's LM head rows of `ids` (vocab.head_table)."""
+  if "lm_head" in hparams:
+    return hparams
+  return {**hparams, "lm_head": {"table": vocab.head_table(tparams, ids).astype(jnp.float32)}}
 
 
 def new_cache(hcfg: ModelConfig, batch: int, capacity: int) -> kvc.KVCache:
@@ -122,14 +150,45 @@ def new_cache(hcfg: ModelConfig, batch: int, capacity: int) -> kvc.KVCache:
 # ---------------------------------------------------------------- files
 
 
+def _stored(flat: dict, dtype: str) -> dict:
+  """Flat params -> the tensors written: every leaf in `dtype`; in int8, each
+  kernel [in, out] as `kernel_q` int8 and `kernel_scale` float32 [out]
+  (model/quant.py, per output channel) and the other leaves in bfloat16."""
+  if dtype != "int8":
+    return {k: np.asarray(jnp.asarray(v).astype(dtype)) for k, v in flat.items()}
+  out = {}
+  for k, v in flat.items():
+    if k.endswith("/kernel"):
+      q, scale = quant.quantize_kernel(jnp.asarray(v))
+      out[k + "_q"], out[k + "_scale"] = np.asarray(q), np.asarray(scale)
+    else:
+      out[k] = np.asarray(jnp.asarray(v).astype(jnp.bfloat16))
+  return out
+
+
+def _restored(tensors: dict, dtype: str) -> dict:
+  """_stored's inverse: flat float32 params (int8 kernels dequantized)."""
+  out = {}
+  for k, v in tensors.items():
+    if dtype == "int8" and k.endswith("/kernel_q"):
+      base = k[:-len("_q")]
+      out[base] = np.asarray(quant.dequantize_kernel(jnp.asarray(v),
+                                                     jnp.asarray(tensors[base + "_scale"])))
+    elif not (dtype == "int8" and k.endswith("/kernel_scale")):
+      out[k] = np.asarray(v, np.float32)
+  return out
+
+
 def save_head3(path: str | os.PathLike, hcfg: ModelConfig, hparams, layers, ids,
                target_cfg: ModelConfig, target_name: str, special=(), dtype: str = "float32",
                extra: dict | None = None) -> Path:
-  """Writes CONFIG_FILE (the head's config, its target layers, the target's),
-  WEIGHTS_FILE (weights in `dtype`: float32 or bfloat16) and the reduced
-  set (vocab.VOCAB_FILE, `special` ids required in it) into `path`."""
-  if dtype not in ("float32", "bfloat16"):
-    raise ConfigError(f"EAGLE-3 head weights: dtype {dtype!r}, expected float32 or bfloat16")
+  """Writes CONFIG_FILE (the head's config, its target layers, the target's,
+  whose LM head it uses), WEIGHTS_FILE (weights in `dtype`: float32,
+  bfloat16, or int8 kernels per output channel) and the reduced set
+  (vocab.VOCAB_FILE, `special` ids required in it) into `path`. A head
+  without its own table (LM_HEAD_TARGET) stores none: it reads the target's."""
+  if dtype not in DTYPES:
+    raise ConfigError(f"EAGLE-3 head weights: dtype {dtype!r}, expected one of {', '.join(DTYPES)}")
   layers = tuple(int(i) for i in layers)
   if len(layers) != 3 or not all(0 <= i < target_cfg.n_layers for i in layers):
     raise ConfigError(f"EAGLE-3 head: layers {layers} are not three layers of the target's "
@@ -138,19 +197,20 @@ def save_head3(path: str | os.PathLike, hcfg: ModelConfig, hparams, layers, ids,
   path.mkdir(parents=True, exist_ok=True)
   vocab.save(path, ids, target_cfg.vocab_size, special)
   flat = traverse_util.flatten_dict(jax.device_get(hparams), sep="/")
-  safetensors_io.write_safetensors(path / WEIGHTS_FILE, {
-      k: np.asarray(jnp.asarray(v).astype(dtype)) for k, v in flat.items()})
+  safetensors_io.write_safetensors(path / WEIGHTS_FILE, _stored(flat, dtype))
   target_cfg = target_cfg.replace(vocab_multiple=1)  # as saved: no mesh padding
   wd.write_json(path / CONFIG_FILE, {"format": FORMAT, "head": hcfg.to_dict(),
                                      "layers": list(layers), "target": target_name,
                                      "target_config": target_cfg.to_dict(), "dtype": dtype,
-                                     **(extra or {})})
+                                     "lm_head": lm_head_kind(hparams), **(extra or {})})
   return path
 
 
 def load_head3(path: str | os.PathLike) -> Head3:
   """The head in directory `path` (save_head3's), or a shipped head's name;
-  weights as float32. CheckpointError (one line) on a missing or malformed file."""
+  weights as float32 (without a table when meta["lm_head"] is
+  LM_HEAD_TARGET: with_lm_head adds it). CheckpointError (one line) on a
+  missing or malformed file."""
   d = SHIPPED_EAGLE3.get(str(path), Path(path))
   file = d / CONFIG_FILE
   if not file.is_file():
@@ -158,23 +218,28 @@ def load_head3(path: str | os.PathLike) -> Head3:
                           f"{', '.join(SHIPPED_EAGLE3) or 'none yet'})")
   meta = wd.read_json(file)
   if meta.get("format") != FORMAT:
-    raise CheckpointError(f"{file}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    raise CheckpointError(f"{file}: format {meta.get('format')!r}, expected {FORMAT!r} "
+                          "(retrain the head with this version)")
+  kind, dtype = meta.get("lm_head", LM_HEAD_OWN), meta.get("dtype", "float32")
+  if kind not in (LM_HEAD_OWN, LM_HEAD_TARGET) or dtype not in DTYPES:
+    raise CheckpointError(f"{file}: lm_head {kind!r} or dtype {dtype!r} is not one this "
+                          "version reads")
   hcfg = ModelConfig.from_dict(meta["head"])
   ids = vocab.load(d, hcfg.vocab_size)
   if ids is None:
     raise CheckpointError(f"EAGLE-3 head {str(path)!r}: {d / vocab.VOCAB_FILE} not found "
                           "(this head drafts over its reduced set)")
   try:
-    flat = safetensors_io.read_safetensors(d / WEIGHTS_FILE)
+    flat = _restored(safetensors_io.read_safetensors(d / WEIGHTS_FILE), dtype)
   except Exception as e:  # pylint: disable=broad-except
     raise CheckpointError(f"cannot read {d / WEIGHTS_FILE}: {str(e)[:300]}") from e
-  want = traverse_util.flatten_dict(jax.eval_shape(lambda: init_head3(hcfg, len(ids))), sep="/")
+  want = traverse_util.flatten_dict(
+      jax.eval_shape(lambda: init_head3(hcfg, len(ids), lm_head=kind)), sep="/")
   if set(flat) != set(want) or any(tuple(flat[k].shape) != want[k].shape for k in want):
     raise CheckpointError(f"{d / WEIGHTS_FILE}: tensors do not match the head of {file} "
                           f"and its {len(ids)}-id set")
   params = traverse_util.unflatten_dict(
-      {k: jnp.asarray(np.asarray(v, np.float32), hcfg.jnp_param_dtype) for k, v in flat.items()},
-      sep="/")
+      {k: jnp.asarray(v, hcfg.jnp_param_dtype) for k, v in flat.items()}, sep="/")
   return Head3(hcfg, params, tuple(int(i) for i in meta.get("layers", ())), ids, meta)
 
 
@@ -292,7 +357,9 @@ class Eagle3Drafter(network.NetworkDrafter):
     return tuple(self.head().layers)
 
   def own_params(self, dparams) -> int:
-    return model_lib.param_count(dparams["head"])  # the target's embedding: only read
+    """The head's stored params (the target's embedding, and its LM head
+    rows when the head reads them, are the target's)."""
+    return model_lib.param_count(self.head().params)
 
   def for_target(self, target):
     return self if self.path else dataclasses.replace(self, path=shipped_head_for(target))
@@ -306,7 +373,8 @@ class Eagle3Drafter(network.NetworkDrafter):
 
   def draft_params(self, tparams, draft):
     head = self.head()
-    return {"head": head.params, "target": tparams, "ids": jnp.asarray(head.ids)}
+    return {"head": with_lm_head(head.params, tparams, head.ids), "target": tparams,
+            "ids": jnp.asarray(head.ids)}
 
   def logits(self, dparams, hidden, sc):
     """The head's logits over its set, expanded to target ids (q = 0 outside)."""

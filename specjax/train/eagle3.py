@@ -29,6 +29,7 @@ import flax.linen as nn
 import optax
 
 from specjax.drafters import eagle3 as head3
+from specjax.drafters import vocab as vocab_lib
 from specjax.errors import ConfigError
 from specjax.model import layers
 from specjax.model import llama as model_lib
@@ -186,8 +187,8 @@ def gather(data, pos):
                    donate_argnums=(0,))
 def train_step(state, pos, aux, *, cfg, tcfg, opt, k, decay):
   """One optimiser step on the windows of positions pos [B, T+1]."""
-  loss_fn = lambda p: ttt_loss(p, cfg, aux["target"], tcfg, gather(aux["data"], pos),
-                               aux["vocab"], k, decay)
+  loss_fn = lambda p: ttt_loss({**p, **aux["frozen"]}, cfg, aux["target"], tcfg,
+                               gather(aux["data"], pos), aux["vocab"], k, decay)
   (loss, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
   updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
   new = {"step": state["step"] + 1, "params": optax.apply_updates(state["params"], updates),
@@ -197,8 +198,8 @@ def train_step(state, pos, aux, *, cfg, tcfg, opt, k, decay):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tcfg", "k", "decay"))
 def _eval_step(params, pos, aux, *, cfg, tcfg, k, decay):
-  loss, m = ttt_loss(params, cfg, aux["target"], tcfg, gather(aux["data"], pos), aux["vocab"],
-                     k, decay)
+  loss, m = ttt_loss({**params, **aux["frozen"]}, cfg, aux["target"], tcfg,
+                     gather(aux["data"], pos), aux["vocab"], k, decay)
   return {"loss": loss, **m}
 
 
@@ -231,7 +232,9 @@ def train(cfg: ModelConfig, init, tcfg: ModelConfig, tparams, data, ids, n_train
   """Trains (or resumes) the head on the stored data (WINDOW_KEYS): positions
   [0, n_train) train, the rest is held out; `ids` is its reduced set.
   run_record: what else makes two runs the same (the layers, the set's
-  digest). Returns the params after the last step run."""
+  digest). A head without its own table (head3.LM_HEAD_TARGET) trains
+  against the target's rows of the set, frozen. Returns the params after
+  the last step run (as `init`: without the frozen table)."""
   k, decay = check_settings(tc)
   want = {**train_lib.train_config(cfg, tc, (tcfg, None)), "kind": "selfdistill-head3",
           "n_train": int(n_train), "n_data": int(len(data["tokens"])),
@@ -250,7 +253,10 @@ def train(cfg: ModelConfig, init, tcfg: ModelConfig, tparams, data, ids, n_train
     raise ConfigError(f"held-out data of {n - n_train} positions is shorter than one window")
   windows = corpus.eval_windows(np.arange(n_train, n), int(tc.eval_batches) * int(tc.batch),
                                 int(tc.seq_len) + 1)
+  frozen = {} if "lm_head" in init else {
+      "lm_head": {"table": jnp.asarray(vocab_lib.head_table(tparams, ids), jnp.float32)}}
   aux = {"data": {key: jnp.asarray(data[key]) for key in WINDOW_KEYS}, "target": tparams,
+         "frozen": frozen,
          "vocab": {"ids": jnp.asarray(ids, jnp.int32),
                    "index": jnp.asarray(set_index(ids, tcfg.vocab_size))}}
   step_fn = functools.partial(train_step, cfg=cfg, tcfg=tcfg, opt=opt, k=k, decay=decay)

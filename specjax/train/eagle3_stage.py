@@ -28,6 +28,7 @@ import numpy as np
 
 from specjax import workdir as wd
 from specjax.decode import speculative
+from specjax.drafters import eagle
 from specjax.drafters import eagle3 as head3
 from specjax.drafters import vocab
 from specjax.errors import ConfigError
@@ -45,8 +46,9 @@ VOCAB_DIR = "head3_vocab"  # the set and its ranking (vocab.VOCAB_FILE)
 PLOT_FILE = "training_head3.png"
 ALPHA_FILE = "alpha_head3.json"
 # What alpha_head3.json depends on besides the data and the head's training.
-ALPHA_FIELDS = ("alpha_prompts", "alpha_gamma", "alpha_n_predict", "alpha_temps", "export_dtype",
-                "head3_name", "head3_vocab", "head3_layers", "head3_train")
+ALPHA_FIELDS = ("alpha_prompts", "alpha_gamma", "alpha_n_predict", "alpha_temps", "head3_dtype",
+                "head3_name", "head3_vocab", "head3_layers", "head3_train", "head3_lm_head",
+                "head3_init")
 F16_MAX = float(np.finfo(np.float16).max)
 # selfdistill's reply batches: first replies, follow-ups, edits (train prompts only)
 REPLY_TAGS = ("first", "followup", "edit")
@@ -135,13 +137,29 @@ def reply_set(tok, work: Path, size: int, vocab_size: int) -> tuple[np.ndarray, 
 # ---------------------------------------------------------------- the stage
 
 
-def init_params(hcfg: ModelConfig, tparams, ids, seed: int):
-  """Random fuse, fc and layer (init_head3); the LM head starts as the
-  target's rows of the set and the final norm as the target's (the head's
-  outputs start where the target's final states live)."""
-  params = dict(head3.init_head3(hcfg, len(ids), seed))
-  params["lm_head"] = {"table": jnp.asarray(vocab.head_table(tparams, ids), jnp.float32)}
-  params["norm"] = {"scale": jnp.asarray(tparams["final_norm"]["scale"], jnp.float32)}
+def init_params(hcfg: ModelConfig, tparams, ids, seed: int, lm_head: str = head3.LM_HEAD_OWN,
+                warm: str = ""):
+  """The head's first params. Random fuse, fc and layer (init_head3); its
+  own LM head (LM_HEAD_OWN) starts as the target's rows of the set, and the
+  final norm as the target's (the outputs start where the target's final
+  states live). `warm`, an EAGLE-1 head (name or path): fc and layer start
+  as that head's, fuse as the target's final norm on the third layer (zero
+  on the others), the norm as ones, so that with the last layer as the
+  third, step 1 ranks tokens as the EAGLE-1 head does (docs/training.md)."""
+  params = dict(head3.init_head3(hcfg, len(ids), seed, lm_head))
+  scale = jnp.asarray(tparams["final_norm"]["scale"], jnp.float32)
+  if lm_head == head3.LM_HEAD_OWN:
+    params["lm_head"] = {"table": jnp.asarray(vocab.head_table(tparams, ids), jnp.float32)}
+  params["norm"] = {"scale": scale}
+  if warm:
+    ecfg, eparams, _ = eagle.load_eagle(warm)
+    if eagle.reads_prev_token(eparams) or (ecfg.dim, ecfg.ffn_dim) != (hcfg.dim, hcfg.ffn_dim):
+      raise ConfigError(f"head3_init {warm!r}: not an EAGLE-1 head of this shape "
+                        f"(dim {hcfg.dim}, ffn {hcfg.ffn_dim}, the pair (feature, token))")
+    e = hcfg.dim
+    fuse = jnp.zeros((3 * e, e), jnp.float32).at[2 * e:].set(jnp.diag(scale))
+    params.update(fc=eparams["fc"], block=eparams["block"], fuse={"kernel": fuse},
+                  norm={"scale": jnp.ones((e,), jnp.float32)})
   return params
 
 
@@ -196,9 +214,14 @@ def run(c, work: Path, target: steps.Runner, tok, data, n_train: int, held: list
   hcfg = head3.head_config(tcfg)
   stored = {"tokens": data["tokens"], "layers": feats, "top_i": data["top_i"],
             "top_p": data["top_p"]}
+  kind, warm = str(c.head3_lm_head), str(c.head3_init)
+  if kind not in (head3.LM_HEAD_OWN, head3.LM_HEAD_TARGET):
+    raise ConfigError(f"head3_lm_head {kind!r}: expected {head3.LM_HEAD_OWN!r} (trained, "
+                      f"stored) or {head3.LM_HEAD_TARGET!r} (the target's rows, frozen)")
   record = {"layers": list(layers), "set_size": int(len(ids)),
-            "set_sha256": tokens_digest(ids)}
-  params = ttt.train(hcfg, init_params(hcfg, tparams, ids, int(c.head3_train.seed)), tcfg,
+            "set_sha256": tokens_digest(ids), "lm_head": kind, "init": warm}
+  init = init_params(hcfg, tparams, ids, int(c.head3_train.seed), kind, warm)
+  params = ttt.train(hcfg, init, tcfg,
                      tparams, stored, ids, n_train, c.head3_train, work / RUN_DIR,
                      progress=progress, log=log, run_record=record)
   out = {"params": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
@@ -207,7 +230,7 @@ def run(c, work: Path, target: steps.Runner, tok, data, n_train: int, held: list
          "vocab": {"size": int(len(ids)), "special": len(special),
                    "coverage_train_replies": cover, "coverage_heldout_positions": cover_held}}
   plot(work / RUN_DIR, work / PLOT_FILE, int(c.head3_train.ttt_steps))
-  dt = str(c.export_dtype)
+  dt = str(c.head3_dtype)
   save = lambda d, extra: str(head3.save_head3(d, hcfg, params, layers, ids, tcfg, str(c.target),
                                                special, dt, extra))
   out["saved"] = save(work / str(c.head3_name), None)

@@ -139,6 +139,37 @@ def test_save_and_load_round_trip(tmp_path, dtype):
     np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=tol, atol=1e-7)
 
 
+def test_int8_weights_are_per_channel_and_the_targets_lm_head_is_not_stored(tmp_path):
+  """int8: every kernel within half a step of its channel's scale, the rest
+  bfloat16; a head that reads the target's LM head stores no table, and
+  its drafter's params carry the target's rows of its set."""
+  target = make_target(64, 1)
+  hcfg = eagle3.head_config(target.cfg)
+  hp = eagle3.init_head3(hcfg, len(IDS64), 3, lm_head=eagle3.LM_HEAD_TARGET)
+  assert "lm_head" not in hp and eagle3.lm_head_kind(hp) == eagle3.LM_HEAD_TARGET
+  eagle3.save_head3(tmp_path / "h", hcfg, hp, LAYERS, IDS64, target.cfg, "v64", dtype="int8")
+  head = eagle3.load_head3(tmp_path / "h")
+  assert head.meta["lm_head"] == "target" and "lm_head" not in head.params
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(hp)[0],
+                          jax.tree_util.tree_leaves(head.params)):
+    step = np.abs(np.asarray(x)).max(0) / 127 if x.ndim == 2 else np.abs(np.asarray(x)) * 2 ** -8
+    assert np.all(np.abs(np.asarray(y) - np.asarray(x)) <= step / 2 + 1e-7), path
+  dp = eagle3.Eagle3Drafter(str(tmp_path / "h")).draft_params(target.params, None)
+  np.testing.assert_array_equal(dp["head"]["lm_head"]["table"],
+                                vocab.head_table(target.params, IDS64))
+  with pytest.raises(ConfigError, match="expected one of float32, bfloat16, int8"):
+    eagle3.save_head3(tmp_path / "g", hcfg, hp, LAYERS, IDS64, target.cfg, "v64", dtype="fp8")
+
+
+def test_a_head_of_another_format_is_one_line(tmp_path):
+  target = make_target(64, 1)
+  path = make_head(target, IDS64, LAYERS, tmp_path / "h")
+  meta = eagle3.wd.read_json(tmp_path / "h" / eagle3.CONFIG_FILE)
+  eagle3.wd.write_json(tmp_path / "h" / eagle3.CONFIG_FILE, {**meta, "format": "specjax-eagle-3"})
+  with pytest.raises(CheckpointError, match=r"format 'specjax-eagle-3', expected .*retrain"):
+    eagle3.load_head3(path)
+
+
 def test_a_head_that_does_not_fit_is_one_line(tmp_path):
   """A head for another width, or reading a layer the target lacks, is
   refused by SpecConfig (one line); a bare eagle3 with no shipped head too."""
@@ -189,6 +220,25 @@ def test_greedy_with_the_head_equals_greedy_target_only(v64, shape):
                              tree=tree, drafter=drafter)
   assert res.tokens == generation.generate(target, PROMPTS64, 20).tokens
   assert res.stats.n_accept > 0  # the acceptance paths ran
+
+
+def test_a_head_reading_the_targets_lm_head_drafts_as_one_storing_it(v64, tmp_path,
+                                                                    monkeypatch):
+  """The early-exit head saved without its table (it is the target's rows)
+  accepts exactly what the head storing them does; the deliberate bug, the
+  rows gathered one id late, must not."""
+  target, drafter = v64
+  head = drafter.head()
+  bare = {k: v for k, v in head.params.items() if k != "lm_head"}
+  path = eagle3.save_head3(tmp_path / "t", head.cfg, bare, head.layers, head.ids, target.cfg,
+                           "v64")
+  run = lambda d: speculative.generate(target, None, PROMPTS64, 20, 3, drafter=d).stats
+  want = run(drafter)
+  assert run(eagle3.Eagle3Drafter(str(path))).accept_hist == want.accept_hist
+  real = eagle3.with_lm_head
+  monkeypatch.setattr(eagle3, "with_lm_head",
+                      lambda hp, tp, ids: real(hp, tp, jnp.minimum(jnp.asarray(ids) + 1, 63)))
+  assert run(eagle3.Eagle3Drafter(str(path))).accept_hist != want.accept_hist
 
 
 # ---------------------------------------------------------------- the drafts, teacher-forced

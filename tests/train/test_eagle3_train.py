@@ -289,3 +289,48 @@ def test_an_export_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
   with pytest.raises(OutputError, match="--export_dir .* is a file"):
     sd.run(c, tmp_path / "work", file, progress=False, stages=("head3",))
   assert file.read_text() == "not a folder" and not (tmp_path / "work").exists()
+
+
+def test_a_head_on_the_targets_lm_head_trains_without_storing_it(head, data, tmp_path):
+  """lm_head 'target': the loss falls with the table frozen at the target's
+  rows, and what the run returns (and the stage saves) has no table."""
+  target, d = data
+  hcfg = head[3]
+  init = stage.init_params(hcfg, target.params, SET, 3, head3.LM_HEAD_TARGET)
+  assert "lm_head" not in init
+  out = ttt.train(hcfg, init, TINY, target.params, d, SET, 200, _tc(), tmp_path, progress=False,
+                  log=lambda s: None)
+  losses = [r["loss"] for r in train_lib.read_metrics(tmp_path) if "loss" in r]
+  assert "lm_head" not in out and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_a_warm_start_from_an_eagle1_head_ranks_as_that_head(head, tmp_path):
+  """head3_init: fc and layer from an EAGLE-1 head, fuse = the target's
+  final norm on the third layer; with the last layer third, step 1's top
+  token over the set is the EAGLE-1 head's (the target's LM head on its
+  predicted feature, over the same set)."""
+  from specjax.drafters import eagle  # pylint: disable=import-outside-toplevel
+  from specjax.drafters import vocab  # pylint: disable=import-outside-toplevel
+  tparams, toks = head[0], head[1]
+  hcfg = head[3]
+  ecfg = eagle.head_config(TINY)
+  ep = jax.tree_util.tree_map(lambda x: 3 * x if x.ndim == 2 else x, eagle.init_head(ecfg, 4))
+  eagle.save_head(tmp_path / "e1", ecfg, ep, TINY, "t")
+  layers = (0, 1, TINY.n_layers - 1)
+  _, _, feats = model.forward(tparams, toks, kvc.init_cache(TINY, B, T + 1), TINY,
+                              return_hidden=True, hidden_layers=layers)
+  _, _, final = model.forward(tparams, toks, kvc.init_cache(TINY, B, T + 1), TINY,
+                              return_hidden=True)
+  g, _ = eagle.head_forward(ep, tparams, final[:, :-1], toks[:, 1:],
+                            eagle.new_cache(ecfg, B, T + 1), ecfg, TINY)
+  want = SET[jnp.argmax(vocab.logits(vocab.head_table(tparams, SET), g), -1)]
+  for lm_head in (head3.LM_HEAD_OWN, head3.LM_HEAD_TARGET):
+    hp = head3.with_lm_head(stage.init_params(hcfg, tparams, SET, 3, lm_head, str(tmp_path / "e1")),
+                            tparams, SET)
+    h = ttt.ttt_hidden(hp, tparams, feats[:, :-1], toks[:, 1:], hcfg, TINY, 1)[0]
+    got = SET[jnp.argmax(head3.head_logits3(hp, h), -1)]
+    assert np.mean(np.asarray(got) == np.asarray(want)) >= 0.95
+  cold = head3.with_lm_head(stage.init_params(hcfg, tparams, SET, 3), tparams, SET)
+  h = ttt.ttt_hidden(cold, tparams, feats[:, :-1], toks[:, 1:], hcfg, TINY, 1)[0]
+  assert np.mean(np.asarray(SET[jnp.argmax(head3.head_logits3(cold, h), -1)]) ==
+                 np.asarray(want)) < 0.5  # the check can fail: a random start does not
