@@ -364,11 +364,14 @@ class Attention(nn.Module):
   tree's next level; see tree_block). None: the causal chain (unchanged).
   window (optional, a kv_cache.Window): attend to its slots alone
   (attend_window; a streaming draft), whatever cfg.attention says.
+  packed (optional, a packed.Packed; x [1, N, E]): each token written into its
+  row's cache at its position, its query attending in a [B, W] view of rows.
   """
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None, window=None):
+  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None, window=None,
+               packed=None):
     # x [B, T, E]; positions [B, T]; k_cache, v_cache [B, K, S, D]; lengths [B]
     cfg = self.cfg
     b, t, _ = x.shape
@@ -381,8 +384,13 @@ class Attention(nn.Module):
 
     # Write first, then attend: the new tokens see themselves and nothing
     # stale past the row's length.
-    k_cache = kv_cache.write(k_cache, kk, lengths)
-    v_cache = kv_cache.write(v_cache, vv, lengths)
+    if packed is None:
+      k_cache = kv_cache.write(k_cache, kk, lengths)
+      v_cache = kv_cache.write(v_cache, vv, lengths)
+    else:  # per row: its own cache, its own block, causal by position
+      k_cache, v_cache = packed.write(k_cache, kk[0]), packed.write(v_cache, vv[0])
+      q, positions = packed.to_rows(q[0], lengths), packed.row_positions(lengths)
+      b, t = q.shape[:2]  # the [B, W] view
 
     q = q.reshape(b, t, k, h // k, d)  # [B, T, K, G, D]
     tree = (None if tree_mask is None else
@@ -397,6 +405,8 @@ class Attention(nn.Module):
       out = attend_blocked(q, k_cache, v_cache, positions, block, cfg.jnp_dtype, tree)
     else:
       out = attend_masked(q, k_cache, v_cache, positions, cfg.jnp_dtype, tree)
+    if packed is not None:  # back to the packed block
+      out, b, t = packed.from_rows(out, lengths)[None], 1, packed.size
     out = dense(cfg, cfg.dim, "wo")(out.reshape(b, t, h * d))
     return out, k_cache, v_cache
 
@@ -418,10 +428,11 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None, window=None):
+  def __call__(self, x, positions, k_cache, v_cache, lengths, tree_mask=None, window=None,
+               packed=None):
     h, k_cache, v_cache = Attention(self.cfg, name="attn")(
         RMSNorm(self.cfg, name="attn_norm")(x), positions, k_cache, v_cache, lengths,
-        tree_mask, window)
+        tree_mask, window, packed)
     x = x + h
     x = x + MLP(self.cfg, name="mlp")(RMSNorm(self.cfg, name="mlp_norm")(x))
     return x, k_cache, v_cache

@@ -32,7 +32,7 @@ class Llama(nn.Module):
   @nn.compact
   def __call__(self, tokens, positions, cache: kvc.KVCache, logit_index=None,
                return_hidden=False, tree_mask=None, head=True, hidden_layers=None,
-               window=None):
+               window=None, packed=None):
     # tokens, positions [B, T] -> logits [B, T, V] (f32), or [B, 1, V] at
     # logit_index [B] (prefill needs only the last real token's logits).
     # return_hidden: also the final-normed hidden state [B, T, E] of every
@@ -41,6 +41,7 @@ class Llama(nn.Module):
     # tree_mask: [T, T] or [B, T, T] bool, a token tree's verify (forward).
     # hidden_layers: the hidden returned is these layers' outputs, concatenated.
     # window: a kv_cache.Window, every layer's attention over its slots alone.
+    # packed: a packed.Packed, tokens [1, N] (steps.packed_verify).
     cfg = self.cfg
     embed = nn.Embed(cfg.padded_vocab, cfg.dim, dtype=cfg.jnp_dtype,
                      param_dtype=cfg.jnp_param_dtype, embedding_init=weight_init,
@@ -50,10 +51,10 @@ class Llama(nn.Module):
     outs = []  # each layer's output (hidden_layers)
     if cfg.scan_layers and not self.is_initializing() and not hidden_layers:
       x, ks, vs = scan_blocks(cfg, self.variables["params"], x, positions, cache, tree_mask,
-                              window)
+                              window, packed)
     for i in range(0 if ks else cfg.n_layers):
       x, k, v = Block(cfg, name=f"layers_{i}")(
-          x, positions, cache.k[i], cache.v[i], cache.lengths, tree_mask, window)
+          x, positions, cache.k[i], cache.v[i], cache.lengths, tree_mask, window, packed)
       ks.append(k)
       vs.append(v)
       outs.append(x)
@@ -85,7 +86,7 @@ class Llama(nn.Module):
 
 
 def scan_blocks(cfg: ModelConfig, params, x, positions, cache: kvc.KVCache, tree_mask,
-                window=None):
+                window=None, packed=None):
   """The layers as one lax.scan (cfg.scan_layers): the per-layer params and
   caches stacked along a new leading axis L, one Block applied per step, the
   caches unstacked after. The params keep their per-layer layout (every
@@ -100,7 +101,8 @@ def scan_blocks(cfg: ModelConfig, params, x, positions, cache: kvc.KVCache, tree
 
   def body(h, layer):
     p, k, v = layer
-    h, k, v = block.apply({"params": p}, h, positions, k, v, cache.lengths, tree_mask, window)
+    h, k, v = block.apply({"params": p}, h, positions, k, v, cache.lengths, tree_mask, window,
+                          packed)
     return h, (k, v)
 
   x, (ks, vs) = jax.lax.scan(body, x, (stacked, jnp.stack(cache.k), jnp.stack(cache.v)))
@@ -199,7 +201,7 @@ def init_params(cfg: ModelConfig, seed: int = 0, shardings=None):
 
 def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None,
             logit_index=None, return_hidden=False, tree_mask=None, head=True,
-            hidden_layers=None, window=None):
+            hidden_layers=None, window=None, packed=None):
   """Runs T new tokens per row against the cache.
 
   Args:
@@ -232,6 +234,9 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
     window: optional kv_cache.Window: each token attends to its slots alone
       (the sinks, the recent window, the fed span; a streaming draft), still
       written at lengths and rotated at `positions` (layers.attend_window).
+    packed: optional packed.Packed: tokens [1, N] and positions [1, N] are its
+      block (steps.packed_verify); each row's tokens at its own slots, the
+      returned cache's lengths + N meaningless (the caller sets them).
   Returns:
     (logits [B, T, V] (or [B, 1, V]) float32, cache with lengths + T), and
     hidden [B, T, E] (cfg.dtype) last when return_hidden.
@@ -247,7 +252,8 @@ def forward(params, tokens, cache: kvc.KVCache, cfg: ModelConfig, positions=None
       raise ConfigError(f"hidden_layers {hidden_layers}: need layer indices in "
                         f"0..{cfg.n_layers - 1}")
   return Llama(cfg).apply({"params": params}, tokens, positions, cache,
-                          logit_index, return_hidden, tree_mask, head, hidden_layers, window)
+                          logit_index, return_hidden, tree_mask, head, hidden_layers, window,
+                          packed)
 
 
 def tree_depths(tree_mask):

@@ -1,5 +1,5 @@
 """Jitted model steps with fixed shapes: prefill (bucketed), decode, forward_n,
-and a token tree's verify (tree_verify).
+a token tree's verify (tree_verify) and a packed block's (packed_verify).
 
 Each step is compiled once per (config, shapes); the cache argument is donated
 so XLA updates it in place. `Runner` (a config bound to its params) checks
@@ -18,6 +18,7 @@ import numpy as np
 
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model
+from specjax.model import packed as pk
 from specjax.model import sharding
 from specjax.model.config import ModelConfig
 from specjax.errors import CacheOverflowError, ConfigError
@@ -86,6 +87,29 @@ tree_verify_step = jax.jit(tree_verify, static_argnames=("cfg", "return_hidden",
                            donate_argnames=("cache",))
 
 
+def packed_verify(params, packed: pk.Packed, cache: kvc.KVCache, cfg: ModelConfig,
+                  return_hidden: bool = False, hidden_layers: tuple[int, ...] | None = None):
+  """The target's verify of a packed block (model/packed.py): N tokens of B
+  rows end to end, so the dense layers cost N tokens, not B x (gamma_max + 1);
+  attention per row, over its own cache and its own block, causal.
+
+  Pure (packed_verify_step is it jitted). Returns (logits [N, V] float32,
+  cache[, hidden [N, E]]): logits[i] equal the rectangular verify's at token
+  i's row and offset (padding: junk); the cache holds each row's block at
+  its slots, lengths + counts (as forward_step's lengths + T: the verdict
+  rolls back by length). The caller checks capacity (Runner.packed_verify).
+  """
+  start = cache.lengths
+  out = model.forward(params, packed.tokens[None], cache, cfg, positions=packed.pos[None],
+                      return_hidden=return_hidden, hidden_layers=hidden_layers, packed=packed)
+  return (out[0][0], kvc.rollback(out[1], start + packed.counts())) + tuple(x[0] for x in out[2:])
+
+
+packed_verify_step = jax.jit(packed_verify, static_argnames=("cfg", "return_hidden",
+                                                             "hidden_layers"),
+                             donate_argnames=("cache",))
+
+
 @dataclasses.dataclass(frozen=True)
 class Runner:
   """A config bound to its params: the host-side, capacity-checked step API
@@ -146,3 +170,10 @@ class Runner:
                        tokens.shape[1], cache.capacity)
     return tree_verify_step(self.params, tokens, jnp.asarray(tree_mask, jnp.bool_), cache,
                             cfg=self.cfg, return_hidden=return_hidden)
+
+  def packed_verify(self, packed: pk.Packed, cache: kvc.KVCache, lengths=None):
+    """A packed block's verify, capacity-checked (a row's block is at most
+    the block's width W slots): -> (logits [N, V], cache); see packed_verify."""
+    kvc.check_capacity(cache.lengths if lengths is None else lengths, packed.width,
+                       cache.capacity)
+    return packed_verify_step(self.params, packed, cache, cfg=self.cfg)

@@ -1,0 +1,44 @@
+"""The packed verify's cost against the rectangular verify's
+(specjax/bench/studies/packed_verify_cost.py):
+
+  python experiments/packed_verify_cost.py --model=stdlib-target --batches=4,8 \
+      --gamma=4 --depth=64 --reps=7
+
+For each batch B and block size N = B .. B (gamma + 1) in steps of B / 2: T_packed(B, N),
+T_rect(B, gamma + 1) and T_rect(B, N / B) where B divides N, medians of
+--reps alternating repetitions, compile untimed. --json_out writes the
+records (docs/packed_verify.md).
+"""
+
+from absl import flags
+
+from specjax import cli
+from specjax import workdir as wd
+from specjax.bench import tables
+from specjax.bench.studies import packed_verify_cost
+from specjax.formats import checkpoint
+from specjax.model import steps
+
+_MODEL = flags.DEFINE_string("model", "stdlib-target", "Target: preset, HF, GGUF or orbax.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype.")
+_BATCHES = flags.DEFINE_list("batches", "4,8", "Batch sizes.")
+_GAMMA = flags.DEFINE_integer("gamma", 4, "Most drafts per row.", lower_bound=1)
+_DEPTH = flags.DEFINE_integer("depth", 64, "Tokens in each row's cache.", lower_bound=1)
+_REPS = flags.DEFINE_integer("reps", 7, "Timed repetitions (alternating).", lower_bound=1)
+_JSON = flags.DEFINE_string("json_out", None, "Write the records here (JSON).")
+
+
+def main(argv):
+  del argv
+  batches = tables.parse_ints(_BATCHES.value, "--batches")
+  cfg, params, _ = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value)
+  print(f"target {cfg.name} ({cfg.precision}), gamma {_GAMMA.value}, depth {_DEPTH.value}, "
+        f"medians of {_REPS.value}")
+  recs = packed_verify_cost.packed_cost(steps.Runner(cfg, params), batches, _GAMMA.value,
+                                        _DEPTH.value, _REPS.value)
+  if _JSON.value:
+    wd.write_json(_JSON.value, {"records": recs, "environment": wd.environment()})
+
+
+if __name__ == "__main__":
+  cli.run(main)
