@@ -25,6 +25,10 @@ auto vs the best fixed tree; bench/sweep/trees.py, docs/trees.md):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees_quick --workdir=/tmp/specjax_tq
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:trees \
       --config.prompt_set=editing --workdir=/tmp/specjax_trees_edit
+Speedup by context depth x batch x gamma on the long-context suite (bench/sweep/contexts.py,
+docs/streaming.md "Long prompts"):
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:long_context --workdir=/tmp/specjax_long
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:long_context_quick --workdir=/tmp/specjax_lq
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
       --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
@@ -36,6 +40,8 @@ import ml_collections
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   if arg in ("taskbench", "taskbench_quick"):
     return taskbench_config(arg)
+  if arg in ("long_context", "long_context_quick"):
+    return long_context_config(arg)
   c = ml_collections.ConfigDict()
   c.target = "cpu-target"        # target: preset, HF directory or orbax directory
   c.draft = "cpu-draft"          # draft: same forms; must share the target's vocabulary
@@ -68,7 +74,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.taskbench_category = ""      # ... the category one of its sweeps runs (set by the runner)
   c.taskbench_prompts = 0        # ... conversations per category (0 = all)
   c.taskbench_trees = ()         # ... tree rows, DRAFTER@TREE (a fixed tree, or auto[:N1,..])
-  c.taskbench_suite = "dev"      # ... dev (specjax/assets/taskbench) | eval (taskbench_eval)
+  c.taskbench_suite = "dev"      # ... dev (specjax/assets/taskbench) | eval (taskbench_eval) | long
+  c.contexts = ()                # context depths: a gamma sweep per context (bench/sweep/contexts.py)
+  c.context = 0                  # ... the context one of its sweeps runs (set by the runner)
   c.noise_threshold = 0.15       # flag the run when target-only speed or T(1) spreads more
   if arg == "quick":
     c.gammas = (1, 2, 4, 8)
@@ -156,7 +164,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
       c.n_predict, c.ctx_size, c.reps = 64, 160, 2
   elif arg != "default":
     raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, gpu_batch, batch, "
-                     f"batch_quick, drafters, trees, trees_quick, taskbench or taskbench_quick")
+                     f"batch_quick, drafters, trees, trees_quick, taskbench, taskbench_quick, "
+                     f"long_context or long_context_quick")
   return c
 
 
@@ -201,4 +210,39 @@ def taskbench_config(arg: str) -> ml_collections.ConfigDict:
     c.n_predict = 32
     c.ctx_size = 256
     c.reps = 1
+  return c
+
+
+def long_context_config(arg: str) -> ml_collections.ConfigDict:
+  """Speedup against batch at context depths 1 K-8 K (bench/sweep/contexts.py): a gamma
+  sweep per context of the long suite's prompts at that context (specjax/assets/taskbench_long,
+  built from the stdlib by experiments/make_long_prompts.py), SmolLM2-135M-Instruct, T = 0,
+  real acceptance. The report: WORKDIR/contexts.md, contexts.png; each context's sweep in
+  WORKDIR/ctx-C/. Hours on 2 CPU cores: every (context, batch, gamma) compiles its loop.
+    python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:long_context --workdir=/tmp/specjax_long
+  `:long_context_quick`: the tiny pair, contexts 64 and 128 (prompt_tokens tiled), seconds.
+  """
+  c = get_config("default")
+  c.target, c.draft, c.dtype = "smollm2-135m", "smollm2-draft", "float32"
+  c.taskbench_suite = "long"
+  c.contexts = (1024, 2048, 4096, 8192)
+  # The sparse-KV self-draft (4 sinks + the last 256 slots), prompt lookup, the distilled draft.
+  c.drafters = ("streaming:256,4", "ngram", "model")
+  c.batches = (1, 4, 8)
+  c.gammas = (2, 4)
+  c.accepts = ("real",)
+  c.temps = (0.0,)
+  c.taskbench_prompts = 6       # per context: 3 documents, a summary and a question each
+  c.n_predict = 64              # <= longsuite.RESERVE - max(gammas) - 1
+  c.reps = 2
+  c.measure_split = False
+  if arg == "long_context_quick":  # tests / CI: tiny models, short contexts, seconds
+    c.target, c.draft = "tiny", "tiny-draft"
+    c.taskbench_suite = "dev"
+    c.prompt_tokens = ",".join(str(t) for t in range(7, 23))  # tiled to context - n_predict
+    c.contexts = (64, 128)
+    c.drafters = ("streaming:16,2", "ngram")
+    c.batches = (1,)
+    c.gammas = (2,)
+    c.n_predict, c.reps = 16, 1
   return c

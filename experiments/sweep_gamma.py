@@ -7,8 +7,9 @@ config.json, costs.json, noise.json, speedup.png, verify_cost.png and
 summary.md into --workdir. --resume skips the points already in
 results.jsonl; a workdir that holds records is refused unless --resume or
 --overwrite (its old outputs moved aside into WORKDIR/replaced-STAMP/).
-The config picks the runner: `taskbench` the task suite, `trees` the trees
-sweep, otherwise the gamma sweep (specjax/bench/sweep/).
+The config picks the runner: `taskbench` the task suite, `contexts` a gamma
+sweep per context depth, `trees` the trees sweep, otherwise the gamma sweep
+(specjax/bench/sweep/).
 """
 
 import os
@@ -17,7 +18,7 @@ import sys
 from absl import flags
 
 from specjax import cli
-from specjax.bench.sweep import gamma, harness, taskbench_report, taskbench_run, trees
+from specjax.bench.sweep import contexts, gamma, harness, taskbench_report, taskbench_run, trees
 from specjax.bench.sweep.config import SweepConfig
 
 _CONFIG = cli.DEFINE_config_file(
@@ -36,6 +37,9 @@ def main(argv):
   if cfg.runner == "taskbench":  # one sweep per category and tree drafter, then the report
     taskbench_run.run_taskbench(cfg, _WORKDIR.value, **kw)
     summary = taskbench_report.REPORT
+  elif cfg.runner == "contexts":  # one gamma sweep per context depth, then the report
+    contexts.run_contexts(cfg, _WORKDIR.value, **kw)
+    summary = contexts.REPORT
   else:
     harness.run(trees.RUNNER if cfg.runner == "trees" else gamma.RUNNER, cfg, _WORKDIR.value,
                 **kw)

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from specjax.bench.sweep import engine
-from specjax.bench.sweep import taskbench
+from specjax.bench.sweep import longsuite, taskbench
 from specjax.errors import ConfigError
 from specjax.model.sampling import SamplingParams
 from specjax.train import pair
@@ -62,11 +62,13 @@ class SweepConfig:
   taskbench_suite: str = "dev"
   noise_threshold: float = 0.15
   auto_candidates: str = ""  # an auto tree's: '' the config's static trees, or auto[:N1,..]
+  contexts: tuple[int, ...] = ()  # context depths: one gamma sweep each (contexts.py)
+  context: int = 0  # the context one of its sweeps runs (set by the runner; 0: none)
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       object.__setattr__(self, f.name, _typed(f.name, f.type, getattr(self, f.name)))
-    for check in (_check_sizes, _check_points, _check_prompts, _check_suite):
+    for check in (_check_sizes, _check_points, _check_prompts, _check_suite, _check_contexts):
       check(self)
 
   @classmethod
@@ -102,8 +104,9 @@ class SweepConfig:
 
   @property
   def runner(self) -> str:
-    """Which runner the settings describe: taskbench, trees or gamma."""
-    return "taskbench" if self.taskbench else "trees" if self.trees else "gamma"
+    """Which runner the settings describe: taskbench, contexts, trees or gamma."""
+    return ("taskbench" if self.taskbench else "contexts" if self.contexts
+            else "trees" if self.trees else "gamma")
 
 
 _SEQ = {"tuple[int, ...]": int, "tuple[str, ...]": str, "tuple[float, ...]": float}
@@ -136,7 +139,8 @@ def _at_least(cfg: SweepConfig, name: str, low: int) -> None:
 
 def _check_sizes(cfg: SweepConfig) -> None:
   for name, low in (("n_predict", 1), ("reps", 1), ("ctx_size", 1), ("heldout_prompts", 0),
-                    ("auto_every", 1), ("taskbench_prompts", 0), ("batches", 1)):
+                    ("auto_every", 1), ("taskbench_prompts", 0), ("batches", 1),
+                    ("contexts", 1), ("context", 0)):
     _at_least(cfg, name, low)
   if not cfg.batches:
     raise ConfigError("config.batches is empty")
@@ -180,16 +184,36 @@ def _check_prompts(cfg: SweepConfig) -> None:
 
 
 def _check_suite(cfg: SweepConfig) -> None:
-  for c in cfg.taskbench + ((cfg.taskbench_category,) if cfg.taskbench_category else ()):
-    if c not in taskbench.CATEGORIES:
-      raise ConfigError(f"config.taskbench: unknown category {c!r}; valid: "
-                        f"{', '.join(taskbench.CATEGORIES)}")
-  if cfg.taskbench_suite not in taskbench.SUITES:
-    raise ConfigError(f"config.taskbench_suite must be one of {', '.join(taskbench.SUITES)}, "
+  suites = (*taskbench.SUITES, taskbench.LONG)
+  if cfg.taskbench_suite not in suites:
+    raise ConfigError(f"config.taskbench_suite must be one of {', '.join(suites)}, "
                       f"got {cfg.taskbench_suite!r}")
+  cats = taskbench.suite_categories(cfg.taskbench_suite)
+  for c in cfg.taskbench + ((cfg.taskbench_category,) if cfg.taskbench_category else ()):
+    if c not in cats:
+      raise ConfigError(f"config.taskbench: unknown category {c!r}; valid: {', '.join(cats)}")
   rows = tree_rows(cfg)
   if len(set(rows)) < len(rows):
     raise ConfigError(f"config.taskbench_trees names a row twice: {list(cfg.taskbench_trees)}")
+
+
+def _check_contexts(cfg: SweepConfig) -> None:
+  """Contexts run gamma sweeps of the long suite's prompts at each (or of
+  prompt_tokens, tiled)."""
+  if len(set(cfg.contexts)) < len(cfg.contexts):
+    raise ConfigError(f"config.contexts names a context twice: {list(cfg.contexts)}")
+  if cfg.contexts and (cfg.taskbench or cfg.trees):
+    raise ConfigError("config.contexts runs one gamma sweep per context: leave config.taskbench "
+                      "and config.trees empty")
+  if cfg.prompt_tokens:
+    return
+  for c in cfg.contexts + ((cfg.context,) if cfg.context else ()):
+    if cfg.taskbench_suite != taskbench.LONG:
+      raise ConfigError("config.contexts takes its prompts from the long suite: set "
+                        "config.taskbench_suite=long (or give config.prompt_tokens)")
+    if c not in longsuite.CONTEXTS:
+      raise ConfigError(f"config.contexts: the long suite has no prompts at context {c} "
+                        f"(it has {', '.join(map(str, longsuite.CONTEXTS))})")
 
 
 def tree_rows(cfg: SweepConfig) -> list[tuple[str, str]]:

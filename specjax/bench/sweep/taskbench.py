@@ -8,7 +8,8 @@ expression and integer answer). Two suites (SUITES): "dev", shipped in
 specjax/assets/taskbench/ (math from `math_problems`, seeded), which the
 training data was designed against, and "eval", in taskbench_eval/, written
 by hand before the next drafts were trained and never used to design their
-data. Each line of CATEGORY.jsonl is {"messages": [...], ...}, a
+data; and "long" (LONG, longsuite.py), summarization and qa over 1 K-8 K
+token documents built from the stdlib. Each line of CATEGORY.jsonl is {"messages": [...], ...}, a
 conversation ending in a user turn, rendered with the target's chat
 template. The passages are invented. docs/taskbench.md.
 """
@@ -19,6 +20,7 @@ import json
 from pathlib import Path
 
 from specjax import cli
+from specjax.bench.sweep import longsuite
 from specjax.errors import ConfigError
 from specjax.formats import chat as chat_lib
 from specjax.train import mathgen
@@ -26,6 +28,9 @@ from specjax.train import mathgen
 DIR = Path(__file__).resolve().parents[2] / "assets" / "taskbench"
 # The suites by name (SweepConfig.taskbench_suite): development and evaluation.
 SUITES = {"dev": DIR, "eval": DIR.parent / "taskbench_eval"}
+# The long-context suite (longsuite.py): summarization and qa over stdlib reference pages of
+# 1 K-8 K tokens; apart from SUITES, whose suites hold every category.
+LONG = "long"
 CATEGORIES = ("multi_turn", "code_completion", "code_editing", "summarization", "qa", "math")
 # Spec-Bench's column names for ours (the leaderboard's header).
 TITLES = {"multi_turn": "Multi-turn", "code_completion": "Code compl.",
@@ -72,12 +77,23 @@ def category_prompts(name: str, tok, vocab_size: int, n: int = 0, suite: str = "
   """The first n (0: all) conversations of a category of `suite` (SUITES) as
   prompt ids, rendered with the target's chat template (a target without
   one is refused)."""
-  if suite not in SUITES:
-    raise ConfigError(f"unknown taskbench suite {suite!r}; valid: {', '.join(SUITES)}")
-  recs = load_category(name, SUITES[suite])
+  recs = load_category(name, suite_dir(suite))
   recs = recs[:n] if n else recs
   return [cli.check_ids(cli.chat_ids(tok, r["messages"], f"taskbench {name}"), vocab_size)
           for r in recs]
+
+
+def suite_dir(suite: str) -> Path:
+  """A suite's folder: SUITES' or the long suite's."""
+  if suite == LONG:
+    return longsuite.DIR
+  if suite not in SUITES:
+    raise ConfigError(f"unknown taskbench suite {suite!r}; valid: {', '.join((*SUITES, LONG))}")
+  return SUITES[suite]
+
+
+def suite_categories(suite: str) -> tuple[str, ...]:
+  return longsuite.CATEGORIES if suite == LONG else CATEGORIES
 
 
 # ------------------------------------------------------------ math problems
