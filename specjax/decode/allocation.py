@@ -27,6 +27,12 @@ def gains(alpha, gamma_max: int) -> jax.Array:
   return jnp.asarray(alpha, jnp.float32)[:, None] ** k[None, :]
 
 
+def capped(table, limit) -> jax.Array:
+  """The gains table [B, gamma_max] with row b's entries past limit_b at 0."""
+  k = jnp.arange(1, table.shape[1] + 1)[None, :]
+  return jnp.where(k <= jnp.asarray(limit)[:, None], table, 0.0)
+
+
 def n_drafts(budget: int, batch: int) -> int:
   """The drafts a block of `budget` tokens holds besides the B tails."""
   return budget - batch
@@ -38,12 +44,14 @@ def lengths_of(chosen, valid, batch: int, gamma_max: int) -> jax.Array:
   return jnp.zeros((batch,), jnp.int32).at[chosen // gamma_max].add(valid.astype(jnp.int32))
 
 
-def allocate(alpha, budget: int, gamma_max: int) -> jax.Array:
+def allocate(alpha, budget: int, gamma_max: int, limit=None) -> jax.Array:
   """[B] int32 draft lengths (0 .. gamma_max, sum <= budget - B) maximizing
   the expected tokens of the step under the geometric model: the top
   budget - B gains alpha_b^k (ties: the lower row, then the lower k, so each
   row's share is a prefix k = 1 .. l_b). alpha [B] in [0, 1], traced;
-  budget and gamma_max static (budget >= B). Tokens per row: 1 + lengths."""
+  budget and gamma_max static (budget >= B). Tokens per row: 1 + lengths.
+  limit [B] (optional, traced): row b's drafts past limit_b gain nothing (a
+  drafter that proposed fewer, as n-gram's n_drafted), so l_b <= limit_b."""
   batch = jnp.shape(alpha)[0]
   if budget < batch or gamma_max < 0:
     raise ConfigError(f"a verify budget of {budget} tokens cannot hold {batch} rows' tails "
@@ -51,5 +59,8 @@ def allocate(alpha, budget: int, gamma_max: int) -> jax.Array:
   extra = min(n_drafts(budget, batch), batch * gamma_max)
   if extra <= 0:
     return jnp.zeros((batch,), jnp.int32)
-  top, chosen = jax.lax.top_k(gains(alpha, gamma_max).reshape(-1), extra)
+  table = gains(alpha, gamma_max)  # [B, gamma_max]
+  if limit is not None:
+    table = capped(table, limit)
+  top, chosen = jax.lax.top_k(table.reshape(-1), extra)
   return lengths_of(chosen, top > 0, batch, gamma_max)

@@ -25,27 +25,34 @@ def expected(alpha, lengths) -> float:
   return float(sum(theory.expected_tokens_per_step(a, int(n)) for a, n in zip(alpha, lengths)))
 
 
-def best(alpha, budget) -> float:
+LIMITS = {(0.9, 0.1): (1, 3), (0.6, 0.75, 0.2): (3, 0, 2), (0.3, 0.3, 0.9): (2, 3, 1)}
+
+
+def best(alpha, budget, limit) -> float:
   """The brute-force optimum: the most expected tokens within the budget."""
   extra = budget - len(alpha)
   return max(expected(alpha, ls) for ls in itertools.product(range(GAMMA_MAX + 1),
                                                              repeat=len(alpha))
-             if sum(ls) <= extra)
+             if sum(ls) <= extra and all(n <= m for n, m in zip(ls, limit)))
 
 
 def mismatches() -> list[str]:
-  """Cases (alpha, budget N = B .. B (1 + gamma_max) + 1) where allocate's
-  lengths break the budget or fall short of the optimum."""
+  """Cases (alpha, budget N = B .. B (1 + gamma_max) + 1, with no limit and
+  with LIMITS) where allocate's lengths break the budget or a row's limit,
+  or fall short of the optimum."""
   bad = []
-  for alpha in ALPHAS:
+  cases = [(a, None) for a in ALPHAS] + list(LIMITS.items())
+  for alpha, limit in cases:
     b = len(alpha)
+    cap = (GAMMA_MAX,) * b if limit is None else limit
     for budget in range(b, b * (1 + GAMMA_MAX) + 2):
-      got = np.asarray(allocation.allocate(jnp.asarray(alpha), budget, GAMMA_MAX))
-      if got.min() < 0 or got.max() > GAMMA_MAX or got.sum() > budget - b:
-        bad.append(f"{alpha} N {budget}: lengths {got.tolist()} out of bounds")
-      elif not expected(alpha, got) >= best(alpha, budget) - 1e-6:
-        bad.append(f"{alpha} N {budget}: lengths {got.tolist()} give "
-                   f"{expected(alpha, got):.4f} < {best(alpha, budget):.4f}")
+      got = np.asarray(allocation.allocate(jnp.asarray(alpha), budget, GAMMA_MAX,
+                                           None if limit is None else jnp.asarray(limit)))
+      if got.min() < 0 or (got > np.asarray(cap)).any() or got.sum() > budget - b:
+        bad.append(f"{alpha} limit {limit} N {budget}: lengths {got.tolist()} out of bounds")
+      elif not expected(alpha, got) >= best(alpha, budget, cap) - 1e-6:
+        bad.append(f"{alpha} limit {limit} N {budget}: lengths {got.tolist()} give "
+                   f"{expected(alpha, got):.4f} < {best(alpha, budget, cap):.4f}")
   return bad
 
 
@@ -77,6 +84,8 @@ MUTATIONS = {
             v.astype(jnp.int32))),
     "the budget's tails forgotten (N drafts, not N - B)": (
         "n_drafts", lambda orig: lambda budget, batch: budget),
+    "a row's limit off by one (one draft past it)": (
+        "capped", lambda orig: lambda table, limit: orig(table, jnp.asarray(limit) + 1)),
 }
 
 

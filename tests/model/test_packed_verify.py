@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.errors import ConfigError
+from specjax.errors import CacheOverflowError, ConfigError
 from specjax.model import config
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model
@@ -135,6 +135,29 @@ def test_other_attention_kinds_agree(setup, attention):
   cfg = runner.cfg.replace(attn_block=0) if attention == "masked" else \
       runner.cfg.replace(attention="fused")
   assert logit_mismatches(setup, "ragged", steps.Runner(cfg, runner.params)) == []
+
+
+def test_hidden_states_equal_the_rectangles(setup):
+  """With return_hidden (a drafter that needs the target's features), the
+  final-normed hidden state of every real token, [N, E]."""
+  runner, cache, block, _ = setup
+  counts, size = CASES["ragged"]
+  _, _, want = jax.jit(model.forward, static_argnames=("cfg", "return_hidden"))(
+      runner.params, jnp.asarray(block), copy(cache), cfg=runner.cfg, return_hidden=True)
+  packed = pk.pack(jnp.asarray(block), jnp.asarray(counts), cache.lengths, size)
+  _, _, got = steps.packed_verify_step(runner.params, packed, copy(cache), cfg=runner.cfg,
+                                       return_hidden=True)
+  err = max(np.abs(np.asarray(got[i]) - np.asarray(want[b, j])).max()
+            for i, (b, j) in enumerate(layout(counts, size)))
+  assert err <= ATOL
+
+
+def test_capacity_is_checked_before_the_write(setup):
+  runner, cache, block, _ = setup
+  counts, size = CASES["ragged"]
+  packed = pk.pack(jnp.asarray(block), jnp.asarray(counts), cache.lengths, size)
+  with pytest.raises(CacheOverflowError, match="needs 49 slots but the cache holds 48"):
+    runner.packed_verify(packed, copy(cache), lengths=np.full(4, CAPACITY - packed.width + 1))
 
 
 def test_pack_lays_rows_end_to_end():
