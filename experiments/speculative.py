@@ -10,6 +10,8 @@ Chat models, batches, shapes chosen at run time:
   --chat --system=TEXT       the prompt as a user turn through the chat template
   --prompt_file=F --n_parallel=4   one prompt per line (.jsonl: conversations)
   --gamma=auto --auto_set=1,2,4,8  gamma re-chosen every --auto_every steps
+  --gamma=auto:rows[,max=G][,budget=N]  each row its own draft length, one packed
+                                   verify of N tokens (docs/packed_verify.md)
   --tree=auto | auto:8,16,32       the tree re-chosen among chains and Sequoia's trees
 Each run also times target-only generation on the same prompts and cache
 capacity (--baseline), alternating over --reps, and prints the median
@@ -50,7 +52,8 @@ _DRAFTER = cli.define_drafter_flag()
 _N_PREDICT = flags.DEFINE_integer("n_predict", 128, "Tokens to generate.", lower_bound=1)
 _GAMMA = flags.DEFINE_string("gamma", "5", "gamma, the draft length: tokens drafted per step "
                              f"(1 to {cli.MAX_GAMMA}), or 'auto': chosen at run time from "
-                             "--auto_set (measured costs, acceptance so far).")
+                             "--auto_set (measured costs, acceptance so far), or "
+                             "'auto:rows[,max=G][,budget=N]': each row its own length.")
 flags.DEFINE_alias("draft", "gamma")  # llama.cpp's name for it
 _ACCEPT = flags.DEFINE_string("accept", "real", "Acceptance rule: real | always | bernoulli:P | "
                               "fraction:F | mean_length:L")

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from absl import app, flags, logging
 
 from specjax import preflight
+from specjax.decode import plan
 from specjax.errors import ConfigError, SpecjaxError
 from specjax.formats import chat as chat_lib
 from specjax.model.sampling import SamplingParams
@@ -148,13 +149,15 @@ def parse_gamma(value: str) -> int | str:
   v = str(value).strip().lower()
   if v == AUTO:
     return AUTO
+  if plan.parse_rows(v) is not None:  # auto:rows[,..]: checked, kept as spelled
+    return v
   try:
     g = int(v)
   except ValueError:
     g = None
   if g is None or not 1 <= g <= MAX_GAMMA:
-    raise ConfigError(f"--gamma must be an integer from 1 to {MAX_GAMMA} or '{AUTO}', "
-                       f"got {value!r}")
+    raise ConfigError(f"--gamma must be an integer from 1 to {MAX_GAMMA}, '{AUTO}' or "
+                       f"'{AUTO}:rows[,max=G][,budget=N]', got {value!r}")
   return g
 
 
@@ -164,6 +167,9 @@ def parse_gammas(values: list[str]) -> tuple[list[int], bool]:
   got = [parse_gamma(v) for v in values]
   if not got:
     raise ConfigError("--gamma is empty")
+  if any(isinstance(g, str) and g != AUTO for g in got):
+    raise ConfigError("--gamma=auto:rows is one run's setting (experiments/speculative.py), "
+                      "not a value of a list of gammas")
   return sorted({g for g in got if g != AUTO}), AUTO in got
 
 

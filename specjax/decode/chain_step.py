@@ -46,6 +46,11 @@ class Judged:
   def committed(self, **kw) -> Committed:
     return Committed(n_acc=self.n_acc, emitted=self.emitted, d_len=self.d_len, **kw)
 
+  def observe(self, rows, live):
+    """The loop's per-row state after the step (rows_step.RowAlpha; () unused)."""
+    del live
+    return rows
+
 
 def verify_phase(tparams, tcache, tail, drafts, sc):
   """Target distributions p [B, gamma+1, V] at [last, d_1..d_gamma], tcache +
@@ -90,6 +95,18 @@ class ChainStep:
   @staticmethod
   def propose(dparams, dstate, tcache, tail, n, live, key, sc):
     return sc.drafter.propose(dparams, dstate, tcache, tail, n, live, key, sc)
+
+  @staticmethod
+  def start_rows(batch: int):
+    """The loop's per-row state before step 0: none (rows_step.RowsStep's: alpha)."""
+    del batch
+    return ()
+
+  @staticmethod
+  def allot(drafted, rows, live, sc):
+    """The drafts each row verifies: all it proposed (rows_step.RowsStep: its length)."""
+    del rows, live, sc
+    return drafted
 
   @staticmethod
   def verify(tparams, tcache, tail, drafted: Drafted, sc):

@@ -2,8 +2,8 @@
 
 `resolve` turns the flags (drafter, gamma, accept rule, tree, siblings,
 sampling, p_min) into a `Plan`: the validated `SpecConfig` of every
-candidate the run may step with (one for a fixed run; one per gamma of the
-set for --gamma=auto, one per candidate tree for --tree=auto: auto is a run
+candidate the run may step with (one for a fixed run or --gamma=auto:rows;
+one per gamma of the set for --gamma=auto, one per candidate tree for --tree=auto: auto is a run
 mode, not a tree type) and the accept rule. The engine takes a Plan and
 never parses a flag string again. SpecConfig is the jit key; its `step`
 (chain_step.ChainStep or tree_step.TreeStep) is chosen here, once, and its
@@ -21,6 +21,7 @@ import numpy as np
 from specjax.decode import acceptance
 from specjax.decode import chain_step
 from specjax.decode import generation
+from specjax.decode import rows_step
 from specjax.decode import tree_step
 from specjax.decode.acceptance import AcceptRule
 from specjax.drafters import registry
@@ -37,6 +38,8 @@ AUTO_SET = (1, 2, 4, 8)          # --gamma=auto's gammas unless given
 AUTO_SIZES = (4, 8, 16, 32, 64)  # --tree=auto's candidate tree sizes unless given
 AUTO_DEPTH = 8                   # --tree=auto's depth bound
 AUTO_CHAINS = (1, 2, 4, 8)       # --tree=auto's chains
+ROWS = "rows"                    # --gamma=auto:rows: per-row lengths (rows_step.py)
+ROWS_MAX = 8                     # its longest draft a row may get unless given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,8 @@ class SpecConfig:
   tree: trees.Tree | trees.DynamicTree | None = None
   siblings: str = "topk"    # a tree's siblings: the draft's top-k, or i.i.d. draws from q
   carry: int = 0  # the run's `carried` width (an auto run's widest candidate's); 0: gamma + 1
+  per_row: bool = False  # --gamma=auto:rows: gamma is gamma_max, each row verifies its share
+  budget: int = 0  # per_row's verify budget N (tokens per step); 0: rows_step.default_budget
 
   def __post_init__(self):
     if self.gamma < 1:
@@ -68,6 +73,11 @@ class SpecConfig:
       raise ConfigError(f"p_min must lie in [0, 1], got {self.p_min}")
     if self.siblings not in ("topk", "stochastic"):
       raise ConfigError(f"siblings must be 'topk' or 'stochastic', got {self.siblings!r}")
+    if self.per_row and self.tree is not None:
+      raise ConfigError("--gamma=auto:rows gives each row of a chain its length: use "
+                        "--tree=chain")
+    if self.budget < 0 or (self.budget and not self.per_row):
+      raise ConfigError(f"a verify budget ({self.budget}) is per-row lengths' (--gamma=auto:rows)")
     if self.tree is not None and self.gamma != self.tree.max_depth:
       raise ConfigError(f"a tree of depth {self.tree.max_depth} runs at gamma = its depth, "
                         f"got gamma {self.gamma}")
@@ -82,7 +92,9 @@ class SpecConfig:
 
   @property
   def step(self):
-    """The step's phases: chain_step.CHAIN or tree_step.TREE."""
+    """The step's phases: chain_step.CHAIN, rows_step.ROWS or tree_step.TREE."""
+    if self.per_row:
+      return rows_step.ROWS
     return chain_step.CHAIN if self.tree is None else tree_step.TREE
 
   @property
@@ -214,6 +226,25 @@ def parse_auto_sizes(spec: str) -> tuple[int, ...] | None:
   return sizes
 
 
+def parse_rows(spec: str) -> tuple[int, int] | None:
+  """'auto:rows[,max=G][,budget=N]' -> (gamma_max, budget; 0: the default
+  for the batch); anything not starting 'auto:rows' -> None."""
+  head, _, body = str(spec).strip().lower().partition(",")
+  if head.replace(" ", "") != f"{AUTO}:{ROWS}":
+    return None
+  usage = (f"--gamma={spec}: expected auto:rows[,max=G][,budget=N] (G: the longest draft "
+           "a row may get, 1 to 64; N: tokens verified per step, >= the batch)")
+  got = {"max": ROWS_MAX, "budget": 0}
+  for item in filter(None, body.replace(" ", "").split(",")):
+    key, eq, value = item.partition("=")
+    if key not in got or not eq or not value.isdigit():
+      raise ConfigError(usage)
+    got[key] = int(value)
+  if not 1 <= got["max"] <= 64 or (body and "budget=" in body and got["budget"] < 1):
+    raise ConfigError(usage)
+  return got["max"], got["budget"]
+
+
 def parse_gamma_set(spec: str | Sequence[int]) -> tuple[int, ...]:
   """'1,2,4,8' (or a sequence) -> sorted distinct gammas in [1, 64]."""
   if isinstance(spec, str):
@@ -252,12 +283,14 @@ class RunFlags:
   siblings: str = "topk"
   sp: SamplingParams = SamplingParams()
   p_min: float = 0.0
+  budget: int | None = None  # --gamma=auto:rows: the verify budget (0: the default)
 
   def resolve(self, target: ModelConfig, draft: ModelConfig | None) -> Plan:
     # an auto run's candidates carry the widest one's state (SpecConfig.carried)
     carry = max(g for g, _ in self.candidates.values()) + 1 if self.auto else 0
+    rows = dict(per_row=True, budget=self.budget) if self.budget is not None else {}
     configs = {k: SpecConfig(target, draft, g, self.sp, self.rule.simulated, self.p_min,
-                             self.drafter, t, self.siblings, carry)
+                             self.drafter, t, self.siblings, carry, **rows)
                for k, (g, t) in self.candidates.items()}
     return Plan(configs, self.rule, self.auto)
 
@@ -269,13 +302,21 @@ def parse_flags(*, drafter: Drafter | str = "model", gamma: int | str = 4,
                 auto_trees: Mapping[str, object] | None = None,
                 prior_p: Sequence[float] = tree_theory.PRIOR_P) -> RunFlags:
   """The flags (module docstring) -> RunFlags; ConfigError, one line, for any
-  bad value or combination. gamma: an int or 'auto' (choose from
-  `auto_set`); tree: None / 'chain', any --tree spec or a Tree /
+  bad value or combination. gamma: an int, 'auto' (choose from
+  `auto_set`) or 'auto:rows[,max=G][,budget=N]' (per-row lengths); tree: None / 'chain', any --tree spec or a Tree /
   DynamicTree, 'auto' or 'auto:N1,..' (choose among candidate_trees, or
   `auto_trees`: name -> spec or Tree)."""
   drafter = registry.parse(drafter)
   rule = acceptance.parse_rule(rule) if isinstance(rule, str) else rule
   sizes = parse_auto_sizes(tree) if isinstance(tree, str) else None
+  rows = parse_rows(gamma)
+  if rows is not None:
+    if sizes is not None or auto_trees is not None or _shape(tree, 1)[1] is not None:
+      raise ConfigError("--gamma=auto:rows gives each row of a chain its length: use "
+                        "--tree=chain")
+    rule.resolve(rows[0])
+    return RunFlags(drafter, rule, {f"{ROWS}:{rows[0]}": (rows[0], None)}, "", siblings, sp,
+                    p_min, budget=rows[1])
   if siblings not in ("topk", "stochastic"):
     raise ConfigError(f"siblings must be 'topk' or 'stochastic', got {siblings!r}")
   if str(gamma).strip().lower() == AUTO:

@@ -48,6 +48,8 @@ class SpecState:
                    # the n-gram history [B, S], () for layerskip:N ...
   tail: jax.Array  # [B, 2] the last two kept tokens (prev, last)
   n: jax.Array     # [B] sequence length so far (prompt + kept tokens)
+  rows: Any = ()   # the step's per-row state (sc.step.start_rows): per-row lengths'
+                   # rows_step.RowAlpha, () otherwise
 
 
 def keep_tokens(out, count, done, j: Judged, eos_id: int, n_predict: int):
@@ -68,7 +70,7 @@ def keep_tokens(out, count, done, j: Judged, eos_id: int, n_predict: int):
 
 
 def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter,
-           features=None) -> SpecState:
+           features=None, rows=()) -> SpecState:
   """The state after a step: the target cache rolled back to what the row
   kept (by the verdict), the drafter's state committed.
 
@@ -88,7 +90,8 @@ def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter,
   at = lambda i: jnp.take_along_axis(ext, jnp.maximum(i, 0)[:, None], 1)[:, 0]
   cut_tail = jnp.stack([at(kept - 1), at(kept)], 1)
   return SpecState(tcache=tcache, dcache=drafter.commit(dcache, c),
-                   tail=jnp.where((dropped > 0)[:, None], cut_tail, j.tail), n=n)
+                   tail=jnp.where((dropped > 0)[:, None], cut_tail, j.tail), n=n,
+                   rows=j.observe(rows, live))
 
 
 # stats.Records + live + leaf (the block index of the last accepted node, 0: none; a
@@ -121,6 +124,7 @@ def _steps(key, i, tparams, dparams, st: SpecState, done, accept_probs, sc):
   kd, ka = jax.random.split(jax.random.fold_in(key, i))
   step = sc.step
   d, dcache, tcache = step.propose(dparams, st.dcache, st.tcache, st.tail, st.n, ~done, kd, sc)
+  d = step.allot(d, st.rows, ~done, sc)
   p, tcache, feats = step.verify(tparams, tcache, st.tail, d, sc)
   j = step.judge(ka, accept_probs, p, d, st.tail, st.n, ~done, sc)
   return d, dcache, tcache, j, feats
@@ -140,7 +144,7 @@ def _run_steps(tparams, dparams, st: SpecState, out, count, done, i, rec, key, a
     out, count, new_done, kept = keep_tokens(out, count, done, j, eos_id, n_predict)
     row = _record_row(j, d, kept, ~done)
     rec = {k: rec[k].at[i].set(row[k]) for k in REC_FIELDS}
-    st = commit(tcache, dcache, st.tail, j, kept, ~done, sc.drafter, feats)
+    st = commit(tcache, dcache, st.tail, j, kept, ~done, sc.drafter, feats, st.rows)
     return i + 1, st, out, count, new_done, rec
 
   return jax.lax.while_loop(cond, body, (jnp.asarray(i, jnp.int32), st, out, count, done, rec))
@@ -257,7 +261,7 @@ def prefill(target: steps.Runner, dparams, prompts, capacity: int, key,
   dstate = sc.drafter.init(sc, target, dparams, prompts, capacity, first)
   prev = jnp.asarray([p[-1] for p in prompts], jnp.int32)
   st = SpecState(tcache=tcache, dcache=dstate, tail=jnp.stack([prev, first], 1),
-                 n=tcache.lengths + 1)
+                 n=tcache.lengths + 1, rows=sc.step.start_rows(len(prompts)))
   return block(st), first
 
 
@@ -272,6 +276,8 @@ def run(target: steps.Runner, draft: steps.Runner | None, prompts, n_predict: in
   if loop not in ("device", "host"):
     raise ConfigError(f"loop must be 'device' or 'host', got {loop!r}")
   sc = plan.sc
+  if loop == "host" and sc.per_row:
+    raise ConfigError("--gamma=auto:rows runs the device loop: no --loop=host")
   dparams = sc.drafter.draft_params(target.params, draft)
   accept_probs = jnp.asarray(plan.accept_probs())
   eos = generation.NO_EOS if eos_id is None else int(eos_id)

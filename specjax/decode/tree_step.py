@@ -19,7 +19,7 @@ from flax import struct
 
 from specjax.decode import tree_acceptance
 from specjax.decode.acceptance import AcceptRule
-from specjax.decode.chain_step import Judged
+from specjax.decode.chain_step import ChainStep, Judged
 from specjax.drafters.base import DraftedTree, TreeCommitted
 from specjax.model import kv_cache as kvc
 from specjax.model import sampling
@@ -134,8 +134,9 @@ def accept_phase(key, accept_table, p, drafted: DraftedTree, tail, n, live, sc) 
                     d_len=keep(n + n_fed, n - 1), path=v.path, draft_path=dpath)
 
 
-class TreeStep:
-  """A token tree's phases (module docstring)."""
+class TreeStep(ChainStep):
+  """A token tree's phases (module docstring); no per-row state (ChainStep's
+  start_rows, allot)."""
 
   @staticmethod
   def propose(dparams, dstate, tcache, tail, n, live, key, sc):

@@ -1,0 +1,128 @@
+"""Per-row draft lengths (--gamma=auto:rows): a chain step whose verify is one
+packed block of N tokens (model/packed.py), each row given its own length.
+
+The drafter proposes gamma_max per row, as a chain's does; `RowsStep.allot`
+then gives row b a length l_b (allocation.allocate: the top N - B gains
+alpha_b^k, at most what the row proposed, 0 for a finished row) and caps
+Drafted.n_drafted there; the verify packs each row's 1 + l_b tokens
+(steps.packed_verify) and brings the logits (and an EAGLE head's features)
+back to [B, gamma_max + 1]; the judge is the chain's, stopped at l_b, so the
+target's token is drawn at that position. alpha_b is a running estimate
+(`RowAlpha`, in the loop state) from the row's own past accepted counts.
+Exactness: a length depends on past acceptances and on how many tokens were
+proposed, never on their values. docs/packed_verify.md (per-row lengths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.decode import allocation
+from specjax.decode import chain_step
+from specjax.drafters.base import Drafted
+from specjax.model import packed as pk
+from specjax.model import sampling
+from specjax.model import steps
+
+PRIOR_ALPHA = 0.7   # as autogamma's: pseudo-observations at this alpha ..
+PRIOR_WEIGHT = 2.0  # .. this many of them
+DECAY = 0.9         # each step's counts weigh DECAY x the step's before: a row
+                    # given nothing drifts back to the prior and is tried again
+
+
+def default_budget(batch: int, gamma_max: int) -> int:
+  """The verify budget N when none is given: every row's tail, plus twice
+  as many drafts as rows (at least one whole draft, at most every row's)."""
+  return batch + min(batch * gamma_max, max(gamma_max, 2 * batch))
+
+
+@struct.dataclass
+class RowAlpha:
+  """Each row's acceptance so far (decayed counts, float32 [B]): accepted
+  drafts and rejections (a step that stopped before the length it was given)."""
+  n_accept: jax.Array
+  n_reject: jax.Array
+
+  @classmethod
+  def start(cls, batch: int) -> "RowAlpha":
+    return cls(n_accept=jnp.zeros((batch,), jnp.float32),
+               n_reject=jnp.zeros((batch,), jnp.float32))
+
+  def alpha(self) -> jax.Array:
+    """[B] (accepted + prior) / (accepted + rejections + prior weight):
+    autogamma.estimate_alpha per row."""
+    return ((self.n_accept + PRIOR_ALPHA * PRIOR_WEIGHT)
+            / (self.n_accept + self.n_reject + PRIOR_WEIGHT))
+
+  def observe(self, n_acc, given, live) -> "RowAlpha":
+    """After a step: row b (live) was given `given[b]` drafts and accepted
+    n_acc[b]; a finished row's counts stay."""
+    acc = DECAY * self.n_accept + n_acc.astype(jnp.float32)
+    rej = DECAY * self.n_reject + (n_acc < given).astype(jnp.float32)
+    return RowAlpha(n_accept=jnp.where(live, acc, self.n_accept),
+                    n_reject=jnp.where(live, rej, self.n_reject))
+
+
+@struct.dataclass
+class RowsJudged(chain_step.Judged):
+  """The chain's verdict, with each row's length given (its drafts verified)."""
+  given: jax.Array = None  # [B]
+
+  def observe(self, rows: RowAlpha, live) -> RowAlpha:
+    return rows.observe(self.n_acc, self.given, live)
+
+
+def budget_of(sc, batch: int) -> int:
+  """The step's verify budget N: sc.budget, or the default for the batch."""
+  return sc.budget or default_budget(batch, sc.gamma)
+
+
+def lengths(rows: RowAlpha, n_drafted, live, sc) -> jax.Array:
+  """[B] each row's draft length this step (allocation.allocate from the rows'
+  alpha, capped at what each row proposed; 0 for a finished row)."""
+  limit = jnp.where(live, n_drafted, 0)
+  return allocation.allocate(rows.alpha(), budget_of(sc, live.shape[0]), sc.gamma, limit=limit)
+
+
+def verify_phase(tparams, tcache, tail, drafted: Drafted, sc):
+  """The chain's verify_phase over a packed block of each row's 1 + l_b
+  tokens (l_b: drafted.n_drafted, as allotted): p [B, gamma+1, V] (entries
+  past a row's block are never read), the cache + 1 + l_b, features."""
+  tokens = jnp.concatenate([tail[:, 1:], drafted.tokens], 1)  # [B, gamma+1]
+  b, width = tokens.shape
+  block = pk.pack(tokens, 1 + drafted.n_drafted, tcache.lengths, budget_of(sc, b))
+  out = steps.packed_verify(tparams, block, tcache, sc.target,
+                            return_hidden=sc.drafter.needs_features,
+                            hidden_layers=sc.drafter.feature_layers)
+  logits = block.to_rows(out[0], tcache.lengths, width)
+  feats = block.to_rows(out[2], tcache.lengths, width) if sc.drafter.needs_features else None
+  return sampling.probs(logits, sc.sp), out[1], feats
+
+
+class RowsStep(chain_step.ChainStep):
+  """A chain step with per-row lengths in a packed verify (module docstring)."""
+
+  @staticmethod
+  def start_rows(batch: int) -> RowAlpha:
+    return RowAlpha.start(batch)
+
+  @staticmethod
+  def allot(drafted: Drafted, rows: RowAlpha, live, sc) -> Drafted:
+    return drafted.replace(n_drafted=lengths(rows, drafted.n_drafted, live, sc))
+
+  @staticmethod
+  def verify(tparams, tcache, tail, drafted: Drafted, sc):
+    return verify_phase(tparams, tcache, tail, drafted, sc)
+
+  @staticmethod
+  def judge(key, accept_probs, p, drafted, tail, n, live, sc) -> RowsJudged:
+    j = chain_step.accept_phase(key, accept_probs, p, drafted, tail, n, live, sc)
+    fields = {f.name: getattr(j, f.name) for f in dataclasses.fields(j)}
+    return RowsJudged(**fields, given=drafted.n_drafted)
+
+
+ROWS = RowsStep()
