@@ -241,10 +241,13 @@ def base_records(records):
 
 
 def _drafter_points(records):
-  """{(drafter, rule, T): records by gamma} over the batch-1 fixed-gamma points."""
+  """{(drafter, rule, T): records by gamma} over the fixed-gamma points at
+  the sweep's smallest batch (batch 1 unless the sweep has none)."""
+  fixed = [r for r in records if not batch_report.is_auto(r)]
+  smallest = min((int(r.get("batch", 1)) for r in fixed), default=1)
   out: dict[tuple, list] = {}
-  for r in records:
-    if batch_report.is_auto(r) or int(r.get("batch", 1)) != 1:
+  for r in fixed:
+    if int(r.get("batch", 1)) != smallest:
       continue
     key = (str(r.get("drafter") or "model"), r["accept_rule"], r["temperature"])
     out.setdefault(key, []).append(r)
@@ -254,7 +257,7 @@ def _drafter_points(records):
 def drafters_markdown(records) -> list[str]:
   """Per drafter, rule and temperature: the best gamma's measured speedup
   next to both predictions, alpha, mean accepted length and c, and the
-  speedup at every gamma (batch 1)."""
+  speedup at every gamma (at the smallest batch: `_drafter_points`)."""
   groups = _drafter_points(records)
   order = {d: i for i, d in enumerate(drafters_of(records))}
   head = ["drafter", "rule", "T", "best gamma", "speedup", "Leviathan", "meas.-cost",
@@ -279,6 +282,8 @@ def plot_drafters(path: str, records) -> None:
   plt = wd.pyplot()
   groups = _drafter_points(records)
   settings = sorted({(rule, t) for _, rule, t in groups})
+  if not settings:
+    return
   fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
   for ax, (rule, t) in zip(axes[0], settings):
     for i, d in enumerate(drafters_of(records)):
