@@ -1,0 +1,189 @@
+"""Per-row draft lengths (--gamma=auto:rows, decode/rows_step.py) are exact:
+greedy equals target-only per row on a ragged batch with EOS whose rows
+accept differently (n-gram: one row repeats, the others do not), and at
+T = 1 the output follows the target's law (tests/lawcheck.py's chi-square,
+a noisy draft model, lengths that differ by row and step). Each row's alpha
+is its own acceptance (replayed from the records). MUTATIONS are deliberate
+bugs, each of which must fail (test_each_deliberate_bug_fails)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import cli
+from specjax.decode import generation
+from specjax.decode import plan
+from specjax.decode import rows_step
+from specjax.decode import speculative
+from specjax.errors import ConfigError
+from specjax.model import config
+from specjax.model import llama as model
+from specjax.model import steps
+from specjax.model.sampling import SamplingParams
+
+from lawcheck import (ALPHA, PROMPTS as LAW_PROMPTS, V, adjusted, chi2_pvalue, exact_laws,
+                      pair, sharpen)  # noqa: F401
+
+# row 0 settles into a repeat (n-gram accepts most), rows 1 and 2 do not
+PROMPTS = [[5, 17, 42, 9, 100], [7, 7, 7, 7, 7, 7], [200, 1, 64, 3, 9, 81, 27, 2]]
+N_PREDICT = 30
+GREEDY = "auto:rows,max=4,budget=6"  # 3 drafts for 3 rows: lengths must be chosen
+LAW_ROWS = 800  # rows per prompt at T = 1 (lawcheck's 3 prompts: one batch of 2400)
+SAMPLED = f"auto:rows,max=2,budget={2 * 3 * LAW_ROWS}"  # half the rows' drafts
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = config.get_preset("tiny")
+  return sharpen(steps.Runner(cfg, model.init_params(cfg, 1)), 40.0)
+
+
+def eos_of(tiny) -> int:
+  """A token that ends row 1 early and row 2 later (rows finish apart)."""
+  base = generation.generate(tiny, PROMPTS, N_PREDICT).tokens
+  return base[1][12]
+
+
+def greedy_spec(tiny, eos: int):
+  return speculative.generate(tiny, None, PROMPTS, N_PREDICT, GREEDY, drafter="ngram",
+                              eos_id=eos, keep_state=True)
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny):
+  """(eos, target-only tokens, the per-row run)."""
+  eos = eos_of(tiny)
+  return eos, generation.generate(tiny, PROMPTS, N_PREDICT, eos_id=eos).tokens, \
+      greedy_spec(tiny, eos)
+
+
+def replayed_alpha(res) -> np.ndarray:
+  """Each row's RowAlpha counts replayed from its own records (n_drafted: the
+  length given), as rows_step.RowAlpha.observe accumulates them."""
+  rec, out = res.records, []
+  for b in range(len(res.tokens)):
+    acc = rej = 0.0
+    for k, given in zip(rec.n_acc[rec.row == b], rec.n_drafted[rec.row == b]):
+      acc, rej = rows_step.DECAY * acc + k, rows_step.DECAY * rej + float(k < given)
+    out.append((acc, rej))
+  return np.asarray(out)
+
+
+def alpha_error(res) -> float:
+  """The largest gap between the loop's RowAlpha and the replayed counts."""
+  got = np.stack([np.asarray(res.state.rows.n_accept), np.asarray(res.state.rows.n_reject)], 1)
+  return float(np.max(np.abs(got - replayed_alpha(res))))
+
+
+def test_greedy_rows_equal_target_only_per_row(greedy):
+  _, base, res = greedy
+  assert res.tokens == base
+  lengths = [len(t) for t in res.tokens]
+  assert len(set(lengths)) > 1 and min(lengths) < N_PREDICT  # EOS cut rows apart
+  rec = res.records
+  assert rec.n_drafted.max() > 1 and (rec.n_acc <= rec.n_drafted).all()
+  per_step = [rec.at_step(s, "n_drafted") for s in range(rec.step.max() + 1)]
+  assert any(len(set(x.tolist())) > 1 for x in per_step)  # rows given different lengths
+  assert all(x.sum() <= 6 - len(x) for x in per_step)      # within the budget
+  rate = [rec.n_acc[rec.row == b].sum() / max(rec.n_drafted[rec.row == b].sum(), 1)
+          for b in range(3)]
+  assert rate[0] > 0.9 and min(rate[1:]) < 0.8, rate  # the rows accept differently
+
+
+def test_each_row_alpha_is_its_own_acceptance(greedy):
+  res = greedy[2]
+  assert alpha_error(res) < 1e-4
+  assert np.ptp(np.asarray(res.state.rows.alpha())) > 0.1  # the rows' estimates differ
+
+
+def sampled(pair_):
+  """(p-values of the first 4 token pairs against the target's law, the run)."""
+  target, draft = pair_
+  prompts = [p for p in LAW_PROMPTS for _ in range(LAW_ROWS)]
+  res = speculative.generate(target, draft, prompts, 5, SAMPLED, sp=SamplingParams(1.0), seed=4)
+  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(LAW_PROMPTS)), LAW_ROWS)
+  out = {}
+  for i, prompt in enumerate(LAW_PROMPTS):
+    t = tokens[which == i]
+    for j, law in enumerate(exact_laws(target, target, prompt, SamplingParams(1.0), 2).pairs):
+      out[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(
+          np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V), law)
+  return out, res
+
+
+def test_sampling_at_t1_follows_the_target(pair):
+  ps, res = sampled(pair)
+  assert adjusted(ps) > ALPHA, ps
+  rec = res.records
+  given = np.bincount(rec.n_drafted, minlength=3)
+  assert (given > 100).all(), given  # rows given 0, 1 and 2 drafts
+  assert len(set(rec.at_step(1, "n_drafted").tolist())) == 3  # after the first step too
+
+
+def test_bad_spellings_are_one_line():
+  assert plan.parse_rows("auto:rows") == (plan.ROWS_MAX, 0)
+  assert plan.parse_rows("Auto:Rows, max=3, budget=12") == (3, 12)
+  assert plan.parse_rows("auto") is None and cli.parse_gamma("auto:rows,max=2") == \
+      "auto:rows,max=2"
+  for bad in ["auto:rows,max=0", "auto:rows,max=65", "auto:rows,budget=0", "auto:rows,x=1",
+              "auto:rows,max", "auto:rows,budget=-3", "auto:rows,max=2.5"]:
+    with pytest.raises(ConfigError, match="expected auto:rows"):
+      plan.parse_rows(bad)
+  with pytest.raises(ConfigError, match="auto:rows"):
+    cli.parse_gamma("auto:row")
+  with pytest.raises(ConfigError, match="--tree=chain"):
+    plan.parse_flags(gamma="auto:rows", tree="kary:2,2")
+  with pytest.raises(ConfigError, match="list of gammas"):
+    cli.parse_gammas(["2", "auto:rows"])
+
+
+# ---------------------------------------------------------------- mutations
+
+
+def _lengths_from_draft_values(orig):
+  """A row's length read off this step's drafts: 0 when the first draft is token 0."""
+  def allot(drafted, rows, live, sc):
+    d = orig(drafted, rows, live, sc)
+    return d.replace(n_drafted=jnp.where(drafted.tokens[:, 0] == 0, 0, d.n_drafted))
+  return allot
+
+
+def _alpha_from_another_row(orig):
+  """Row b's counts updated with row b + 1's acceptance."""
+  def observe(self, n_acc, given, live):
+    return orig(self, jnp.roll(n_acc, -1), jnp.roll(given, -1), live)
+  return observe
+
+
+def _judge_not_capped(orig):
+  """The judge reads every proposed position, past the row's block."""
+  def judge(key, accept_probs, p, drafted, tail, n, live, sc):
+    full = drafted.replace(n_drafted=jnp.full_like(drafted.n_drafted, sc.gamma))
+    return orig(key, accept_probs, p, full, tail, n, live, sc)
+  return judge
+
+
+MUTATIONS = {
+    "lengths from this step's draft values": (
+        rows_step.RowsStep, "allot", _lengths_from_draft_values, staticmethod,
+        lambda pair_, tiny, greedy: adjusted(sampled(pair_)[0]) < ALPHA),
+    "a row's alpha from another row's acceptance": (
+        rows_step.RowAlpha, "observe", _alpha_from_another_row, lambda f: f,
+        lambda pair_, tiny, greedy: alpha_error(greedy_spec(tiny, greedy[0])) > 1e-4),
+    "the judge not capped at the row's length": (
+        rows_step.RowsStep, "judge", _judge_not_capped, staticmethod,
+        lambda pair_, tiny, greedy: greedy_spec(tiny, greedy[0]).tokens != greedy[1]),
+}
+
+
+@pytest.mark.parametrize("bug", list(MUTATIONS))
+def test_each_deliberate_bug_fails(pair, tiny, greedy, monkeypatch, bug):
+  owner, name, make, wrap, fails = MUTATIONS[bug]
+  jax.clear_caches()
+  monkeypatch.setattr(owner, name, wrap(make(getattr(owner, name))))
+  try:
+    assert fails(pair, tiny, greedy), bug
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
