@@ -16,6 +16,7 @@ from specjax.decode import generation
 from specjax.decode import plan
 from specjax.decode import rows_step
 from specjax.decode import speculative
+from specjax.drafters import eagle
 from specjax.errors import ConfigError
 from specjax.model import config
 from specjax.model import llama as model
@@ -29,7 +30,7 @@ from lawcheck import (ALPHA, PROMPTS as LAW_PROMPTS, V, adjusted, chi2_pvalue, e
 PROMPTS = [[5, 17, 42, 9, 100], [7, 7, 7, 7, 7, 7], [200, 1, 64, 3, 9, 81, 27, 2]]
 N_PREDICT = 30
 GREEDY = "auto:rows,max=4,budget=6"  # 3 drafts for 3 rows: lengths must be chosen
-LAW_ROWS = 800  # rows per prompt at T = 1 (lawcheck's 3 prompts: one batch of 2400)
+LAW_ROWS = 600  # rows per prompt at T = 1 (lawcheck's 3 prompts: one batch of 1800)
 SAMPLED = f"auto:rows,max=2,budget={2 * 3 * LAW_ROWS}"  # half the rows' drafts
 
 
@@ -121,6 +122,45 @@ def test_sampling_at_t1_follows_the_target(pair):
   assert len(set(rec.at_step(1, "n_drafted").tolist())) == 3  # after the first step too
 
 
+@pytest.fixture(scope="module")
+def head(pair, tmp_path_factory):
+  """An EAGLE head on lawcheck's target that guesses well (its block is the
+  target's, fc adds the embedding and the feature): its drafts read the
+  verify's features, so a feature out of place changes what it accepts."""
+  target = pair[0]
+  hcfg, eye = eagle.head_config(target.cfg), jnp.eye(target.cfg.dim)
+  hp = {"fc": {"kernel": jnp.concatenate([eye, eye], 0), "bias": jnp.zeros(target.cfg.dim)},
+        "block": target.params["layers_0"]}
+  return "eagle:" + str(eagle.save_head(tmp_path_factory.mktemp("rows") / "h", hcfg, hp,
+                                        target.cfg, "v6"))
+
+
+FULL_G = 3
+
+
+@pytest.fixture(scope="module")
+def chain(pair, head):
+  """The chain at gamma FULL_G with the head (what a full budget must equal)."""
+  return speculative.generate(pair[0], None, LAW_PROMPTS, 12, FULL_G, drafter=head)
+
+
+def full_budget_mismatches(pair, head, chain) -> list[str]:
+  """At a budget of every row's gamma_max + 1 tokens, per-row lengths are the
+  chain: the same tokens and the same accepted counts, step by step."""
+  rows = speculative.generate(pair[0], None, LAW_PROMPTS, 12,
+                              f"auto:rows,max={FULL_G},budget={len(LAW_PROMPTS) * (FULL_G + 1)}",
+                              drafter=head)
+  bad = [] if rows.tokens == chain.tokens else ["tokens"]
+  if rows.records.n_acc.tolist() != chain.records.n_acc.tolist():
+    bad.append(f"n_acc {rows.records.n_acc.tolist()} != {chain.records.n_acc.tolist()}")
+  return bad
+
+
+def test_a_full_budget_is_the_chain_with_an_eagle_head(pair, head, chain):
+  assert 0 < chain.stats.n_accept < chain.stats.n_drafted  # the head's guesses matter
+  assert not full_budget_mismatches(pair, head, chain)
+
+
 def test_bad_spellings_are_one_line():
   assert plan.parse_rows("auto:rows") == (plan.ROWS_MAX, 0)
   assert plan.parse_rows("Auto:Rows, max=3, budget=12") == (3, 12)
@@ -164,26 +204,37 @@ def _judge_not_capped(orig):
   return judge
 
 
+def _features_of_the_next_row(orig):
+  """The verify's features handed to the head one row off."""
+  def verify(tparams, tcache, tail, drafted, sc):
+    p, tcache, feats = orig(tparams, tcache, tail, drafted, sc)
+    return p, tcache, None if feats is None else jnp.roll(feats, -1, axis=0)
+  return verify
+
+
 MUTATIONS = {
     "lengths from this step's draft values": (
         rows_step.RowsStep, "allot", _lengths_from_draft_values, staticmethod,
-        lambda pair_, tiny, greedy: adjusted(sampled(pair_)[0]) < ALPHA),
+        lambda pair_, tiny, greedy, head, chain: adjusted(sampled(pair_)[0]) < ALPHA),
     "a row's alpha from another row's acceptance": (
         rows_step.RowAlpha, "observe", _alpha_from_another_row, lambda f: f,
-        lambda pair_, tiny, greedy: alpha_error(greedy_spec(tiny, greedy[0])) > 1e-4),
+        lambda pair_, tiny, greedy, head, chain: alpha_error(greedy_spec(tiny, greedy[0])) > 1e-4),
     "the judge not capped at the row's length": (
         rows_step.RowsStep, "judge", _judge_not_capped, staticmethod,
-        lambda pair_, tiny, greedy: greedy_spec(tiny, greedy[0]).tokens != greedy[1]),
+        lambda pair_, tiny, greedy, head, chain: greedy_spec(tiny, greedy[0]).tokens != greedy[1]),
+    "an EAGLE head fed the next row's features": (
+        rows_step.RowsStep, "verify", _features_of_the_next_row, staticmethod,
+        lambda pair_, tiny, greedy, head, chain: bool(full_budget_mismatches(pair_, head, chain))),
 }
 
 
 @pytest.mark.parametrize("bug", list(MUTATIONS))
-def test_each_deliberate_bug_fails(pair, tiny, greedy, monkeypatch, bug):
+def test_each_deliberate_bug_fails(pair, tiny, greedy, head, chain, monkeypatch, bug):
   owner, name, make, wrap, fails = MUTATIONS[bug]
   jax.clear_caches()
   monkeypatch.setattr(owner, name, wrap(make(getattr(owner, name))))
   try:
-    assert fails(pair, tiny, greedy), bug
+    assert fails(pair, tiny, greedy, head, chain), bug
   finally:
     monkeypatch.undo()
     jax.clear_caches()
