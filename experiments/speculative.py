@@ -21,6 +21,7 @@ row. Every flag is checked before a model loads (decode/plan.py); the flags
 in full: docs/scripts.md.
 """
 
+import dataclasses
 import json
 import statistics
 
@@ -31,6 +32,8 @@ from specjax.decode import adaptive
 from specjax.decode import autogamma
 from specjax.decode import autotree
 from specjax.decode import plan
+from specjax.decode import rows_step
+from specjax.decode import rows_theory
 from specjax.formats import checkpoint
 from specjax import cli
 from specjax.drafters import registry
@@ -228,6 +231,12 @@ def _report(tcfg, pl, tok, prompts, res, base, spec_tps, base_tps, capacity, com
   if len(prompts) > 1 or getattr(res, "chosen", None):
     print("\n".join(row_lines(res, pl.auto)))
     print()
+  theory = None
+  if pl.first.per_row:  # --gamma=auto:rows: the tokens per step against the model's
+    theory = rows_theory.compare(res.records, rows_step.budget_of(pl.first, len(prompts)),
+                                 pl.first.gamma, len(prompts))
+    print("\n".join(theory.lines()))
+    print()
   own = drafter.own_params(dparams)  # not what it only reads of the target's
   if dcfg is None:
     draft = "no draft model"
@@ -270,7 +279,8 @@ def _report(tcfg, pl, tok, prompts, res, base, spec_tps, base_tps, capacity, com
   if _JSON_OUT.value:  # the run's record, then every row (not a run field: per row)
     rows = cli.row_records(prompts, res.tokens, base.tokens if base is not None else None,
                            equality_claimed=claimed)
-    wd.write_json(_JSON_OUT.value, {**out, "rows": rows})
+    wd.write_json(_JSON_OUT.value, {**out, "rows": rows, **(
+        {"per_row": dataclasses.asdict(theory)} if theory is not None else {})})
 
 
 if __name__ == "__main__":

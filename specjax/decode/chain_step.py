@@ -46,6 +46,12 @@ class Judged:
   def committed(self, **kw) -> Committed:
     return Committed(n_acc=self.n_acc, emitted=self.emitted, d_len=self.d_len, **kw)
 
+  def row_record(self, drafted) -> dict[str, jax.Array]:
+    """The step's per-row lengths records (stats.ROW_FIELDS): what was proposed
+    (all of it was verified), and no alpha (0)."""
+    return {"proposed": drafted.n_drafted.astype(jnp.int32),
+            "alpha": jnp.zeros(drafted.n_drafted.shape, jnp.float32)}
+
   def observe(self, rows, live):
     """The loop's per-row state after the step (rows_step.RowAlpha; () unused)."""
     del live

@@ -68,12 +68,25 @@ class RowAlpha:
 
 
 @struct.dataclass
+class RowsDrafted(Drafted):
+  """A chain's drafts with each row's length allotted (n_drafted)."""
+  proposed: jax.Array = None  # [B] what the drafter proposed
+  alpha: jax.Array = None     # [B] the running estimate the lengths came from
+
+
+@struct.dataclass
 class RowsJudged(chain_step.Judged):
   """The chain's verdict, with each row's length given (its drafts verified)."""
-  given: jax.Array = None  # [B]
+  given: jax.Array = None     # [B]
+  proposed: jax.Array = None  # [B]
+  alpha: jax.Array = None     # [B]
 
   def observe(self, rows: RowAlpha, live) -> RowAlpha:
     return rows.observe(self.n_acc, self.given, live)
+
+  def row_record(self, drafted) -> dict[str, jax.Array]:
+    del drafted
+    return {"proposed": self.proposed, "alpha": self.alpha}
 
 
 def budget_of(sc, batch: int) -> int:
@@ -103,6 +116,11 @@ def verify_phase(tparams, tcache, tail, drafted: Drafted, sc):
   return sampling.probs(logits, sc.sp), out[1], feats
 
 
+def fields_of(x) -> dict:
+  """A struct's fields by name (to build its subclass from it)."""
+  return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
+
+
 class RowsStep(chain_step.ChainStep):
   """A chain step with per-row lengths in a packed verify (module docstring)."""
 
@@ -111,8 +129,9 @@ class RowsStep(chain_step.ChainStep):
     return RowAlpha.start(batch)
 
   @staticmethod
-  def allot(drafted: Drafted, rows: RowAlpha, live, sc) -> Drafted:
-    return drafted.replace(n_drafted=lengths(rows, drafted.n_drafted, live, sc))
+  def allot(drafted: Drafted, rows: RowAlpha, live, sc) -> RowsDrafted:
+    return RowsDrafted(**fields_of(drafted), proposed=drafted.n_drafted, alpha=rows.alpha()
+                       ).replace(n_drafted=lengths(rows, drafted.n_drafted, live, sc))
 
   @staticmethod
   def verify(tparams, tcache, tail, drafted: Drafted, sc):
@@ -121,8 +140,8 @@ class RowsStep(chain_step.ChainStep):
   @staticmethod
   def judge(key, accept_probs, p, drafted, tail, n, live, sc) -> RowsJudged:
     j = chain_step.accept_phase(key, accept_probs, p, drafted, tail, n, live, sc)
-    fields = {f.name: getattr(j, f.name) for f in dataclasses.fields(j)}
-    return RowsJudged(**fields, given=drafted.n_drafted)
+    return RowsJudged(**fields_of(j), given=drafted.n_drafted, proposed=drafted.proposed,
+                      alpha=drafted.alpha)
 
 
 ROWS = RowsStep()

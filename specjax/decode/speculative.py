@@ -97,7 +97,8 @@ def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter,
 # stats.Records + live + leaf (the block index of the last accepted node, 0: none; a
 # chain's n_acc): a static tree's accepted path, hence its per-rank tries and
 # accepts (tree_theory.rank_counts), for --tree=auto's estimate of p
-REC_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up", "live", "leaf")
+# + proposed and alpha (stats.ROW_FIELDS: per-row lengths' records; Judged.row_record)
+REC_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up", "live", "leaf", "proposed", "alpha")
 
 
 def _record_row(j: Judged, d: Drafted, kept, live) -> dict[str, jax.Array]:
@@ -105,7 +106,7 @@ def _record_row(j: Judged, d: Drafted, kept, live) -> dict[str, jax.Array]:
   leaf = j.leaf
   return {"n_acc": j.n_acc, "n_drafted": d.n_drafted, "kept": kept,
           "caught_up": d.caught_up.astype(jnp.int32), "live": live.astype(jnp.int32),
-          "leaf": leaf.astype(jnp.int32)}
+          "leaf": leaf.astype(jnp.int32), **j.row_record(d)}
 
 
 @dataclasses.dataclass
@@ -155,7 +156,8 @@ def loop_start(out, eos_id: int, n_predict: int):
   b = out.shape[0]
   count = jnp.ones((b,), jnp.int32)
   done = (out[:, 0] == eos_id) | (n_predict <= 1)
-  return count, done, {k: jnp.zeros((n_predict, b), jnp.int32) for k in REC_FIELDS}
+  return count, done, {k: jnp.zeros((n_predict, b), jnp.float32 if k == "alpha" else jnp.int32)
+                       for k in REC_FIELDS}
 
 
 @functools.partial(jax.jit, static_argnames=("sc", "n_predict", "eos_id"),
@@ -244,9 +246,9 @@ def _host_loop(tparams, dparams, st: SpecState, out, key, accept_probs, sc, n_pr
                                                  st.tail, feats, eos_id=eos_id,
                                                  n_predict=n_predict, drafter=sc.drafter)
     for k in REC_FIELDS:
-      recs[k].append(np.asarray(row[k], np.int32))
+      recs[k].append(np.asarray(row[k]))
     done = np.asarray(done)
-  rec = {k: np.stack(v) if v else np.zeros((0, b), np.int32) for k, v in recs.items()}
+  rec = {k: np.stack(v) if v else np.zeros((0, b)) for k, v in recs.items()}
   return out, count, rec, st, phase
 
 
@@ -301,6 +303,8 @@ def run(target: steps.Runner, draft: steps.Runner | None, prompts, n_predict: in
                                               step_key, accept_probs, sc, n_predict, eos)
     eval_s = time.perf_counter() - t0
   tokens, records = outputs(out, count, rec)
+  if sc.per_row:  # each entry's alpha against the length it was given
+    records = dataclasses.replace(records, gamma=records.n_drafted)
   stats = SpecStats.compute(records, gamma=sc.gamma, n_predict=sum(map(len, tokens)),
                             eval_s=eval_s, phase_s=phase)
   return SpecResult(tokens=tokens, stats=stats, prompt_s=prompt_s, eval_s=eval_s,

@@ -22,6 +22,7 @@ import numpy as np
 from specjax.metrics import theory
 
 RECORD_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up")
+ROW_FIELDS = ("proposed", "alpha")  # recorded where the loop records them (Records)
 
 
 @dataclasses.dataclass
@@ -34,9 +35,14 @@ class Records:
   caught_up: np.ndarray  # 1 where the step first fed the draft its d_gamma
   step: np.ndarray       # the loop step of the entry
   row: np.ndarray        # the batch row of the entry (offset per run after concat)
-  # the gamma the entry's step asked for, where steps differ (autogamma);
-  # None: every step ran the run's one gamma
+  # the gamma the entry's step asked for, where steps differ (autogamma; per-row
+  # lengths: the length given); None: every step ran the run's one gamma
   gamma: np.ndarray | None = None
+  # what the drafter proposed (n_drafted: what the step verified; they differ
+  # under per-row lengths) and the row's running alpha the lengths were
+  # allotted from (0 without per-row lengths); None: not recorded
+  proposed: np.ndarray | None = None
+  alpha: np.ndarray | None = None
 
   @classmethod
   def concat(cls, parts: list["Records"]) -> "Records":
@@ -47,16 +53,19 @@ class Records:
     mixed = {p.gamma is None for p in parts}
     if len(mixed) > 1:
       raise ValueError("Records.concat: some parts record each step's gamma, some do not")
+    opt = {f: None if any(getattr(p, f) is None for p in parts) else cat(f)
+           for f in ROW_FIELDS}
     return cls(*(cat(f) for f in RECORD_FIELDS), step=cat("step"),
                row=np.concatenate([p.row + o for p, o in zip(parts, offsets)]),
-               gamma=None if mixed == {True} else cat("gamma"))
+               gamma=None if mixed == {True} else cat("gamma"), **opt)
 
   @classmethod
   def from_arrays(cls, rec: dict[str, Any]) -> "Records":
     """From the loops' [steps, B] arrays and their `live` mask."""
     live = np.asarray(rec["live"]).astype(bool)
     step, row = np.nonzero(live)
-    return cls(*(np.asarray(rec[f])[live] for f in RECORD_FIELDS), step=step, row=row)
+    opt = {f: np.asarray(rec[f])[live] for f in ROW_FIELDS if f in rec}
+    return cls(*(np.asarray(rec[f])[live] for f in RECORD_FIELDS), step=step, row=row, **opt)
 
   def at_step(self, step: int, field: str = "n_acc") -> np.ndarray:
     """`field` of every row live at `step`, by row."""
@@ -105,7 +114,7 @@ class SpecStats:
     else:  # each step against its own gamma, not the largest
       if rec.gamma.size and int(rec.gamma.max()) > gamma:
         raise ValueError(f"SpecStats.compute: gamma {gamma} < a step's gamma {rec.gamma.max()}")
-      alpha = theory.alpha_from_accepted_steps(n_accept, rec.gamma)
+      alpha = theory.alpha_from_accepted_steps(n_accept, rec.gamma[rec.gamma > 0])
     return cls(
         gamma=gamma, n_predict=n_predict, n_drafted=n_drafted, n_accept=n_accept,
         n_steps=n_steps, n_kept=n_kept, n_catchup=int(rec.caught_up.sum()),

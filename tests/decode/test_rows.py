@@ -15,9 +15,12 @@ from specjax import cli
 from specjax.decode import generation
 from specjax.decode import plan
 from specjax.decode import rows_step
+from specjax.decode import rows_theory
 from specjax.decode import speculative
 from specjax.drafters import eagle
 from specjax.errors import ConfigError
+from specjax.metrics import theory
+from specjax.metrics.stats import Records
 from specjax.model import config
 from specjax.model import llama as model
 from specjax.model import steps
@@ -59,13 +62,17 @@ def greedy(tiny):
       greedy_spec(tiny, eos)
 
 
-def replayed_alpha(res) -> np.ndarray:
+def replayed_alpha(res, before=None) -> np.ndarray:
   """Each row's RowAlpha counts replayed from its own records (n_drafted: the
-  length given), as rows_step.RowAlpha.observe accumulates them."""
+  length given), as rows_step.RowAlpha.observe accumulates them; `before`
+  (a list) gets the alpha each entry's lengths were allotted from."""
   rec, out = res.records, []
   for b in range(len(res.tokens)):
     acc = rej = 0.0
     for k, given in zip(rec.n_acc[rec.row == b], rec.n_drafted[rec.row == b]):
+      if before is not None:
+        before.append((b, (acc + rows_step.PRIOR_ALPHA * rows_step.PRIOR_WEIGHT)
+                       / (acc + rej + rows_step.PRIOR_WEIGHT)))
       acc, rej = rows_step.DECAY * acc + k, rows_step.DECAY * rej + float(k < given)
     out.append((acc, rej))
   return np.asarray(out)
@@ -96,6 +103,41 @@ def test_each_row_alpha_is_its_own_acceptance(greedy):
   res = greedy[2]
   assert alpha_error(res) < 1e-4
   assert np.ptp(np.asarray(res.state.rows.alpha())) > 0.1  # the rows' estimates differ
+
+
+def test_records_keep_the_lengths_and_the_alpha_they_came_from(greedy):
+  rec = greedy[2].records
+  assert (rec.proposed >= rec.n_drafted).all() and (rec.proposed > rec.n_drafted).any()
+  assert (rec.gamma == rec.n_drafted).all()  # the statistics' alpha counts what was given
+  before = []
+  replayed_alpha(greedy[2], before)
+  want = np.asarray([a for _, a in sorted(before, key=lambda x: x[0])])
+  got = np.concatenate([rec.alpha[rec.row == b] for b in range(3)])
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_the_theory_beside_the_measurement(greedy):
+  rec = greedy[2].records
+  th = rows_theory.compare(rec, 6, 4, 3)
+  steps = int(rec.step.max()) + 1
+  assert th.steps == steps and th.measured == pytest.approx((rec.n_acc + 1).sum() / steps)
+  # the lengths given are one allocation the oracle could choose (same budget,
+  # same proposals), and each row's fitted alpha reproduces what it accepted
+  assert th.oracle >= th.measured - 1e-6 and th.oracle >= th.uniform - 1e-6
+  assert th.predicted == pytest.approx(
+      float(np.sum(theory.expected_tokens_per_step(rec.alpha.astype(float), rec.n_drafted)))
+      / steps)
+  # by hand: one step, budget 4; row 0 given 2 of 2 proposed, accepting 1 (so its
+  # alpha a solves a + a^2 = 1), row 1 given 0 of 1 (alpha 0)
+  one = Records(n_acc=np.array([1, 0]), n_drafted=np.array([2, 0]), kept=np.array([2, 1]),
+                caught_up=np.zeros(2, int), step=np.zeros(2, int), row=np.arange(2),
+                proposed=np.array([2, 1]), alpha=np.array([0.7, 0.7], np.float32))
+  th = rows_theory.compare(one, 4, 2, 2)
+  golden = (5 ** 0.5 - 1) / 2
+  assert th.alpha == pytest.approx((golden, 0.0), abs=1e-6)
+  assert th.oracle == pytest.approx(1 + 1 + 1)  # both drafts to row 0: 1 + a + a^2, and 1
+  assert th.uniform == pytest.approx(1 + golden + 1)  # one each (row 1's gains nothing)
+  assert th.predicted == pytest.approx(1 + 0.7 + 0.49 + 1) and th.measured == 3
 
 
 def sampled(pair_):
