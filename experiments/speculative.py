@@ -30,6 +30,7 @@ from absl import flags
 
 from specjax.decode import adaptive
 from specjax.decode import autogamma
+from specjax.decode import autorows
 from specjax.decode import autotree
 from specjax.decode import plan
 from specjax.decode import rows_step
@@ -136,10 +137,12 @@ def main(argv):
       tree=_TREE.value, siblings=_SIBLINGS.value, sp=sp, p_min=_P_MIN.value,
       auto_set=_AUTO_SET.value)
   auto = run_flags.auto
+  spelled = {"gamma": "--gamma=auto", "tree": "--tree=auto",
+             plan.ROWS: "--gamma=auto:rows,budget=auto"}.get(auto)
   if auto and _LOOP.value != "device":
-    raise ConfigError(f"--{auto}=auto runs the device loop in chunks: no --loop=host")
-  if auto == "tree" and _AUTO_COSTS.value:
-    raise ConfigError("--tree=auto measures its costs at start: no --auto_costs")
+    raise ConfigError(f"{spelled} runs the device loop in chunks: no --loop=host")
+  if auto in ("tree", plan.ROWS) and _AUTO_COSTS.value:
+    raise ConfigError(f"{spelled} measures its costs at start: no --auto_costs")
   drafter = run_flags.drafter
   tcfg, tparams, tok = checkpoint.load_model(_MODEL.value, dtype=_GEN.dtype, seed=_GEN.seed)
   draft = None
@@ -150,8 +153,8 @@ def main(argv):
     plan.check_vocabularies(tcfg, dcfg)
     tokenizer.check_same_tokens(tok, dtok)
     draft = steps.Runner(dcfg, dparams)
-  pl = run_flags.resolve(tcfg, draft and draft.cfg)
   prompts = _GEN.prompts(tok, tcfg.vocab_size)
+  pl = run_flags.resolve(tcfg, draft and draft.cfg, batch=len(prompts))
   eos = None if _IGNORE_EOS.value else (tok.eos_id if tok else tcfg.eos_token_id)
   target = steps.Runner(tcfg, tparams)
   # One capacity for both sides: attention cost grows with it.
@@ -159,7 +162,15 @@ def main(argv):
   capacity = pl.capacity(depth, _N_PREDICT.value, ctx_size=_CTX.value)
   kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)
   n = _N_PREDICT.value
-  if auto:
+  if auto == plan.ROWS:  # each budget's loop step timed, then N chosen between chunks
+    akw = dict(every=_AUTO_EVERY.value, **kw)
+    compile_s = adaptive.warm_up(target, draft, prompts, n, pl, **akw)
+    times = autorows.calibrate(target, draft, prompts, n, pl, **akw)
+    print("T(N), seconds per loop step: " + ", ".join(
+        f"N={c.budget}: {1e3 * times[k]:.2f} ms" for k, c in pl.configs.items()))
+    spec = lambda: adaptive.generate(target, draft, prompts, n, pl,
+                                     autorows.BudgetChooser(times, pl), **akw)
+  elif auto:
     cost = auto_costs(target, draft, len(prompts), capacity, depth, pl, sp)
     tune = autogamma if auto == "gamma" else autotree
     tune.check_batch(cost, len(prompts))
@@ -205,6 +216,10 @@ def row_lines(res, auto: str = "") -> list[str]:
     lines.append("auto gamma: steps per gamma " + ", ".join(
         f"{g}: {n}" for g, n in enumerate(used) if n) + "; alpha estimates " + ", ".join(
             f"{a:.2f}" for a in res.estimates))
+  elif getattr(res, "chosen", None) and auto == plan.ROWS:
+    names = sorted(set(res.chosen), key=res.chosen.index)
+    lines.append("auto budget: steps per candidate " + ", ".join(
+        f"{k}: {res.chosen.count(k)}" for k in names))
   elif getattr(res, "chosen", None):
     names = sorted(set(res.chosen), key=res.chosen.index)
     lines.append("auto tree: steps per tree " + ", ".join(
@@ -233,8 +248,9 @@ def _report(tcfg, pl, tok, prompts, res, base, spec_tps, base_tps, capacity, com
     print()
   theory = None
   if pl.first.per_row:  # --gamma=auto:rows: the tokens per step against the model's
-    theory = rows_theory.compare(res.records, rows_step.budget_of(pl.first, len(prompts)),
-                                 pl.first.gamma, len(prompts))
+    budget = ([pl.configs[k].budget for k in res.chosen] if getattr(res, "chosen", None)
+              else rows_step.budget_of(pl.first, len(prompts)))
+    theory = rows_theory.compare(res.records, budget, pl.first.gamma, len(prompts))
     print("\n".join(theory.lines()))
     print()
   own = drafter.own_params(dparams)  # not what it only reads of the target's

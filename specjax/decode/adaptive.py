@@ -44,7 +44,8 @@ class Chooser(Protocol):
 
   def observe(self, name: str, records: dict[str, np.ndarray]) -> None:
     """The live row-steps of the chunk just run with candidate `name`
-    (speculative.REC_FIELDS, each [entries])."""
+    (speculative.REC_FIELDS, each [entries], and each entry's loop `step`
+    and batch `row`)."""
 
   def choose(self, remaining: int, live: int) -> str:
     """The next chunk's candidate; what it estimated goes to `estimates`."""
@@ -121,7 +122,9 @@ def generate(target: steps.Runner, draft: steps.Runner | None, prompts, n_predic
       # one host copy per chunk (slicing on device would compile a program per slice)
       done_h, count_h, rec_h = jax.device_get((done, count, rec))
       live = rec_h["live"][start:end].astype(bool)
-      chooser.observe(name, {k: v[start:end][live] for k, v in rec_h.items()})
+      step, row = np.nonzero(live)
+      chooser.observe(name, {**{k: v[start:end][live] for k, v in rec_h.items()},
+                             "step": step + start, "row": row})
       live_rows = ~done_h
       if end == start or end >= n_predict or not live_rows.any():
         break
@@ -133,7 +136,8 @@ def generate(target: steps.Runner, draft: steps.Runner | None, prompts, n_predic
   tokens, records = speculative.outputs(out, count, rec, len(chosen))
   # each entry's own gamma: the statistics (alpha) count the drafts each step asked for
   depth = np.asarray([plan.configs[k].gamma for k in chosen], np.int64)
-  records = dataclasses.replace(records, gamma=depth[records.step])
+  records = dataclasses.replace(records, gamma=records.n_drafted if plan.first.per_row
+                                else depth[records.step])  # per-row: the length given
   stats = SpecStats.compute(records, gamma=plan.deepest, n_predict=sum(map(len, tokens)),
                             eval_s=eval_s)
   return AdaptiveResult(tokens=tokens, stats=stats, prompt_s=prompt_s, eval_s=eval_s,

@@ -14,6 +14,7 @@ length (the capacity: prompt + n_predict + block - 1).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -146,7 +147,8 @@ def check_vocabularies(target: ModelConfig, draft: ModelConfig) -> None:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """A run's resolved configuration: its candidates (name -> SpecConfig; one
-  for a fixed run) and the accept rule. `auto` is '', 'gamma' or 'tree'."""
+  for a fixed run) and the accept rule. `auto` is '', 'gamma', 'tree' or
+  'rows' (--gamma=auto:rows,budget=auto: one candidate per budget)."""
   configs: Mapping[str, SpecConfig]
   rule: AcceptRule
   auto: str = ""
@@ -226,23 +228,36 @@ def parse_auto_sizes(spec: str) -> tuple[int, ...] | None:
   return sizes
 
 
-def parse_rows(spec: str) -> tuple[int, int] | None:
-  """'auto:rows[,max=G][,budget=N]' -> (gamma_max, budget; 0: the default
-  for the batch); anything not starting 'auto:rows' -> None."""
+def parse_rows(spec: str) -> tuple[int, int | str] | None:
+  """'auto:rows[,max=G][,budget=N|auto]' -> (gamma_max, budget; 0: the
+  default for the batch; 'auto': chosen between chunks, autorows.py);
+  anything not starting 'auto:rows' -> None."""
   head, _, body = str(spec).strip().lower().partition(",")
   if head.replace(" ", "") != f"{AUTO}:{ROWS}":
     return None
-  usage = (f"--gamma={spec}: expected auto:rows[,max=G][,budget=N] (G: the longest draft "
-           "a row may get, 1 to 64; N: tokens verified per step, >= the batch)")
+  usage = (f"--gamma={spec}: expected auto:rows[,max=G][,budget=N|auto] (G: the longest "
+           "draft a row may get, 1 to 64; N: tokens verified per step, >= the batch; auto: "
+           "chosen at run time)")
   got = {"max": ROWS_MAX, "budget": 0}
   for item in filter(None, body.replace(" ", "").split(",")):
     key, eq, value = item.partition("=")
+    if key == "budget" and value == AUTO:
+      got[key] = AUTO
+      continue
     if key not in got or not eq or not value.isdigit():
       raise ConfigError(usage)
     got[key] = int(value)
-  if not 1 <= got["max"] <= 64 or (body and "budget=" in body and got["budget"] < 1):
+  if not 1 <= got["max"] <= 64 or (body and "budget=" in body and got["budget"] != AUTO
+                                   and got["budget"] < 1):
     raise ConfigError(usage)
   return got["max"], got["budget"]
+
+
+def candidate_budgets(batch: int, gamma_max: int) -> tuple[int, ...]:
+  """budget=auto's candidates: the tails plus 0, 1/2, 1, 2, 4 and G drafts a
+  row on average (N = B + ceil(e B), at most B (G + 1)), distinct."""
+  shares = (0.0, 0.5, 1.0, 2.0, 4.0, float(gamma_max))
+  return tuple(sorted({batch + min(math.ceil(e * batch), batch * gamma_max) for e in shares}))
 
 
 def parse_gamma_set(spec: str | Sequence[int]) -> tuple[int, ...]:
@@ -283,9 +298,21 @@ class RunFlags:
   siblings: str = "topk"
   sp: SamplingParams = SamplingParams()
   p_min: float = 0.0
-  budget: int | None = None  # --gamma=auto:rows: the verify budget (0: the default)
+  budget: int | str | None = None  # --gamma=auto:rows: the verify budget (0: the
+                                   # default; 'auto': candidate_budgets, chosen at run time)
 
-  def resolve(self, target: ModelConfig, draft: ModelConfig | None) -> Plan:
+  def resolve(self, target: ModelConfig, draft: ModelConfig | None,
+              batch: int | None = None) -> Plan:
+    """The Plan; `batch` (the rows) is needed by budget=auto, whose candidate
+    budgets are counted in tokens per step."""
+    if self.budget == AUTO:
+      if batch is None:
+        raise ConfigError("--gamma=auto:rows,budget=auto needs the batch to choose budgets for")
+      (g, _), = self.candidates.values()
+      return Plan({f"{ROWS}:{g},N={n}": SpecConfig(
+          target, draft, g, self.sp, self.rule.simulated, self.p_min, self.drafter,
+          siblings=self.siblings, per_row=True, budget=n) for n in candidate_budgets(batch, g)},
+                  self.rule, ROWS)
     # an auto run's candidates carry the widest one's state (SpecConfig.carried)
     carry = max(g for g, _ in self.candidates.values()) + 1 if self.auto else 0
     rows = dict(per_row=True, budget=self.budget) if self.budget is not None else {}
@@ -315,8 +342,8 @@ def parse_flags(*, drafter: Drafter | str = "model", gamma: int | str = 4,
       raise ConfigError("--gamma=auto:rows gives each row of a chain its length: use "
                         "--tree=chain")
     rule.resolve(rows[0])
-    return RunFlags(drafter, rule, {f"{ROWS}:{rows[0]}": (rows[0], None)}, "", siblings, sp,
-                    p_min, budget=rows[1])
+    return RunFlags(drafter, rule, {f"{ROWS}:{rows[0]}": (rows[0], None)},
+                    ROWS if rows[1] == AUTO else "", siblings, sp, p_min, budget=rows[1])
   if siblings not in ("topk", "stochastic"):
     raise ConfigError(f"siblings must be 'topk' or 'stochastic', got {siblings!r}")
   if str(gamma).strip().lower() == AUTO:

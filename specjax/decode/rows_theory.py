@@ -28,7 +28,7 @@ from specjax.metrics.stats import Records
 @dataclasses.dataclass(frozen=True)
 class RowsTheory:
   """Tokens per loop step (all live rows together), measured and predicted."""
-  budget: int          # N: tokens verified per step
+  budget: float        # N: tokens verified per step (mean, where chosen per chunk)
   steps: int           # loop steps
   rows: float          # live rows per step (mean)
   drafts: float        # drafts verified per step (sum of the lengths given)
@@ -40,7 +40,7 @@ class RowsTheory:
   alpha: tuple[float, ...]  # each row's fitted alpha
 
   def lines(self) -> list[str]:
-    return [f"per-row lengths, budget N = {self.budget} tokens per step, {self.steps} steps, "
+    return [f"per-row lengths, budget N = {self.budget:g} tokens per step, {self.steps} steps, "
             f"{self.rows:.2f} live rows and {self.drafts:.2f} drafts verified per step",
             f"tokens per step: measured {self.measured:.3f} (kept {self.kept:.3f}); geometric "
             f"model: the allocator's prediction {self.predicted:.3f}, oracle {self.oracle:.3f}"
@@ -74,21 +74,34 @@ def by_step(rec: Records, field: str, batch: int, fill=0) -> np.ndarray:
   return out
 
 
-def compare(rec: Records, budget: int, gamma_max: int, batch: int) -> RowsTheory:
-  """The run's tokens per step against the geometric model's (module docstring)."""
+def best_lengths(alpha, proposed, budgets, gamma_max: int) -> np.ndarray:
+  """[steps, B] the best lengths for `alpha` at each step's budget and
+  proposals (allocation.allocate, one batched call per distinct budget)."""
+  out = np.zeros(proposed.shape, np.int32)
+  for n in sorted(set(budgets.tolist())):
+    at = budgets == n
+    out[at] = jax.vmap(lambda lim: allocation.allocate(alpha, int(n), gamma_max, limit=lim))(
+        proposed[at])
+  return out
+
+
+def compare(rec: Records, budget, gamma_max: int, batch: int) -> RowsTheory:
+  """The run's tokens per step against the geometric model's (module
+  docstring); budget: N, or each loop step's (budget=auto)."""
   if rec.proposed is None or rec.alpha is None:
     raise ValueError("rows_theory.compare needs a per-row run's records (proposed, alpha)")
   alpha = row_alphas(rec, batch)
   proposed = by_step(rec, "proposed", batch)  # 0 where not live: nothing to give
   steps = proposed.shape[0]
-  best = jax.vmap(lambda lim: allocation.allocate(alpha, budget, gamma_max, limit=lim))(
-      proposed) if steps else np.zeros((0, batch), np.int32)
+  budgets = np.broadcast_to(np.asarray(budget, np.int64), (steps,)) if np.ndim(budget) == 0 \
+      else np.asarray(budget, np.int64)[:steps]
+  best = best_lengths(alpha, proposed, budgets, gamma_max)
   live = by_step(rec, "kept", batch, -1) >= 0
-  even = np.where(live, np.minimum(proposed, allocation.n_drafts(budget, batch) // batch), 0)
+  even = np.where(live, np.minimum(proposed, ((budgets - batch) // batch)[:, None]), 0)
   per = lambda lengths: sum(expected_tokens(alpha[lv], ls[lv])
                             for ls, lv in zip(np.asarray(lengths), live)) / max(steps, 1)
   return RowsTheory(
-      budget=budget, steps=steps, rows=float(live.sum() / max(steps, 1)),
+      budget=float(budgets.mean()) if steps else float(np.mean(budget)), steps=steps, rows=float(live.sum() / max(steps, 1)),
       drafts=float(rec.n_drafted.sum() / max(steps, 1)),
       measured=float((rec.n_acc + 1).sum() / max(steps, 1)),
       kept=float(rec.kept.sum() / max(steps, 1)),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from specjax import cli
+from specjax.decode import autorows
 from specjax.decode import generation
 from specjax.decode import plan
 from specjax.decode import rows_step
@@ -280,3 +281,68 @@ def test_each_deliberate_bug_fails(pair, tiny, greedy, head, chain, monkeypatch,
   finally:
     monkeypatch.undo()
     jax.clear_caches()
+
+
+# ---------------------------------------------------------------- budget=auto
+
+
+def chunk(rows, proposed, alpha) -> dict[str, np.ndarray]:
+  """A chunk of two steps as adaptive.generate hands it to a chooser: the
+  last (step 7) as given, the one before with every row at alpha 0.5."""
+  n = len(rows)
+  cat = lambda before, last: np.concatenate([np.asarray(before), np.asarray(last)])
+  return {"step": np.repeat([6, 7], n), "row": cat(rows, rows),
+          "proposed": cat(proposed, proposed),
+          "alpha": cat(np.full(n, 0.5), alpha).astype(np.float32), "n_acc": np.zeros(2 * n, int)}
+
+
+def budget_choices() -> list[int]:
+  """The budgets chosen after four chunks of 3 rows, T(N) = 1 + 0.05 N."""
+  pl = plan.parse_flags(drafter="ngram", gamma="auto:rows,max=4,budget=auto").resolve(
+      config.get_preset("tiny"), None, batch=3)
+  times = {k: 1.0 + 0.05 * c.budget for k, c in pl.configs.items()}
+  out = []
+  for rows, proposed, alpha in [
+      ([0, 1, 2], [4, 4, 4], [0.95] * 3),        # every row accepts: verify everything
+      ([0, 1, 2], [4, 4, 4], [0.05] * 3),        # none does: tails only
+      ([2, 0, 1], [4, 4, 4], [0.05, 0.95, 0.05]),  # row 0 does: its drafts and a few
+      ([2, 0, 1], [4, 0, 4], [0.05, 0.95, 0.05])]:  # .. but proposed nothing
+    chooser = autorows.BudgetChooser(times, pl)
+    chooser.start(3)
+    chooser.observe("any", chunk(rows, proposed, alpha))
+    out.append(pl.configs[chooser.choose(10, 3)].budget)
+  return out
+
+
+def test_the_budget_chooser_weighs_tokens_against_the_measured_step_time():
+  pl = plan.parse_flags(drafter="ngram", gamma="auto:rows,max=4,budget=auto").resolve(
+      config.get_preset("tiny"), None, batch=3)
+  assert pl.auto == plan.ROWS and [c.budget for c in pl.configs.values()] == [3, 5, 6, 9, 15]
+  # by hand, E(N) / T(N) for the third batch: N 3: 3 / 1.15 = 2.61, 5: 4.85 / 1.25 =
+  # 3.88, 6: 5.71 / 1.3 = 4.39, 9: 6.62 / 1.45 = 4.57 (row 0's 4 drafts, one each
+  # for the others), 15: 6.63 / 1.75 = 3.79
+  assert budget_choices() == [15, 3, 9, 3]
+
+
+def _times_ignored(orig):
+  """The chooser maximises expected tokens, not tokens per second."""
+  def predicted(self):
+    return {k: v * self.times[k] for k, v in orig(self).items()}
+  return predicted
+
+
+def _first_step_of_the_chunk(orig):
+  """The rows read as they were at the chunk's first step, not its last."""
+  def observe(self, name, records):
+    first = records["step"] == records["step"].min()
+    return orig(self, name, {k: v[first] for k, v in records.items()})
+  return observe
+
+
+@pytest.mark.parametrize("bug", ["times ignored", "the chunk's first step"])
+def test_each_deliberate_chooser_bug_fails(monkeypatch, bug):
+  name, make = {"times ignored": ("predicted", _times_ignored),
+                "the chunk's first step": ("observe", _first_step_of_the_chunk)}[bug]
+  monkeypatch.setattr(autorows.BudgetChooser, name,
+                      make(getattr(autorows.BudgetChooser, name)))
+  assert budget_choices() != [15, 3, 9, 3]
