@@ -27,15 +27,17 @@ from specjax.model import llama as model
 from specjax.model import steps
 from specjax.model.sampling import SamplingParams
 
-from lawcheck import (ALPHA, PROMPTS as LAW_PROMPTS, V, adjusted, chi2_pvalue, exact_laws,
-                      pair, sharpen)  # noqa: F401
+import lawcheck
+from lawcheck import ALPHA, V, adjusted, chi2_pvalue, exact_laws, pair, sharpen  # noqa: F401
+
+LAW_PROMPTS = lawcheck.PROMPTS[:2]  # two of lawcheck's ragged prompts (a law compiles per prompt)
 
 # row 0 settles into a repeat (n-gram accepts most), rows 1 and 2 do not
 PROMPTS = [[5, 17, 42, 9, 100], [7, 7, 7, 7, 7, 7], [200, 1, 64, 3, 9, 81, 27, 2]]
 N_PREDICT = 30
 GREEDY = "auto:rows,max=4,budget=6"  # 3 drafts for 3 rows: lengths must be chosen
-LAW_ROWS = 600  # rows per prompt at T = 1 (lawcheck's 3 prompts: one batch of 1800)
-SAMPLED = f"auto:rows,max=2,budget={2 * 3 * LAW_ROWS}"  # half the rows' drafts
+LAW_ROWS = 800  # rows per prompt at T = 1 (one batch of 1600)
+SAMPLED = f"auto:rows,max=2,budget={2 * 2 * LAW_ROWS}"  # half the rows' drafts
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +46,9 @@ def tiny():
   return sharpen(steps.Runner(cfg, model.init_params(cfg, 1)), 40.0)
 
 
-def eos_of(tiny) -> int:
-  """A token that ends row 1 early and row 2 later (rows finish apart)."""
-  base = generation.generate(tiny, PROMPTS, N_PREDICT).tokens
-  return base[1][12]
+def to_eos(tokens: list[int], eos: int) -> list[int]:
+  """Target-only greedy output with an EOS: the output without, up to its first EOS."""
+  return tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
 
 
 def greedy_spec(tiny, eos: int):
@@ -57,10 +58,11 @@ def greedy_spec(tiny, eos: int):
 
 @pytest.fixture(scope="module")
 def greedy(tiny):
-  """(eos, target-only tokens, the per-row run)."""
-  eos = eos_of(tiny)
-  return eos, generation.generate(tiny, PROMPTS, N_PREDICT, eos_id=eos).tokens, \
-      greedy_spec(tiny, eos)
+  """(eos, target-only tokens, the per-row run); the EOS token ends row 1
+  early and row 2 later (rows finish apart)."""
+  base = generation.generate(tiny, PROMPTS, N_PREDICT).tokens
+  eos = base[1][12]
+  return eos, [to_eos(t, eos) for t in base], greedy_spec(tiny, eos)
 
 
 def replayed_alpha(res, before=None) -> np.ndarray:
