@@ -163,23 +163,39 @@ def test_drafts_equal_the_teacher_forced_head(shipped):
   hcfg, hparams = sc.draft, dparams["head"]
   d = drafter.propose(dparams, st.dcache, None, st.tail, st.n, jnp.ones(st.n.shape, bool),
                       jax.random.PRNGKey(5), sc)[0]
-  for b, p in enumerate(prompts):
-    seq = jnp.asarray([p + res.tokens[b]], jnp.int32)  # x_0 .. x_{n-1}
-    n = seq.shape[1]
-    assert int(st.n[b]) == n
-    _, feats = eagle_train.target_features(target.params, target.cfg, seq)
-    g, _ = eagle.head_forward(hparams, target.params, feats[:, :n - 1], seq[:, 1:],
-                              eagle.new_cache(hcfg, 1, n), hcfg.replace(attn_block=0),
-                              target.cfg)
-    want = jax.nn.softmax(model.head_logits(target.params, g[0, n - 2], target.cfg))
-    np.testing.assert_allclose(np.asarray(d.q[b, 0]), np.asarray(want), atol=1e-4)
-    g2, _ = eagle.head_forward(hparams, target.params,
-                               jnp.concatenate([feats[:, :n - 1], g[:, n - 2:n - 1]], 1),
-                               jnp.concatenate([seq[:, 1:], d.tokens[b:b + 1, :1]], 1),
-                               eagle.new_cache(hcfg, 1, n + 1), hcfg.replace(attn_block=0),
-                               target.cfg)
-    want = jax.nn.softmax(model.head_logits(target.params, g2[0, n - 1], target.cfg))
-    np.testing.assert_allclose(np.asarray(d.q[b, 1]), np.asarray(want), atol=1e-4)
+  # every row's passes at one padded width, one compile each (both passes are
+  # causal: the padding past a row's real pairs changes nothing before it)
+  seqs = [p + out for p, out in zip(prompts, res.tokens)]  # x_0 .. x_{n-1}
+  n = np.array([len(x) for x in seqs])
+  assert np.asarray(st.n).tolist() == n.tolist()
+  width, rows = int(n.max()) + 1, np.arange(len(seqs))
+  seq = np.array([x + [0] * (width - len(x)) for x in seqs], np.int32)
+  feats = np.array(_features(target.params, target.cfg, jnp.asarray(seq))[1])
+  feats[np.arange(width)[None] >= (n - 1)[:, None]] = 0  # pairs 0..n-2 only
+  toks = np.concatenate([seq[:, 1:], np.zeros_like(seq[:, :1])], 1)  # x_1 ..
+  head = lambda f, t: np.asarray(_head_pass(hparams, target.params, jnp.asarray(f),
+                                            jnp.asarray(t), hcfg=hcfg.replace(attn_block=0),
+                                            tcfg=target.cfg))
+  g = head(feats, toks)
+  want = jax.nn.softmax(model.head_logits(target.params, jnp.asarray(g[rows, n - 2]), target.cfg))
+  np.testing.assert_allclose(np.asarray(d.q[:, 0]), np.asarray(want), atol=1e-4)
+  feats[rows, n - 1] = g[rows, n - 2]  # the pair (g_{n-2}, d_1) appended
+  toks[rows, n - 1] = np.asarray(d.tokens[:, 0])
+  g2 = head(feats, toks)
+  want = jax.nn.softmax(model.head_logits(target.params, jnp.asarray(g2[rows, n - 1]),
+                                          target.cfg))
+  np.testing.assert_allclose(np.asarray(d.q[:, 1]), np.asarray(want), atol=1e-4)
+
+
+_features = jax.jit(eagle_train.target_features, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnames=("hcfg", "tcfg"))
+def _head_pass(hparams, tparams, feats, tokens, *, hcfg, tcfg):
+  """The head over pairs [B, W] from an empty cache: its outputs."""
+  return eagle.head_forward(hparams, tparams, feats, tokens,
+                            eagle.new_cache(hcfg, tokens.shape[0], tokens.shape[1]), hcfg,
+                            tcfg)[0]
 
 
 # ------------------------------------------------- exact sampling on a V = 6 target
