@@ -270,14 +270,18 @@ def hf_greedy(ckpts):
 
 def test_padded_vocabulary_gives_transformers_greedy_tokens(report, hf_greedy):
   runs = report["pad"]["runs"]
-  for v in mesh_worker.PAD_VOCABS:
-    for m in (2, 4, 8):
-      run = runs[f"{v}/data:1,model:{m}"]
-      padded = -(-v // m) * m
-      assert run["padded"] == [padded, padded], (v, m)  # the draft padded like the target
-      assert run["embed_fraction"] == pytest.approx(1 / m)
-      assert run["greedy"] == hf_greedy[v], (v, m)
-      assert run["spec"] == hf_greedy[v], (v, m)
+  want = {f"{v}/{spec}" for part in mesh_worker.PAD_MESHES.values()
+          for spec, vocabs in part.items() for v in vocabs}
+  assert set(runs) == want  # every vocabulary run, and model:2, 4 and 8 each padded
+  assert {k.split("/")[0] for k in runs} == set(map(str, mesh_worker.PAD_VOCABS))
+  assert {k.split("/")[1] for k in runs} == {f"data:1,model:{m}" for m in (2, 4, 8)}
+  for key, run in runs.items():
+    v, m = int(key.split("/")[0]), int(key.split(":")[-1])
+    padded = -(-v // m) * m
+    assert run["padded"] == [padded, padded], (v, m)  # the draft padded like the target
+    assert run["embed_fraction"] == pytest.approx(1 / m)
+    assert run["greedy"] == hf_greedy[v], (v, m)
+    assert run["spec"] == hf_greedy[v], (v, m)
 
 
 def test_padded_vocabulary_int8_gives_the_single_device_tokens(report):
