@@ -12,6 +12,7 @@ import tempfile
 
 import pytest
 
+import forkrun
 from specjax import workdir as wd
 from specjax.errors import ConfigError, OutputError
 
@@ -22,6 +23,15 @@ CONFIGS = os.path.join(ROOT, "configs")
 def run(*args, code=None):
   cmd = [sys.executable, "-c", code] if code else [sys.executable, *args]
   return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def run_script(tmp_path_factory):
+  """run(script, *args) forked from one python that imported jax
+  (tests/forkrun.py: the child is the script as a user runs it)."""
+  runner = forkrun.ForkRunner(ROOT, tmp_path_factory.mktemp("forked"))
+  yield runner.run
+  runner.close()
 
 
 def one_line(proc) -> str:
@@ -59,11 +69,11 @@ def script(name):
     (["train.py", "--config=/no/such/config.py:tiny"], "No such file or directory"),
     (["train_smollm2.py", "--config.n_new=abc"], "--config.n_new=abc: invalid literal"),
 ])
-def test_config_mistakes_are_one_line(args, expected):
-  assert expected in one_line(run(script(args[0]), *args[1:]))
+def test_config_mistakes_are_one_line(run_script, args, expected):
+  assert expected in one_line(run_script(script(args[0]), *args[1:]))
 
 
-def test_output_paths_are_refused_before_the_work(paths):
+def test_output_paths_are_refused_before_the_work(run_script, paths):
   cases = [
       (["generate.py", "--model=tiny", f"--json_out={paths / 'a_dir'}"], "is a directory"),
       (["generate.py", "--model=tiny", f"--json_out={paths / 'a_file' / 'x.json'}"],
@@ -76,14 +86,14 @@ def test_output_paths_are_refused_before_the_work(paths):
         f"--export_dir={paths / 'a_file'}"], "--export_dir .* is a file"),
   ]
   for args, expected in cases:
-    line = one_line(run(script(args[0]), *args[1:]))
+    line = one_line(run_script(script(args[0]), *args[1:]))
     assert re.search(expected, line), (args, line)
   assert not (paths / "w").exists()  # refused before the work: nothing was made
 
 
-def test_a_binary_prompt_file_is_one_line(paths):
-  line = one_line(run(script("generate.py"), "--model=tiny",
-                      f"--prompt_file={paths / 'binary.txt'}"))
+def test_a_binary_prompt_file_is_one_line(run_script, paths):
+  line = one_line(run_script(script("generate.py"), "--model=tiny",
+                             f"--prompt_file={paths / 'binary.txt'}"))
   assert "is not UTF-8 text (byte 0xff at offset 0)" in line
 
 

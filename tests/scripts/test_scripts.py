@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import forkrun
 from specjax.formats import checkpoint
 from specjax.model import config
 from specjax.model import llama as model
@@ -169,58 +170,12 @@ def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
     assert r["tokens"] == generation.generate(m, [r["prompt_ids"]], 7).tokens[0]
 
 
-# Runs scripts for test_bad_input_is_one_line: a python process that imports
-# jax once (no backend started) and forks a child per script run, the child
-# as `python experiments/SCRIPT ARGS` would be (sys.argv, sys.path[0], stdout
-# and stderr, exit status; an uncaught exception printed as Python prints it).
-# Most of such a run is importing jax: this takes ~2 s of CPU off each of the
-# ~26 cases.
-FORK_SERVER = r"""
-import json, os, runpy, signal, sys, traceback
-import jax, absl.app, numpy
-for line in sys.stdin:
-  case = json.loads(line)
-  pid = os.fork()
-  if pid == 0:
-    signal.alarm(300)  # run()'s timeout: a hung run dies and fails its test
-    for fd, path in ((1, case["stdout"]), (2, case["stderr"])):
-      os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    sys.argv, sys.path[0] = [case["script"], *case["args"]], os.path.dirname(case["script"])
-    code = 0
-    try:
-      runpy.run_path(case["script"], run_name="__main__")
-    except SystemExit as e:
-      code = e.code if isinstance(e.code, int) else (e.code is not None)
-      if not isinstance(e.code, int) and e.code is not None:
-        print(e.code, file=sys.stderr)
-    except BaseException:
-      traceback.print_exc()
-      code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(int(code))
-  print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def run_forked(tmp_path_factory):
-  """run(script, *args) through FORK_SERVER: a CompletedProcess alike."""
-  server = subprocess.Popen([sys.executable, "-c", FORK_SERVER], cwd=ROOT, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-  folder = tmp_path_factory.mktemp("forked")
-
-  def run_one(script, *args):
-    out, err = folder / "stdout", folder / "stderr"
-    server.stdin.write(json.dumps({"script": os.path.join(ROOT, "experiments", script),
-                                   "args": list(args), "stdout": str(out),
-                                   "stderr": str(err)}) + "\n")
-    server.stdin.flush()
-    code = int(server.stdout.readline())
-    return subprocess.CompletedProcess([script, *args], code, out.read_text(), err.read_text())
-  yield run_one
-  server.stdin.close()
-  server.wait(timeout=60)
+  """run(script, *args), forked from one python that imported jax (tests/forkrun.py)."""
+  runner = forkrun.ForkRunner(ROOT, tmp_path_factory.mktemp("forked"))
+  yield lambda script, *args: runner.run(os.path.join(ROOT, "experiments", script), *args)
+  runner.close()
 
 
 @pytest.mark.parametrize("script,args,pattern", [
