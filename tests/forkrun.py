@@ -49,11 +49,12 @@ class ForkRunner:
     self.server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=cwd, text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
-  def run(self, script: str, *args: str) -> subprocess.CompletedProcess:
+  def run(self, script: str, *args: str, timeout: int | None = None
+          ) -> subprocess.CompletedProcess:
     out, err = self.folder / "stdout", self.folder / "stderr"
     self.server.stdin.write(json.dumps({"script": script, "args": list(args),
                                         "stdout": str(out), "stderr": str(err),
-                                        "timeout": self.timeout}) + "\n")
+                                        "timeout": timeout or self.timeout}) + "\n")
     self.server.stdin.flush()
     code = int(self.server.stdout.readline())
     return subprocess.CompletedProcess([script, *args], code, out.read_text(), err.read_text())

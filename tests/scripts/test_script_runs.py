@@ -7,17 +7,7 @@ import os
 
 import pytest
 
-import forkrun
-from test_scripts import ROOT, assert_one_line_error, run
-
-
-@pytest.fixture(scope="module")
-def run_forked(tmp_path_factory):
-  """run(script, *args), forked from one python that imported jax
-  (tests/forkrun.py): for the runs that fail at once or find their work done."""
-  runner = forkrun.ForkRunner(ROOT, tmp_path_factory.mktemp("forked"))
-  yield lambda script, *args: runner.run(os.path.join(ROOT, "experiments", script), *args)
-  runner.close()
+from test_scripts import assert_one_line_error, run
 
 
 def test_gpu_check_smoke(tmp_path):
@@ -67,15 +57,14 @@ def test_mesh_bench_smoke(tmp_path):
   assert len(spec["tokens"]) == 6
 
 
-def test_gpu_check_without_gpu_is_one_line(run_forked, tmp_path):
+def test_gpu_check_without_gpu_is_one_line(tmp_path):
   import jax
   if jax.default_backend() == "gpu":
     pytest.skip("a GPU is present")
-  assert_one_line_error(run_forked("gpu_check.py", f"--workdir={tmp_path}"),
-                        r"error: JAX does not see a GPU")
+  assert_one_line_error(run("gpu_check.py", f"--workdir={tmp_path}"), r"error: JAX does not see a GPU")
 
 
-def test_train_pipeline_end_to_end_and_resume(run_forked, tmp_path):
+def test_train_pipeline_end_to_end_and_resume(tmp_path):
   wd, out = tmp_path / "w", tmp_path / "pair"
   proc = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
              f"--export_dir={out}")
@@ -92,23 +81,23 @@ def test_train_pipeline_end_to_end_and_resume(run_forked, tmp_path):
              "--prompt=def f(x):")
   assert proc.returncode == 0, proc.stderr
   # a second run finds every stage finished and trains nothing
-  again = run_forked("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}")
+  again = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}")
   assert again.returncode == 0, again.stderr
   assert "steps of" not in again.stdout and "resumed" not in again.stdout
   # a changed config is refused with one line
-  bad = run_forked("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
-                   "--config.target_train.lr=0.001")
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+            "--config.target_train.lr=0.001")
   assert_one_line_error(bad, "different config")
-  bad = run_forked("train.py", "--config=configs/train.py:tiny", f"--workdir={tmp_path / 'x'}",
-                   "--config.target_train.lr=2.0")
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={tmp_path / 'x'}",
+            "--config.target_train.lr=2.0")
   assert_one_line_error(bad, "train.lr")
   # so are another corpus and other acceptance settings (before, both were reused:
   # the old tokenizer, and the old alpha printed under the new command)
-  bad = run_forked("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
-                   "--config.vocab_size=280")
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+            "--config.vocab_size=280")
   assert_one_line_error(bad, r"corpus.json was made with other settings \(vocab_size: 300 -> "
                         r"280\); use a new --workdir")
-  bad = run_forked("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
-                   "--config.alpha_temps=(0.0,)")
+  bad = run("train.py", "--config=configs/train.py:tiny", f"--workdir={wd}",
+            "--config.alpha_temps=(0.0,)")
   assert_one_line_error(bad, r"alpha.json was made with other settings \(alpha_temps: "
                         r"\[0.0, 1.0\] -> \[0.0\]\); delete .*alpha.json to measure again")

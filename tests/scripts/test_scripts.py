@@ -1,10 +1,13 @@
 """The scripts end to end: one clear line and exit 1 on bad input, JSON out."""
 
+import atexit
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -17,7 +20,18 @@ from specjax.metrics import schema
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+_FORKED: list = []  # run()'s fork server, started on first use (one per test process)
+
+
 def run(script, *args, timeout=300, env=None):
+  """experiments/SCRIPT ARGS from ROOT: forked from one python that imported
+  jax (tests/forkrun.py), or, with its own `env` (read when jax starts), a
+  new process."""
+  if env is None:
+    if not _FORKED:
+      _FORKED.append(forkrun.ForkRunner(ROOT, pathlib.Path(tempfile.mkdtemp())))
+      atexit.register(_FORKED[0].close)
+    return _FORKED[0].run(os.path.join(ROOT, "experiments", script), *args, timeout=timeout)
   return subprocess.run([sys.executable, os.path.join(ROOT, "experiments", script), *args],
                         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                         env=None if env is None else {**os.environ, **env})
@@ -170,14 +184,6 @@ def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
     assert r["tokens"] == generation.generate(m, [r["prompt_ids"]], 7).tokens[0]
 
 
-@pytest.fixture(scope="module")
-def run_forked(tmp_path_factory):
-  """run(script, *args), forked from one python that imported jax (tests/forkrun.py)."""
-  runner = forkrun.ForkRunner(ROOT, tmp_path_factory.mktemp("forked"))
-  yield lambda script, *args: runner.run(os.path.join(ROOT, "experiments", script), *args)
-  runner.close()
-
-
 @pytest.mark.parametrize("script,args,pattern", [
     ("generate.py", ["--model=/no/such/dir"], r"error: .*no/such/dir"),
     ("generate.py", ["--model=llama-9000"], r"error: .*preset"),
@@ -217,8 +223,8 @@ def run_forked(tmp_path_factory):
     ("heldout_alpha.py", ["--temps=hot"], r"error: --temps"),
     ("heldout_alpha.py", ["--drafters=eagle:nowhere"], r"error: EAGLE head 'nowhere'"),
 ])
-def test_bad_input_is_one_line(run_forked, script, args, pattern):
-  assert_one_line_error(run_forked(script, *args), pattern)
+def test_bad_input_is_one_line(script, args, pattern):
+  assert_one_line_error(run(script, *args), pattern)
 
 
 def test_speculative_with_a_reduced_vocabulary_and_its_cost(tmp_path):
