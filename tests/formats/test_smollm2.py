@@ -202,7 +202,8 @@ def test_greedy_target_only_equals_transformers(greedy, hf_model):
       []] * len(prompts) + [[5]]
 
 
-@pytest.mark.parametrize("drafter", ["layerskip:8", "ngram", "eagle:smollm2-eagle", "model"])
+@pytest.mark.parametrize("drafter", ["layerskip:8", "ngram", "eagle:smollm2-eagle", "model",
+                                     "eagle3"])
 def test_greedy_speculative_equals_target_only(specjax_model, greedy, drafter):
   """Every drafter, the shipped head and distilled draft (specjax/assets,
   trained by experiments/train_smollm2.py) included, run in float32."""
