@@ -2,7 +2,7 @@
 (the run was stopped for time): the same rows, noise notes and report as
 taskbench_run.run_taskbench, read from the workdir instead of executed."""
 import os, sys
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
 from configs import sweep_gamma as sg
 from specjax import workdir as wd
 from specjax.bench.sweep import noise, taskbench_report, taskbench_run
