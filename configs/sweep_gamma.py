@@ -29,6 +29,13 @@ Speedup by context depth x batch x gamma on the long-context suite (bench/sweep/
 docs/streaming.md "Long prompts"):
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:long_context --workdir=/tmp/specjax_long
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:long_context_quick --workdir=/tmp/specjax_lq
+Per-row lengths (--gamma=auto:rows) beside the fixed gammas and auto, on the task suite's mixed
+batches (rows drawn from every category in turn; bench/sweep/rows.py, docs/packed_verify.md):
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:taskbench_mixed --workdir=/tmp/specjax_mixed
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:taskbench_mixed_quick --workdir=/tmp/specjax_mq
+Any gamma sweep gains per-row points with row_budgets:
+  python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:batch_quick \
+      --config.row_budgets=default,auto,12 --workdir=/tmp/specjax_rows
 Override any field:
   python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:quick \
       --config.gammas=1,2,3 --config.accepts="('bernoulli:0.7','always')" --workdir=/tmp/sw
@@ -40,6 +47,8 @@ import ml_collections
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   if arg in ("taskbench", "taskbench_quick"):
     return taskbench_config(arg)
+  if arg in ("taskbench_mixed", "taskbench_mixed_quick"):
+    return mixed_config(arg)
   if arg in ("long_context", "long_context_quick"):
     return long_context_config(arg)
   c = ml_collections.ConfigDict()
@@ -67,10 +76,14 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   c.auto_gamma = False           # also points whose gamma is chosen at run time from gammas
   c.auto_calibrate = True        # ... from each gamma's loop step timed after warm-up
   c.auto_every = 8               # ... re-chosen after chunks of 1, 2, 4, .. this many steps
+  c.row_budgets = ()             # per-row lengths: a point per budget, gamma auto:rows,max=max(gammas)
+                                 # ,budget=..: default (none given) | auto (chosen at run time) | N
+                                 # (tokens verified per step; its points at batches B <= N)
   c.trees = ()                   # token trees (model.tree specs, auto): bench/sweep/trees.py
   c.siblings = "topk"            # ... a tree's siblings: the draft's top-k | stochastic (from q)
   c.auto_candidates = ""         # ... auto's candidates: "" the static trees | auto[:N1,..] (--tree=auto's)
-  c.taskbench = ()               # task suite categories: bench/sweep/taskbench_run.py
+  c.taskbench = ()               # task suite categories (mixed: rows of every category in turn):
+                                 # bench/sweep/taskbench_run.py
   c.taskbench_category = ""      # ... the category one of its sweeps runs (set by the runner)
   c.taskbench_prompts = 0        # ... conversations per category (0 = all)
   c.taskbench_trees = ()         # ... tree rows, DRAFTER@TREE (a fixed tree, or auto[:N1,..])
@@ -165,7 +178,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
   elif arg != "default":
     raise ValueError(f"unknown sweep variant {arg!r}: use default, quick, real, gpu, gpu_batch, batch, "
                      f"batch_quick, drafters, trees, trees_quick, taskbench, taskbench_quick, "
-                     f"long_context or long_context_quick")
+                     f"taskbench_mixed, taskbench_mixed_quick, long_context or long_context_quick")
   return c
 
 
@@ -210,6 +223,39 @@ def taskbench_config(arg: str) -> ml_collections.ConfigDict:
     c.n_predict = 32
     c.ctx_size = 256
     c.reps = 1
+  return c
+
+
+def mixed_config(arg: str) -> ml_collections.ConfigDict:
+  """Mixed batches (issue 40): the task suite's category "mixed", rows drawn from the six
+  categories in turn (3 conversations each: 18 prompts, so batch 16 holds 16 distinct ones),
+  so acceptance differs across a batch's rows; SmolLM2-135M-Instruct, T = 0, batches 4, 8, 16.
+  Rows: the best fixed gamma (2, 4), --gamma=auto, per-row lengths (auto:rows,max=4 at the
+  default budget and budget=auto), target-only; n-gram and the EAGLE head. The report:
+  WORKDIR/taskbench.md's "Mixed batches" (rows_report.py), WORKDIR/mixed/summary.md.
+    python experiments/sweep_gamma.py --config=configs/sweep_gamma.py:taskbench_mixed --workdir=/tmp/specjax_mixed
+  `:taskbench_mixed_quick`: the tiny pair, batch 2, gamma 1, no auto gamma, prompt_tokens (each
+  category those ids): a smoke test of the pipeline.
+  """
+  c = taskbench_config("taskbench")
+  c.taskbench = ("mixed",)
+  c.taskbench_trees = ()
+  c.taskbench_prompts = 3
+  c.drafters = ("ngram", "eagle:smollm2-eagle")
+  c.batches = (4, 8, 16)
+  c.gammas = (2, 4)
+  c.auto_gamma = True
+  c.row_budgets = ("default", "auto")
+  c.temps = (0.0,)
+  if arg == "taskbench_mixed_quick":  # tests / CI: tiny models, few compiled programs
+    c.target, c.draft, c.chat = "tiny", "tiny-draft", False
+    c.prompt_tokens = "1,5,9,200,3,7,7,7,7,7,7,7,7,7,7,7"  # repeats: n-gram matches
+    c.drafters = ("ngram",)
+    c.batches = (2,)
+    c.gammas = (1,)
+    c.auto_gamma = False  # --gamma=auto in a sweep: tests/bench/test_batch_sweep.py
+    c.row_budgets = ("auto", "3")
+    c.n_predict, c.ctx_size, c.reps = 12, 48, 1
   return c
 
 

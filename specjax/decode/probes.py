@@ -7,6 +7,7 @@ loop, time per repetition.
                   (argmax when greedy; the sampling distribution and a draw
                   otherwise). n = 1 is a decode step; n = gamma + 1 a verify.
   ProposeProbe    a model-free drafter's proposal (n-gram lookup), per token.
+  PackedProbe     T_packed(B, N): the packed verify of N tokens (model/packed.py).
   accept_cost     one accept phase plus the step's bookkeeping (keep_tokens,
                   commit) for a rule kind, gamma and sampling settings;
                   tree_accept_cost the same for a token tree (its judge).
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model_lib
+from specjax.model import packed as pk
 from specjax.model import sampling
 from specjax.decode import plan
 from specjax.decode import speculative
@@ -114,6 +116,68 @@ class CostProbe:
       first = (n, sp) not in self.warm
       self.warm.add((n, sp))
       t = timing.measure(run, reps=reps, warmup=1 if first else 0)
+      out[n] = dataclasses.replace(t, times=[x / self.k for x in t.times])
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "k"), donate_argnames=("cache",))
+def repeat_packed(params, packed: pk.Packed, cache: kvc.KVCache, cfg, k: int):
+  """k packed verifies of one block from the same cache state, on device."""
+  depth = cache.lengths
+
+  def body(i, carry):
+    c, acc = carry
+    logits, c = steps.packed_verify(params, packed.replace(tokens=packed.tokens + i % 2), c, cfg)
+    return kvc.rollback(c, depth), acc + jnp.sum(jnp.argmax(logits, -1))
+
+  cache, acc = jax.lax.fori_loop(0, k, body, (cache, jnp.int32(0)))
+  return acc, cache
+
+
+def ragged_counts(batch: int, size: int, gamma: int) -> np.ndarray:
+  """[B] tokens per row for a block of `size`: every row its tail, the rest
+  given row by row up to gamma drafts each (the widest rows a budget allows)."""
+  extra = np.zeros(batch, np.int64)
+  left = size - batch
+  for b in range(batch):
+    extra[b] = min(gamma, left)
+    left -= extra[b]
+  return 1 + extra
+
+
+class PackedProbe:
+  """T_packed(B, N): the target's packed verify of a block of N tokens (B
+  rows of gamma_max + 1 at most, laid out by ragged_counts: the cost follows
+  N, not the layout) against a cache of `capacity` slots holding `depth`
+  tokens per row; k verifies per timed repetition in one jitted loop, the
+  logits consumed by an argmax. The same `times` interface as CostProbe."""
+
+  def __init__(self, m: steps.Runner, capacity: int, depth: int, batch: int, gamma_max: int,
+               seed: int = 0, k: int = REPEATS):
+    self.m, self.k, self.batch, self.gamma_max = m, k, batch, gamma_max
+    self.capacity, self.depth = capacity, depth
+    self.rng = np.random.RandomState(seed)
+    self.holder = [filled_cache(m, batch, capacity, depth, self.rng)]
+    self.block = random_tokens(self.rng, m.cfg.vocab_size - 1, batch, gamma_max + 1)
+    self.warm: set[int] = set()
+
+  def times(self, ns: Sequence[int], reps: int = 1,
+            sp: SamplingParams = SamplingParams()) -> dict[int, timing.Timing]:
+    """Per-verify timings for each block size N (B <= N; a new N compiles on first use)."""
+    del sp  # greedy's argmax: the rows' sampling is the accept phase's
+    kvc.check_capacity([self.depth], self.gamma_max + 1, self.capacity)
+    out = {}
+    for n in sorted(set(ns)):
+      layout = timing.block(pk.pack(self.block, jnp.asarray(
+          ragged_counts(self.batch, n, self.gamma_max)), self.holder[0].lengths, n))
+
+      def run(packed=layout):
+        acc, self.holder[0] = repeat_packed(self.m.params, packed, self.holder[0],
+                                            cfg=self.m.cfg, k=self.k)
+        return acc
+
+      t = timing.measure(run, reps=reps, warmup=0 if n in self.warm else 1)
+      self.warm.add(n)
       out[n] = dataclasses.replace(t, times=[x / self.k for x in t.times])
     return out
 

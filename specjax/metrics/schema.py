@@ -103,6 +103,24 @@ FIELDS: dict[str, str] = {
     "trees_used": "steps run with each candidate tree",
     "p_by_rank": "positional acceptance by sibling rank, measured (accepts / tries per rank)",
     "tokens_per_step_predicted": "tree_theory.tokens_per_step at the measured (or the rule's) p",
+    # per-row lengths (issue 40; gamma = 'auto:rows,max=G[,budget=N|auto]', bench/sweep/rows.py)
+    "gamma_max": "per-row lengths: the longest draft a row may get (G)",
+    "budget": "per-row lengths: the verify budget N (tokens per step), or 'auto' (chosen "
+              "between chunks)",
+    "budgets_used": "budget=auto: loop steps run at each candidate budget N",
+    "rows_step_s": "budget=auto: seconds per loop step at each budget N, timed after warm-up "
+                   "(the measured T(N) it chose from)",
+    "t_packed_s": "T_packed(B, N): the target's packed verify of the N-token block",
+    "rows_theory": "per-row lengths' tokens per loop step (all rows), measured beside the "
+                   "geometric model's (decode/rows_theory.py: measured, kept, predicted = the "
+                   "allocator's, oracle = each row's fitted alpha known, uniform = the same "
+                   "budget split evenly; budget, rows, drafts per step, each row's alpha)",
+    "predicted_rows": "a fixed budget: the speedup each theory's tokens per step gives at the "
+                      "measured step cost (predicted, oracle, uniform)",
+    "row_given": "per row (of each run in turn): mean draft length given per step",
+    "row_proposed": "per row: mean drafts the drafter proposed per step",
+    "row_accepted": "per row: mean drafts accepted per step",
+    "row_categories": "a mixed batch (task suite 'mixed'): each row's category",
 }
 
 # The CSV's columns, in order (everything scalar a reader compares).

@@ -225,7 +225,10 @@ def test_the_script_refuses_a_typo_on_a_finished_workdir(finished, tmp_path):
     ("target", "no-such-model", "no-such-model"), ("drafters", ("model", "ngram", "model"),
                                                    "twice"),
     ("drafters", ("model", "ngram:3-1"), "ngram_min"), ("prompt_set", "poetry", "prompt_set"),
-    ("gammas", "1,x", "gammas must be"), ("chat", "yes", "chat must be bool")])
+    ("gammas", "1,x", "gammas must be"), ("chat", "yes", "chat must be bool"),
+    ("row_budgets", "auto,3x", "row_budgets: '3x' is not default, auto or a verify budget"),
+    ("row_budgets", "0", "of at least the smallest batch, 1"),
+    ("row_budgets", "auto,auto", "row_budgets names a budget twice")])
 def test_bad_config_is_one_clear_error(tmp_path, tiny_dir, field, value, match):
   with pytest.raises(SpecjaxError, match=match):
     run(_tiny_config(tiny_dir).replace(**{field: value}), tmp_path)

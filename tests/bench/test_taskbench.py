@@ -429,3 +429,133 @@ def test_gpu_parts_check_fails_the_unguarded_loop(tmp_path):
   the broken variant: the check above fails on it."""
   with pytest.raises(RuntimeError, match="no such jax API"):
     _check_parts(_parts_without_guard, tmp_path)
+
+
+# ------------------------------------------------------------ mixed batches, per-row lengths
+
+
+def mixed_quick(**kw) -> SweepConfig:
+  """configs/sweep_gamma.py:taskbench_mixed_quick, typed, with `kw` replaced."""
+  return SweepConfig.from_mapping(sweep_gamma.get_config("taskbench_mixed_quick")).replace(**kw)
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory):
+  """configs/sweep_gamma.py:taskbench_mixed_quick as shipped: the tiny pair, the mixed
+  category at batch 2: gamma 1, per-row lengths at budget auto and N = 3."""
+  c = mixed_quick()
+  workdir = tmp_path_factory.mktemp("mixed")
+  return workdir, c, taskbench_run.run_taskbench(c, str(workdir), progress=False)
+
+
+ROWS_AUTO, ROWS_3 = "auto:rows,max=1,budget=auto", "auto:rows,max=1,budget=3"
+
+
+def test_mixed_quick_runs_per_row_points_with_their_theory(mixed_run):
+  workdir, cfg, records = mixed_run
+  assert sorted(str(r["gamma"]) for r in records) == sorted(["1", ROWS_AUTO, ROWS_3])
+  assert all(r["category"] == "mixed" and r["batch"] == 2 for r in records)
+  assert all(r["row_categories"] == list(taskbench.CATEGORIES[:2]) for r in records)
+  by = {str(r["gamma"]): r for r in records}
+  for spec in (ROWS_AUTO, ROWS_3):
+    r = by[spec]
+    th = r["rows_theory"]
+    assert r["gamma_max"] == 1 and r["speedup"] > 0 and th["steps"] == r["loop_steps"]
+    assert len(th["alpha"]) == len(r["row_given"]) == len(r["row_proposed"]) == 2
+    assert all(0 <= g <= 1 for g in r["row_given"]) and th["measured"] >= th["rows"] > 0
+    assert min(th["predicted"], th["oracle"], th["uniform"]) >= th["rows"]
+  fixed, auto = by[ROWS_3], by[ROWS_AUTO]
+  assert fixed["budget"] == 3 and fixed["rows_theory"]["drafts"] <= 3 - 2
+  assert fixed["t_packed_s"] > 0 and fixed["predicted_step_s"] == pytest.approx(
+      fixed["t_draft_s"] + fixed["t_packed_s"] + fixed["t_accept_s"])
+  assert fixed["predicted_measured_cost"] == pytest.approx(
+      fixed["n_kept"] / (fixed["loop_steps"] * 2) * fixed["t_target_s"]
+      / fixed["predicted_step_s"])
+  assert set(fixed["predicted_rows"]) == {"predicted", "oracle", "uniform"}
+  assert auto["budget"] == "auto" and "predicted_measured_cost" not in auto
+  assert sorted(auto["rows_step_s"], key=int) == ["2", "3", "4"]  # candidate_budgets(2, 1)
+  assert sum(auto["budgets_used"].values()) == auto["loop_steps"]
+  text = (workdir / taskbench_report.REPORT).read_text()
+  assert "## Mixed batches" in text and "Per-row lengths on the mixed batches" in text
+  line = next(ln for ln in text.splitlines() if ln.startswith("| ngram:1-4 | 2 | real | 0 | multi"))
+  assert f"| {by['1']['speedup']:.2f}x (1) | - | " in line  # no auto gamma in the quick config
+  summary = (workdir / "mixed" / "summary.md").read_text()
+  assert "### Per-row lengths against the best fixed gamma and auto" in summary
+  assert "| per-row, budget 3 (N 3.0) |" in summary
+
+
+def resume_todo(mixed_run, tmp_path, row_budgets) -> list:
+  """The points a resume of a copy of the finished mixed workdir would run
+  (harness.prepare: nothing measured), its N = 3 record deleted, with
+  `row_budgets` in place of the config's."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  from specjax.bench.sweep import harness  # pylint: disable=import-outside-toplevel
+  workdir, cfg, _ = mixed_run
+  copy = tmp_path / "w"
+  shutil.copytree(workdir, copy)
+  results = copy / "mixed" / "results.jsonl"
+  lines = results.read_text().splitlines()
+  results.write_text("".join(ln + "\n" for ln in lines if ROWS_3 not in ln))
+  cfg = cfg.replace(row_budgets=row_budgets)
+  return [p.gamma for s in taskbench_run.sweeps(cfg, str(copy))
+          for p in harness.prepare(s.runner, s.cfg, s.workdir, resume=True).todo]
+
+
+def check_resume(mixed_run, tmp_path) -> None:
+  """A resume runs the deleted N = 3 point and a new budget's (N = 4, the
+  row_budgets changed), not the finished budget=auto point; AssertionError
+  (or the resume refused) otherwise."""
+  todo = resume_todo(mixed_run, tmp_path, ("auto", "3", "4"))
+  assert todo == [ROWS_3, "auto:rows,max=1,budget=4"], todo
+
+
+def test_resume_skips_done_per_row_points_and_tells_budgets_apart(mixed_run, tmp_path):
+  check_resume(mixed_run, tmp_path)
+
+
+@pytest.mark.parametrize("bug", ["the budget dropped from the resume key",
+                                 "row_budgets not a setting that only adds points"])
+def test_each_deliberate_resume_bug_fails(bug, mixed_run, tmp_path, monkeypatch):
+  from specjax.bench.sweep import outputs, points  # pylint: disable=import-outside-toplevel
+  if bug.startswith("the budget"):
+    monkeypatch.setattr(points, "gamma_key", lawcheck.mutant(
+        points.gamma_key, "return g if", "return g.split(',budget=')[0] if"))
+  else:
+    monkeypatch.setattr(outputs, "POINT_FIELDS",
+                        tuple(f for f in outputs.POINT_FIELDS if f != "row_budgets"))
+  with pytest.raises((AssertionError, ConfigError)) as e:
+    check_resume(mixed_run, tmp_path)
+  print(f"MUTATION | {bug} | {str(e.value)[:80]}")
+
+
+def mixed_rows_categories(tok, batch: int) -> list[str]:
+  """The categories of the rows of the mixed category's batch of `batch`
+  (prompts.sweep_prompts, points.batch_prompts), each row checked to be its
+  category's conversation through the chat template; AssertionError otherwise."""
+  from specjax.bench.sweep import points, prompts  # pylint: disable=import-outside-toplevel
+  c = quick(taskbench_category="mixed", taskbench_prompts=2)
+  got = prompts.sweep_prompts(c, tok, 49152)
+  rows, = points.batch_prompts(got, batch)
+  cats = taskbench_run.row_categories({"n_prompts": len(got), "batch": batch})
+  for row, cat in zip(rows, cats):  # rows past the prompts are cut short (batch_prompts)
+    first = [tok.encode_chat(r["messages"]) for r in taskbench.load_category(cat)[:2]]
+    assert any(p[:len(row)] == row for p in first), f"a row of {cat} is not one of its conversations"
+  return cats
+
+
+def test_mixed_batches_draw_rows_from_several_categories(monkeypatch):
+  """The mixed category's batches of 4, 8 and 16 rows hold rows of 4, 6 and 6
+  categories (SmolLM2's tokenizer); a deliberate bug (the categories one
+  after another, not in turn) leaves a batch of 4 with one."""
+  from specjax.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+  from specjax.formats import checkpoint, gguf, gguf_tokenizer  # pylint: disable=import-outside-toplevel
+  try:
+    path = checkpoint.packaged_path("smollm2-135m")
+  except CheckpointError as e:
+    pytest.skip(str(e))
+  tok = gguf_tokenizer.gguf_tokenizer(gguf.open_reader(path), str(path))
+  assert [len(set(mixed_rows_categories(tok, b))) for b in (4, 8, 16)] == [4, 6, 6]
+  monkeypatch.setattr(taskbench, "mixed_prompts", lambda tok, v, n, suite: [
+      p for c in taskbench.CATEGORIES for p in taskbench.category_prompts(c, tok, v, n, suite)])
+  with pytest.raises(AssertionError, match="not one of its conversations"):
+    mixed_rows_categories(tok, 4)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.decode.probes import ragged_counts, repeat_packed
 from specjax.metrics import timing
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model
@@ -37,31 +38,6 @@ def repeat_rect(params, tokens, cache: kvc.KVCache, cfg, k: int):
 
   cache, acc = jax.lax.fori_loop(0, k, body, (cache, jnp.int32(0)))
   return acc, cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "k"), donate_argnames=("cache",))
-def repeat_packed(params, packed: pk.Packed, cache: kvc.KVCache, cfg, k: int):
-  """k packed verifies of one block from the same cache state."""
-  depth = cache.lengths
-
-  def body(i, carry):
-    c, acc = carry
-    logits, c = steps.packed_verify(params, packed.replace(tokens=packed.tokens + i % 2), c, cfg)
-    return kvc.rollback(c, depth), acc + jnp.sum(jnp.argmax(logits, -1))
-
-  cache, acc = jax.lax.fori_loop(0, k, body, (cache, jnp.int32(0)))
-  return acc, cache
-
-
-def ragged_counts(batch: int, size: int, gamma: int) -> np.ndarray:
-  """[B] tokens per row for a block of `size`: every row its tail, the rest
-  given row by row up to gamma drafts each (the widest rows a budget allows)."""
-  extra = np.zeros(batch, np.int64)
-  left = size - batch
-  for b in range(batch):
-    extra[b] = min(gamma, left)
-    left -= extra[b]
-  return 1 + extra
 
 
 def packed_cost(target: steps.Runner, batches: Sequence[int], gamma: int, depth: int,

@@ -1,8 +1,9 @@
 """The gamma sweep's batch outputs: speedup against the batch
 (speedup_vs_batch.png), the best gamma per (batch, alpha) from the measured
 cost surface (best_gamma.png), the verify surface T(B, n) / T(B, 1)
-(verify_surface.png and .csv), the crossover batch and auto gamma against
-the fixed gammas (the summary's batch section)."""
+(verify_surface.png and .csv), the crossover batch, auto gamma against
+the fixed gammas and per-row lengths against both (rows_report.py; the
+summary's batch section)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from specjax import workdir as wd
-from specjax.bench.sweep import engine
+from specjax.bench.sweep import engine, rows_report
 
 
 def fmt(x, spec=".2f") -> str:
@@ -23,6 +24,14 @@ def fmt(x, spec=".2f") -> str:
 
 def is_auto(r) -> bool:
   return r["gamma"] == "auto"
+
+
+is_rows = rows_report.is_rows
+
+
+def is_fixed(r) -> bool:
+  """A fixed gamma's point (not auto, not per-row lengths)."""
+  return not is_auto(r) and not is_rows(r)
 
 
 def _settings(records):
@@ -36,7 +45,7 @@ def plot_speedup_vs_batch(path: str, records) -> None:
   plt = wd.pyplot()
   settings = _settings(records)
   fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 5), squeeze=False)
-  gammas = sorted({r["gamma"] for r in records if not is_auto(r)})
+  gammas = sorted({r["gamma"] for r in records if is_fixed(r)})
   colors = plt.cm.viridis(np.linspace(0, 0.9, max(len(gammas), 1)))
   for ax, (acc, temp) in zip(axes[0], settings):
     rs = [r for r in records if (r["accept_rule"], r["temperature"]) == (acc, temp)]
@@ -49,6 +58,10 @@ def plot_speedup_vs_batch(path: str, records) -> None:
     if auto:
       ax.plot([r["batch"] for r in auto], [r["speedup"] for r in auto], "k*", ms=11,
               label="auto gamma: measured")
+    for spec, marker in zip(sorted({r["gamma"] for r in rs if is_rows(r)}), "DPXsp^v<>"):
+      pts = sorted((r for r in rs if r["gamma"] == spec), key=lambda r: r["batch"])
+      ax.plot([r["batch"] for r in pts], [r["speedup"] for r in pts], marker, color="C3",
+              ms=8, mfc="none", label=f"{rows_report.label(spec)}: measured")
     ax.axhline(1.0, color="red", lw=1, ls="--", label="1x (no gain)")
     ax.plot([], [], "k-", label="predicted (measured costs at B, tail model)")
     ax.set_xscale("log", base=2)
@@ -138,7 +151,7 @@ def _gmean(xs) -> float:
 
 
 def batch_markdown(records, costs, n_tokens, best=None) -> list[str]:
-  fixed = [r for r in records if not is_auto(r)]
+  fixed = [r for r in records if is_fixed(r)]
   auto = [r for r in records if is_auto(r)]
   gammas = sorted({r["gamma"] for r in fixed})
   out = ["", "## Batches: the batch x gamma surface", "",
@@ -149,8 +162,8 @@ def batch_markdown(records, costs, n_tokens, best=None) -> list[str]:
          "| B | gamma | accept rule | T | base t/s | spec t/s | speedup | predicted | "
          "steps (meas.) | steps (pred.) | T(B,g+1)/T(B,1) | efficiency | gammas used |",
          "|" + "---|" * 13]
-  for r in sorted(records, key=lambda r: (r["temperature"], r["accept_rule"], r["batch"],
-                                          99 if is_auto(r) else r["gamma"])):
+  for r in sorted(fixed + auto, key=lambda r: (r["temperature"], r["accept_rule"], r["batch"],
+                                               99 if is_auto(r) else r["gamma"])):
     cell = lambda k, spec=".3f": fmt(r.get(k), spec)
     used = ("-" if not is_auto(r) else
             " ".join(f"{g}:{n}" for g, n in r["gammas_used"].items() if n))
@@ -197,6 +210,7 @@ def batch_markdown(records, costs, n_tokens, best=None) -> list[str]:
               "(B, rule, T)): auto " + f"{ga:.3f}; " + ", ".join(
                   f"gamma {g} {v:.3f}" for g, v in gm.items()) + ". Auto beats every single "
               f"fixed gamma: {'yes' if all(ga > v for v in gm.values()) else 'no'}."]
+  out += rows_report.rows_markdown(records)
   if best is not None:
     bs, alphas, bg, _ = best
     out += ["", "### Best gamma per (B, alpha) from the measured costs (best_gamma.png)", "",
@@ -210,7 +224,7 @@ def batch_markdown(records, costs, n_tokens, best=None) -> list[str]:
 def write_batch_report(workdir: str, records, costs, n_tokens: int | None) -> str:
   """speedup_vs_batch.png, best_gamma.png, verify_surface.png (and
   verify_surface.csv) and the summary's batch section."""
-  fixed = [r for r in records if not is_auto(r)]
+  fixed = [r for r in records if is_fixed(r)]
   if fixed:
     plot_speedup_vs_batch(os.path.join(workdir, "speedup_vs_batch.png"), records)
   best = None

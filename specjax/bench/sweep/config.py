@@ -64,11 +64,13 @@ class SweepConfig:
   auto_candidates: str = ""  # an auto tree's: '' the config's static trees, or auto[:N1,..]
   contexts: tuple[int, ...] = ()  # context depths: one gamma sweep each (contexts.py)
   context: int = 0  # the context one of its sweeps runs (set by the runner; 0: none)
+  row_budgets: tuple[str, ...] = ()  # per-row lengths' points: default | auto | N (row_budgets)
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       object.__setattr__(self, f.name, _typed(f.name, f.type, getattr(self, f.name)))
-    for check in (_check_sizes, _check_points, _check_prompts, _check_suite, _check_contexts):
+    for check in (_check_sizes, _check_points, _check_prompts, _check_suite, _check_contexts,
+                  _check_row_budgets):
       check(self)
 
   @classmethod
@@ -214,6 +216,26 @@ def _check_contexts(cfg: SweepConfig) -> None:
     if c not in longsuite.CONTEXTS:
       raise ConfigError(f"config.contexts: the long suite has no prompts at context {c} "
                         f"(it has {', '.join(map(str, longsuite.CONTEXTS))})")
+
+
+def _check_row_budgets(cfg: SweepConfig) -> None:
+  """Each of row_budgets is default, auto or a budget N that some batch can
+  hold (B <= N: every row's tail), spelled once."""
+  if len(set(cfg.row_budgets)) < len(cfg.row_budgets):
+    raise ConfigError(f"config.row_budgets names a budget twice: {list(cfg.row_budgets)}")
+  for b in cfg.row_budgets:
+    if b in (engine.ROWS_DEFAULT, AUTO):
+      continue
+    if not b.isdigit() or int(b) < min(cfg.batches):
+      raise ConfigError(f"config.row_budgets: {b!r} is not default, auto or a verify budget N "
+                        f"(tokens per step) of at least the smallest batch, {min(cfg.batches)}")
+    engine.parse_rows(engine.rows_spec(max(cfg.gammas), b))
+
+
+def row_budgets_at(cfg: SweepConfig, batch: int) -> list[str]:
+  """The row budgets that apply at `batch`: default, auto, and each N >= B
+  (a block of N tokens holds the B rows' tails)."""
+  return [b for b in cfg.row_budgets if not b.isdigit() or int(b) >= batch]
 
 
 def tree_rows(cfg: SweepConfig) -> list[tuple[str, str]]:

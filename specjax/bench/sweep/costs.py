@@ -17,9 +17,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+import numpy as np
+
 from specjax.metrics import llamacpp_thread
 from specjax.metrics import theory
 from specjax.metrics.stats import SpecStats
+
+
+def loop_steps(res: list) -> tuple[int, int, int]:
+  """(loop steps, row-steps of the rows a loop step carried, loop steps in
+  which some row first fed the draft d_gamma), summed over the runs: a batch
+  loop runs until its slowest row is done, and its catch-up forward runs
+  when any row needs it."""
+  steps = carried = catchup = 0
+  for r in res:
+    rec = r.records
+    s = int(rec.step.max()) + 1 if rec.step.size else 0
+    steps += s
+    carried += s * (int(rec.row.max()) + 1 if rec.row.size else 0)
+    catchup += len(np.unique(rec.step[rec.caught_up.astype(bool)]))
+  return steps, carried, catchup
+
 
 @dataclasses.dataclass(frozen=True)
 class StepCosts:

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.decode import acceptance, adaptive, autogamma, autotree, generation, plan, probes
-from specjax.decode import speculative
+from specjax.decode import acceptance, adaptive, autogamma, autorows, autotree, generation, plan
+from specjax.decode import probes, rows_step, rows_theory, speculative
 from specjax.drafters import registry
 from specjax.errors import ConfigError
 from specjax.metrics import theory, timing
@@ -30,7 +30,8 @@ GAMMA_EVERY = autogamma.EVERY
 PRIOR_P = autotree.PRIOR_P
 PROBE_REPEATS = probes.PROBE_REPEATS
 BatchCosts, TreeCosts = autogamma.BatchCosts, autotree.TreeCosts
-CostProbe, ProposeProbe = probes.CostProbe, probes.ProposeProbe
+CostProbe, ProposeProbe, PackedProbe = probes.CostProbe, probes.ProposeProbe, probes.PackedProbe
+ROWS_DEFAULT = "default"  # a per-row point's budget when none is given (rows_step.default_budget)
 check_vocabularies, plan_capacity = plan.check_vocabularies, generation.plan_capacity
 predicted_gamma_speedups, choose_gamma = autogamma.predicted_speedups, autogamma.choose
 
@@ -81,6 +82,35 @@ def check_auto_tree(d, spec: str) -> None:
   """Drafter `d` can run --tree=`spec` (auto: it drafts every candidate, its
   state continued across them); ConfigError, one line, if not."""
   plan.parse_flags(drafter=d, tree=spec)
+
+
+def rows_spec(gamma_max: int, budget: str) -> str:
+  """The --gamma spelling of per-row lengths: auto:rows,max=G[,budget=N|auto]
+  (budget ROWS_DEFAULT: none given, rows_step.default_budget)."""
+  return f"{plan.AUTO}:{plan.ROWS},max={gamma_max}" + (
+      "" if budget == ROWS_DEFAULT else f",budget={budget}")
+
+
+def parse_rows(spec: str) -> tuple[int, int | str] | None:
+  """(gamma_max, budget: 0 the default, N, or 'auto') of a per-row spec; None for others."""
+  return plan.parse_rows(spec)
+
+
+def check_rows(spec: str, d, rule: str) -> None:
+  """Drafter `d` can run per-row lengths `spec` under `rule` (ConfigError, one line)."""
+  plan.parse_flags(drafter=d, gamma=spec, rule=rule)
+
+
+def rows_budget(spec: str, batch: int) -> int | str:
+  """The verify budget N a fixed per-row spec runs at `batch` ('auto' for budget=auto)."""
+  g, n = plan.parse_rows(spec)
+  return n if n == plan.AUTO else n or rows_step.default_budget(batch, g)
+
+
+def rows_theory_of(res, budget, gamma_max: int, batch: int) -> rows_theory.RowsTheory:
+  """A per-row run's tokens per step beside the geometric model's
+  (rows_theory.compare; budget: N, or each loop step's)."""
+  return rows_theory.compare(res.records, budget, gamma_max, batch)
 
 
 def is_dynamic(tree) -> bool:
@@ -173,10 +203,39 @@ class Loop:
                                 sp=sp, rule=rule, seed=self.seed, capacity=self.capacity,
                                 drafter=d, tree=tree, siblings=siblings)
 
+  def rows_plan(self, spec: str, sp, rule: str, d, batch: int) -> plan.Plan:
+    """--gamma=`spec` (auto:rows..) resolved at `batch` (budget=auto: a candidate per budget)."""
+    return plan.parse_flags(drafter=d, gamma=spec, rule=rule, sp=sp).resolve(
+        self.target.cfg, self.draft and self.draft.cfg, batch=batch)
+
+  def per_row(self, rows, spec: str, sp, rule: str, d, every: int, times=None):
+    """Per-row lengths: a fixed budget's device loop, or budget=auto's chunks
+    with the budget chosen from `times` (calibrate_rows: each candidate's step)."""
+    p = self.rows_plan(spec, sp, rule, d, len(rows))
+    if p.auto != plan.ROWS:
+      return speculative.run(self.target, self.draft, rows, self.n_predict, p, seed=self.seed,
+                             capacity=self.capacity)
+    return adaptive.generate(self.target, self.draft, rows, self.n_predict, p,
+                             autorows.BudgetChooser(times, p), **self._kw(every))
+
+  def warm_rows(self, rows, spec: str, sp, rule: str, d, every: int) -> float:
+    """Compiles budget=auto's every candidate's chunk program (the compile seconds)."""
+    return adaptive.warm_up(self.target, self.draft, rows, self.n_predict,
+                            self.rows_plan(spec, sp, rule, d, len(rows)), **self._kw(every))
+
+  def calibrate_rows(self, rows, spec: str, sp, rule: str, d, every: int) -> dict[str, float]:
+    """budget=auto's T(N): each candidate's seconds per loop step, in the loop."""
+    return autorows.calibrate(self.target, self.draft, rows, self.n_predict,
+                              self.rows_plan(spec, sp, rule, d, len(rows)), **self._kw(every))
+
   # ------------------------------------------------------------ probes
 
   def cost_probe(self, m: steps.Runner, depth: int, batch: int = 1) -> probes.CostProbe:
     return probes.CostProbe(m, self.capacity, depth, k=PROBE_REPEATS, batch=batch)
+
+  def packed_probe(self, depth: int, batch: int, gamma_max: int) -> probes.PackedProbe:
+    return probes.PackedProbe(self.target, self.capacity, depth, batch, gamma_max,
+                              k=PROBE_REPEATS)
 
   def draft_probe(self, d, gamma: int, depth: int):
     return probes.draft_probe(d, self.target, self.draft, gamma, self.capacity, depth,

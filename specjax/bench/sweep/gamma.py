@@ -9,8 +9,9 @@ runs they predict, and the accept cost (costs.py); Leviathan's, the thread's
 and the measured-cost predictions; efficiency = measured / prediction,
 paired within a repetition; with measure_split, the phases' shares of a step
 from one host-loop run. Points that differ only in their rule share the
-target-only runs and the probes (`run_group`). Nothing may compile inside a
-timed repetition. The harness (harness.py) owns the workdir and the records;
+target-only runs and the probes (`run_group`); per-row lengths' points
+(`row_budgets`) are rows.py's. Nothing may compile inside a timed
+repetition. The harness (harness.py) owns the workdir and the records;
 gamma_report.py writes the report. docs/sweep.md.
 """
 
@@ -19,9 +20,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-import numpy as np
-
-from specjax.bench.sweep import costs, engine, gamma_report, points
+from specjax.bench.sweep import costs, engine, gamma_report, points, rows
 from specjax.bench.sweep.config import SweepConfig
 from specjax.bench.sweep.harness import Emit, Setup
 from specjax.bench.sweep.points import AUTO, Point, batch_prompts, group_key
@@ -44,6 +43,7 @@ class Bench:
   probes: dict = dataclasses.field(default_factory=dict)  # batch -> (target, draft) probes
   batch_costs: dict = dataclasses.field(default_factory=dict)  # batch -> engine.BatchCosts
   auto_costs: dict = dataclasses.field(default_factory=dict)  # auto point key -> calibrated
+  packed: dict = dataclasses.field(default_factory=dict)  # (batch, G) -> engine.PackedProbe
 
   @property
   def cfg(self) -> SweepConfig:
@@ -123,21 +123,6 @@ def _rep_costs(bench: Bench, p: Point) -> dict[str, float]:
           "t_draft": probe_d.times([1], PROBE_REPS, sp=p.sp)[1].median}
 
 
-def loop_steps(res: list) -> tuple[int, int, int]:
-  """(loop steps, row-steps of the rows a loop step carried, loop steps in
-  which some row first fed the draft d_gamma), summed over the runs: a batch
-  loop runs until its slowest row is done, and its catch-up forward runs
-  when any row needs it."""
-  steps = carried = catchup = 0
-  for r in res:
-    rec = r.records
-    s = int(rec.step.max()) + 1 if rec.step.size else 0
-    steps += s
-    carried += s * (int(rec.row.max()) + 1 if rec.row.size else 0)
-    catchup += len(np.unique(rec.step[rec.caught_up.astype(bool)]))
-  return steps, carried, catchup
-
-
 def expected_steps(p: Point, st: stats_lib.SpecStats, groups: list[list[list[int]]],
                    n_predict: int) -> float:
   """The tail model's expected loop steps (theory.expected_batch_steps), summed
@@ -213,7 +198,7 @@ def point_record(bench: Bench, p: Point, reps: list[dict], res: list, compile_s:
   pooled = stats_lib.Records.concat([r.records for r in res])
   st = stats_lib.SpecStats.compute(pooled, gamma=max(bench.auto_set) if p.auto else p.gamma,
                                    n_predict=sum(r.stats.n_predict for r in res))
-  steps, carried, catchup = loop_steps(res)
+  steps, carried, catchup = costs.loop_steps(res)
   groups = batch_prompts(bench.setup.prompts, p.batch)
   for r in reps:
     r["speedup"] = r["base_s"] / r["spec_s"]
@@ -291,6 +276,10 @@ class GammaRunner:
     for a in cfg.accepts:
       for g in cfg.gammas:
         engine.check_rule(a, g)
+    if cfg.row_budgets:  # per-row lengths run chains: every drafter and rule at G
+      for d in cfg.drafter_specs:
+        for a in cfg.accepts:
+          engine.check_rows(engine.rows_spec(max(cfg.gammas), AUTO), d, a)
 
   def points(self, cfg: SweepConfig, drafters: list[str]) -> list:
     return points.gamma_points(cfg, drafters)
@@ -322,6 +311,10 @@ class GammaRunner:
     for p in todo:  # in order; a group's points follow one another
       groups.setdefault(group_key(p), []).append(p)
     for group in groups.values():
+      if group[0].rows:  # per-row lengths (row_budgets): rows.py measures each point
+        for p in group:
+          emit(p, rows.run_point(benches[p.drafter], p))
+        continue
       for p, rec in zip(group, run_group(benches[group[0].drafter], group)):
         emit(p, rec)
     return dict(first, **({"drafters": curves} if len(curves) > 1 else {})), []

@@ -212,7 +212,7 @@ def write_report(workdir: str, records: list[dict[str, Any]], costs: dict[str, A
   md = summary_markdown(records, costs, env)
   if len(drafters_of(all_records)) > 1:
     md += "\n".join(drafters_markdown(all_records)) + "\n"
-  if len(batches_of(all_records)) > 1 or any(batch_report.is_auto(r) for r in all_records):
+  if len(batches_of(all_records)) > 1 or any(not batch_report.is_fixed(r) for r in all_records):
     md += batch_report.write_batch_report(workdir, all_records, costs, n_tokens)
   return md
 
@@ -233,7 +233,7 @@ def base_records(records):
   """The fixed-gamma points at the smallest batch: what the gamma sweep's
   plots and tables describe."""
   bs, ds = batches_of(records), drafters_of(records)
-  return [r for r in records if not batch_report.is_auto(r) and bs
+  return [r for r in records if batch_report.is_fixed(r) and bs
           and int(r.get("batch", 1)) == bs[0] and str(r.get("drafter") or "model") == ds[0]]
 
 
@@ -243,7 +243,7 @@ def base_records(records):
 def _drafter_points(records):
   """{(drafter, rule, T): records by gamma} over the fixed-gamma points at
   the sweep's smallest batch (batch 1 unless the sweep has none)."""
-  fixed = [r for r in records if not batch_report.is_auto(r)]
+  fixed = [r for r in records if batch_report.is_fixed(r)]
   smallest = min((int(r.get("batch", 1)) for r in fixed), default=1)
   out: dict[tuple, list] = {}
   for r in fixed:

@@ -26,7 +26,7 @@ from specjax.workdir import Record
 
 # Settings that only add points: a resume may change them.
 POINT_FIELDS = ("gammas", "accepts", "temps", "batches", "auto_gamma", "drafters", "trees",
-                "noise_threshold")
+                "noise_threshold", "row_budgets")
 # What a sweep writes (besides its plots, *.png): moved aside together.
 OUTPUTS = (wd.RESULTS, wd.CSV_FILE, wd.CONFIG, wd.SUMMARY, "costs.json", "noise.json",
            "verify_surface.csv")

@@ -1,21 +1,30 @@
 """The sweeps' grids: a point of the gamma sweep (`Point`: drafter, batch,
-gamma, rule, temperature) and of the trees sweep (`TreePoint`: a tree in
-place of the gamma), each point's key and the key read back from its record
-(what a resume skips), the groups of gamma points that share their
-target-only runs and probes, and the ragged rows of a batch."""
+gamma, rule, temperature; gamma a fixed one, auto, or per-row lengths'
+auto:rows,max=G[,budget=N|auto] for each of row_budgets) and of the trees
+sweep (`TreePoint`: a tree in place of the gamma), each point's key and the
+key read back from its record (what a resume skips), the groups of gamma
+points that share their target-only runs and probes, and the ragged rows of
+a batch."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from specjax.bench.sweep.config import AUTO, SweepConfig
+from specjax.bench.sweep import engine
+from specjax.bench.sweep.config import AUTO, SweepConfig, row_budgets_at
 from specjax.model.sampling import SamplingParams
 from specjax.workdir import Record
 
 
+def gamma_key(g) -> int | str:
+  """A gamma as a key: an int, AUTO, or a per-row spec as written (its
+  budget included: two budgets are two points)."""
+  return g if isinstance(g, str) and not g.isdigit() else int(g)
+
+
 @dataclasses.dataclass(frozen=True)
 class Point:
-  gamma: int | str  # an int, or AUTO
+  gamma: int | str  # an int, AUTO, or a per-row spec (engine.rows_spec)
   accept_rule: str
   sp: SamplingParams
   batch: int = 1
@@ -26,8 +35,14 @@ class Point:
     return self.gamma == AUTO
 
   @property
+  def rows(self) -> bool:
+    """Per-row lengths (--gamma=auto:rows..)."""
+    return isinstance(self.gamma, str) and engine.parse_rows(self.gamma) is not None
+
+  @property
   def key(self) -> tuple:
-    return (self.drafter, self.batch, self.gamma, self.accept_rule, self.sp.temperature)
+    return (self.drafter, self.batch, gamma_key(self.gamma), self.accept_rule,
+            self.sp.temperature)
 
   @property
   def label(self) -> str:
@@ -65,9 +80,8 @@ class TreePoint:
 
 
 def point_key(rec: Record) -> tuple:
-  g = rec["gamma"]
-  return (str(rec.get("drafter") or "model"), int(rec.get("batch", 1)),
-          g if g == AUTO else int(g), str(rec["accept_rule"]), float(rec["temperature"]))
+  return (str(rec.get("drafter") or "model"), int(rec.get("batch", 1)), gamma_key(rec["gamma"]),
+          str(rec["accept_rule"]), float(rec["temperature"]))
 
 
 def tree_point_key(rec: Record) -> tuple:
@@ -77,10 +91,12 @@ def tree_point_key(rec: Record) -> tuple:
 
 def gamma_points(cfg: SweepConfig, drafters: list[str]) -> list[Point]:
   """Every point of a gamma sweep, in the order it runs (a group's points
-  follow one another)."""
+  follow one another): the fixed gammas, auto, then per-row lengths at
+  gamma_max = max(gammas) for each row budget that applies at the batch."""
   gammas = sorted(cfg.gammas) + ([AUTO] if cfg.auto_gamma else [])
+  rows = lambda b: [engine.rows_spec(max(cfg.gammas), n) for n in row_budgets_at(cfg, b)]
   return [Point(g, a, cfg.sampling(t), b, d) for d in drafters for b in sorted(cfg.batches)
-          for t in cfg.temps for g in gammas for a in cfg.accepts]
+          for t in cfg.temps for g in gammas + rows(b) for a in cfg.accepts]
 
 
 def tree_points(cfg: SweepConfig, drafters: list[str]) -> list[TreePoint]:

@@ -1,8 +1,9 @@
 """The prompts a sweep runs, as token ids: the config's one prompt (text or
 ids), `heldout_prompts` shipped held-out prompts (continuation or editing),
-a task suite category's conversations, or those of a context (the long
-suite's, `context_prompts`); with `chat`, each text a user
-turn through the target's chat template (a target without one is refused)."""
+a task suite category's conversations (the mixed category: every
+category's in turn), or those of a context (the long suite's,
+`context_prompts`); with `chat`, each text a user turn through the target's
+chat template (a target without one is refused)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ def sweep_prompts(cfg: SweepConfig, tok, vocab_size: int) -> list[list[int]]:
   n = cfg.heldout_prompts
   if cfg.context:
     return context_prompts(cfg, tok, vocab_size)
+  if cfg.taskbench_category == taskbench.MIXED:  # prompt_tokens: those ids for each category
+    if cfg.prompt_tokens:
+      return [cli.parse_prompt(None, cfg.prompt_tokens, tok, vocab_size)] * len(
+          taskbench.CATEGORIES)
+    return taskbench.mixed_prompts(tok, vocab_size, cfg.taskbench_prompts, cfg.taskbench_suite)
   if cfg.taskbench_category and not cfg.prompt_tokens:
     return taskbench.category_prompts(cfg.taskbench_category, tok, vocab_size,
                                       cfg.taskbench_prompts, cfg.taskbench_suite)

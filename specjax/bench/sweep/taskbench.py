@@ -11,7 +11,8 @@ by hand before the next drafts were trained and never used to design their
 data; and "long" (LONG, longsuite.py), summarization and qa over 1 K-8 K
 token documents built from the stdlib. Each line of CATEGORY.jsonl is {"messages": [...], ...}, a
 conversation ending in a user turn, rendered with the target's chat
-template. The passages are invented. docs/taskbench.md.
+template. The passages are invented. MIXED (`mixed_prompts`): batches whose
+rows come from different categories. docs/taskbench.md.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ SUITES = {"dev": DIR, "eval": DIR.parent / "taskbench_eval"}
 # 1 K-8 K tokens; apart from SUITES, whose suites hold every category.
 LONG = "long"
 CATEGORIES = ("multi_turn", "code_completion", "code_editing", "summarization", "qa", "math")
+# Mixed batches: the categories' conversations in turn, so a batch's rows come from several.
+MIXED = "mixed"
 # Spec-Bench's column names for ours (the leaderboard's header).
 TITLES = {"multi_turn": "Multi-turn", "code_completion": "Code compl.",
-          "code_editing": "Code edit", "summarization": "Summ.", "qa": "QA", "math": "Math"}
+          "code_editing": "Code edit", "summarization": "Summ.", "qa": "QA", "math": "Math",
+          MIXED: "Mixed"}
 MATH_SEED, MATH_N = mathgen.SUITE_SEED, mathgen.SUITE_N
 # The generator lives with the training data (train/mathgen.py): the training mix draws
 # problems from it with another seed.
@@ -83,6 +87,20 @@ def category_prompts(name: str, tok, vocab_size: int, n: int = 0, suite: str = "
           for r in recs]
 
 
+def mixed_prompts(tok, vocab_size: int, n: int = 0, suite: str = "dev") -> list[list[int]]:
+  """The MIXED category: the categories' conversations in turn (CATEGORIES
+  order), n of each (0: as many as the shortest category has), so prompt i
+  is of category mixed_categories(..)[i] and a batch of B rows (row r:
+  prompt r mod len) holds rows of min(B, 6) categories."""
+  per = [category_prompts(c, tok, vocab_size, n, suite) for c in CATEGORIES]
+  return [p for turn in zip(*per) for p in turn]
+
+
+def mixed_categories(n_prompts: int) -> list[str]:
+  """The category of each of the MIXED category's prompts, in order."""
+  return [CATEGORIES[i % len(CATEGORIES)] for i in range(n_prompts)]
+
+
 def suite_dir(suite: str) -> Path:
   """A suite's folder: SUITES' or the long suite's."""
   if suite == LONG:
@@ -93,7 +111,8 @@ def suite_dir(suite: str) -> Path:
 
 
 def suite_categories(suite: str) -> tuple[str, ...]:
-  return longsuite.CATEGORIES if suite == LONG else CATEGORIES
+  """What config.taskbench may name: a suite's categories (MIXED: rows of them all)."""
+  return longsuite.CATEGORIES if suite == LONG else (*CATEGORIES, MIXED)
 
 
 # ------------------------------------------------------------ math problems

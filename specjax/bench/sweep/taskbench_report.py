@@ -4,7 +4,10 @@ category, MAT and the overall speedup; per category and drafter MAT, alpha,
 tokens/s, speedup and both predictions, at the gamma of the best measured
 speedup), the published MATs beside ours, and issue 27's goals computed
 from the records (`goals`); taskbench.png, MAT and speedup per category.
-MAT is stats.SpecStats.tokens_per_step (accepted drafts + 1 per step)."""
+The mixed category (rows of several categories in one batch) is a section
+of its own: per batch, target-only, the best fixed gamma, auto and per-row
+lengths (`mixed_lines`, rows_report.py). MAT is stats.SpecStats.tokens_per_step
+(accepted drafts + 1 per step)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import os
 import statistics
 
 from specjax import workdir as wd
-from specjax.bench.sweep import taskbench
+from specjax.bench.sweep import rows_report, taskbench
 
 REPORT, PLOT, RECORDS = "taskbench.md", "taskbench.png", "taskbench.jsonl"
 PUBLISHED = ("Published MATs (mean accepted tokens per step, Spec-Bench, Vicuna-7B, T=0): "
@@ -26,7 +29,7 @@ def best_points(records: list[dict]) -> dict[tuple, dict]:
   speedup over its gammas (real acceptance only)."""
   out: dict[tuple, dict] = {}
   for r in records:
-    if r.get("accept_rule") != "real":
+    if r.get("accept_rule") != "real" or r.get("category") == taskbench.MIXED:
       continue
     key = (r["category"], r["drafter"], float(r["temperature"]))
     if key not in out or r["speedup"] > out[key]["speedup"]:
@@ -65,6 +68,37 @@ def leaderboard(records: list[dict]) -> str:
           f"| {p['baseline_tps']:.1f} | {p['speedup']:.2f}x "
           f"| {_x(p.get('predicted_measured_cost'))} | {_x(p.get('predicted_leviathan'))} |")
   return "\n".join(lines) + "\n"
+
+
+def mixed_lines(records: list[dict]) -> list[str]:
+  """The mixed batches' section: per (drafter, batch, rule, T) the target-only
+  speed, the best fixed gamma, auto and the best per-row point (each per-row
+  point with its theory below); nothing without mixed records."""
+  rs = [r for r in records if r.get("category") == taskbench.MIXED]
+  if not rs:
+    return []
+  key = lambda r: (r["drafter"], int(r.get("batch", 1)), r["accept_rule"], float(r["temperature"]))
+  lines = ["## Mixed batches (rows drawn from the categories in turn)", "",
+           "| Drafter | B | rule | T | row categories | target-only t/s | best fixed (gamma) "
+           "| auto | best per-row |", "|" + "---|" * 9]
+  for k in sorted({key(r) for r in rs}):
+    here = [r for r in rs if key(r) == k]
+    fixed = [r for r in here if isinstance(r["gamma"], int)]
+    auto = next((r for r in here if r["gamma"] == "auto"), None)
+    per = [r for r in here if rows_report.is_rows(r)]
+    best = max(fixed, key=lambda r: r["speedup"], default=None)
+    prow = max(per, key=lambda r: r["speedup"], default=None)
+    cats = ", ".join(dict.fromkeys(here[0].get("row_categories") or []))
+    lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]:g} | {cats or '-'} | "
+                 f"{statistics.median(r['baseline_tps'] for r in here):.1f} | "
+                 + ("-" if best is None else f"{best['speedup']:.2f}x ({best['gamma']})")
+                 + f" | {'-' if auto is None else format(auto['speedup'], '.2f') + 'x'} | "
+                 + ("-" if prow is None else
+                    f"{prow['speedup']:.2f}x ({rows_report.label(prow['gamma'])})") + " |")
+  if any(rows_report.is_rows(r) for r in rs):
+    lines += ["", "Per-row lengths on the mixed batches, with their theory:", "",
+              *rows_report.rows_lines(rs)]
+  return lines + [""]
 
 
 def _x(v) -> str:
@@ -179,7 +213,7 @@ def write_report(workdir: str, records: list[dict], cfg, notes: list[str] = ()) 
           f"\n\n{PUBLISHED}; ours (the leaderboard's MAT column): {_ours(records)}."
           f"\n\nSpeedup per category; MAT = mean accepted tokens per step (drafts accepted "
           f"+ 1), averaged over the categories:\n\n" + leaderboard(records)
-          + "\n" + "\n".join(goals_lines(goals(records))) + "\n")
+          + "\n" + "\n".join(mixed_lines(records) + goals_lines(goals(records))) + "\n")
   with open(os.path.join(workdir, REPORT), "w") as f:
     f.write(text)
   _plot(workdir, records)
@@ -215,7 +249,8 @@ def _plot(workdir: str, records: list[dict]) -> None:
     ax.set_title(title)
     if field == "speedup":
       ax.axhline(1.0, color="k", lw=0.8)
-  axes[0].legend(fontsize=7)
+  if rows:
+    axes[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(workdir, PLOT), dpi=100)
   plt.close(fig)

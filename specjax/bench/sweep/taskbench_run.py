@@ -2,7 +2,8 @@
 gamma sweep of the drafters (WORKDIR/CATEGORY/) and, per drafter of
 `taskbench_trees` ("DRAFTER@TREE" rows), one trees sweep of its trees at
 batch 1 (WORKDIR/CATEGORY/trees-NAME-HASH/), each (drafter, tree) a
-leaderboard row "DRAFTER TREE" of its own. Every sweep is planned and
+leaderboard row "DRAFTER TREE" of its own; the mixed category's records
+name each row's category (`row_categories`). Every sweep is planned and
 checked (harness.prepare) before the first one runs, the models loaded once;
 each appends its points as they finish, and a resume skips them. The report:
 taskbench_report.py. With `prompt_tokens` (models without a tokenizer, the
@@ -17,7 +18,8 @@ import os
 import re
 
 from specjax import workdir as wd
-from specjax.bench.sweep import gamma, harness, noise, outputs, taskbench_report, trees
+from specjax.bench.sweep import gamma, harness, noise, outputs, points, taskbench
+from specjax.bench.sweep import taskbench_report, trees
 from specjax.bench.sweep.config import AUTO, SweepConfig, tree_rows
 from specjax.errors import ConfigError
 from specjax.workdir import Record
@@ -35,6 +37,14 @@ def tree_dir(drafter: str) -> str:
   to one name and two drafters must never share a sweep's records."""
   digest = hashlib.sha1(drafter.encode()).hexdigest()[:8]
   return "trees-" + re.sub(r"[^A-Za-z0-9.,-]+", "_", drafter).strip("_") + "-" + digest
+
+
+def row_categories(rec: Record) -> list[str]:
+  """Each row's category in a mixed point, run after run (points.batch_prompts
+  over the mixed prompts: row r of a batch is prompt r mod n)."""
+  cats = taskbench.mixed_categories(int(rec["n_prompts"]))
+  groups = points.batch_prompts([[i] for i in range(len(cats))], int(rec.get("batch", 1)))
+  return [cats[row[0]] for rows in groups for row in rows]
 
 
 def tree_config(cfg: SweepConfig, cat: str, drafter: str, specs: list[str]) -> SweepConfig:
@@ -62,7 +72,9 @@ class Sweep:
     """Its records as leaderboard rows: each with its category; a trees
     sweep's only for its own drafter and trees, labelled DRAFTER TREE."""
     if self.drafter is None:
-      return [dict(r, category=self.category) for r in records]
+      mixed = self.category == taskbench.MIXED
+      return [dict(r, category=self.category, **({"row_categories": row_categories(r)}
+                                                  if mixed else {})) for r in records]
     return [dict(r, category=self.category, tree_drafter=self.drafter,
                  drafter=tree_label(self.drafter, r["tree"]))
             for r in records if r["tree"] in self.cfg.trees and r.get("drafter") == self.drafter]
