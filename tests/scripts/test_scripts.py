@@ -219,6 +219,8 @@ def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
                         "--n_predict=8", "--prompt_tokens=1,2"],
      r"error: vocab=64: no shipped ranking for a vocabulary of 256 ids"),
     ("vocab_cost.py", ["--model=tiny", "--sizes=full,lots"], r"error: --sizes: 'lots'"),
+    ("cost_surface.py", ["--model=tiny", "--drafter=ngram", "--workdir=/tmp/specjax_cs_bad"],
+     r"error: drafter ngram:1-4: the surface times streaming, eagle, model"),
     ("draft_vocab.py", ["--n_train=0"], r"error: --n_train"),
     ("heldout_alpha.py", ["--temps=hot"], r"error: --temps"),
     ("heldout_alpha.py", ["--drafters=eagle:nowhere"], r"error: EAGLE head 'nowhere'"),

@@ -31,8 +31,22 @@ def dynamo_graphs() -> int:
   return int(counters["stats"]["unique_graphs"])
 
 
+def window_slots(start, sinks: int, size: int, span: int, capacity: int):
+  """kv_cache.Window.slots in torch: (slots [B, n] clipped into the cache,
+  real [B, n] bool), n = sinks + size + span: the first `sinks` slots, then
+  start - size .. start + span - 1 (start [B] int64: the step's kept length)."""
+  torch = import_torch()
+  start = start[:, None]
+  cut = torch.clamp(start, max=sinks)  # sinks below it are real
+  sink = torch.arange(sinks)[None, :].expand(start.shape[0], sinks)
+  recent = start - size + torch.arange(size + span)[None, :]
+  slots = torch.cat([sink, recent], 1)
+  real = torch.cat([sink < cut, (recent >= cut) & (recent < capacity)], 1)
+  return slots.clamp(0, capacity - 1), real
+
+
 def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: int,
-             n_kv_heads: int, eps: float, logits: bool = False, tree=None):
+             n_kv_heads: int, eps: float, logits: bool = False, tree=None, window=None):
   """T new tokens per row against the cache; the caches are written in place.
 
   w: weights (torch layout, [out, in]); tokens [B, T] int64; lengths [B]
@@ -41,6 +55,9 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
   token tree's verify block (model.tree.Tree.mask, block_depths): RoPE at
   lengths + depth, attention to the cache's slots < lengths and to the
   block's slots the mask allows (an additive mask over [cache; block]).
+  window: None, or (slots [B, n], real [B, n]) (window_slots): every layer
+  attends to those slots alone, gathered per row (the streaming draft's
+  layers.attend_window), masked by slot <= position and real.
   Returns the argmax [B, T] of the logits (or the f32 logits [B, T, V]).
   """
   torch = import_torch()
@@ -57,6 +74,8 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
     j = cols - lengths[:, None, None]  # [B, 1, S] block index of each slot
     allowed = tree[0][None].expand(b, t, t).gather(2, j.clamp(0, t - 1).expand(b, t, s_cap))
     mask = (j < 0) | ((j < t) & allowed)
+  if window is not None:  # a chain over the window's slots
+    mask = (window[0][:, None, :] <= slots[:, :, None]) & window[1][:, None, :]  # [B, T, n]
   bias = torch.zeros(mask.shape, dtype=torch.float32, device=tokens.device)
   bias = bias.masked_fill(~mask, float("-inf"))[:, None, None]  # [B, 1, 1, T, S]
   freqs = positions[..., None].float() * w["inv_freq"]  # [B, T, D/2]
@@ -83,9 +102,11 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
     vv = lin(y, lw["wv"]).view(b, t, k, d)
     kc[rows, :, slots] = kk.to(kc.dtype)  # write first: the new tokens see themselves
     vc[rows, :, slots] = vv.to(vc.dtype)
+    if window is not None:  # the window's slots gathered: [B, K, n, D]
+      kc, vc = (c[rows, :, window[0]].permute(0, 2, 1, 3) for c in (kc, vc))
     qg = q.view(b, t, k, h // k, d).permute(0, 2, 3, 1, 4)  # [B, K, G, T, D]
     scores = torch.matmul(qg.float(), kc[:, :, None].transpose(-1, -2).float())
-    scores = scores / math.sqrt(d) + bias  # [B, K, G, T, S]
+    scores = scores / math.sqrt(d) + bias  # [B, K, G, T, S or n]
     probs = torch.softmax(scores, -1).to(x.dtype)
     out = torch.matmul(probs, vc[:, :, None])  # [B, K, G, T, D]
     out = out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
@@ -130,9 +151,10 @@ class TorchLlama:
     self.compiled = bool(compile)
     self.compile_note = None
     kw = dict(n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, eps=cfg.norm_eps)
-    eager = lambda w, tok, lens, ks, vs, tree=None: _forward(w, tok, lens, ks, vs, **kw, tree=tree)
-    self._eager_logits = lambda w, tok, lens, ks, vs, tree=None: _forward(
-        w, tok, lens, ks, vs, **kw, logits=True, tree=tree)
+    eager = lambda w, tok, lens, ks, vs, tree=None, window=None: _forward(
+        w, tok, lens, ks, vs, **kw, tree=tree, window=window)
+    self._eager_logits = lambda w, tok, lens, ks, vs, tree=None, window=None: _forward(
+        w, tok, lens, ks, vs, **kw, logits=True, tree=tree, window=window)
     self._eager = eager
     self._fn = eager
     if self.compiled:
@@ -154,44 +176,58 @@ class TorchLlama:
     lens = cache.lengths.numpy()
     kvc.check_capacity(lens if live is None else lens[live], tokens.shape[1], cache.capacity)
 
-  def step(self, tokens, cache: "Cache", live=None, tree=None):
+  def step(self, tokens, cache: "Cache", live=None, tree=None, window=None):
     """argmax [B, T] of a forward over tokens [B, T]; lengths += T. Capacity
     is checked first (for the `live` rows when given: the others ride
-    along, their writes inside the capacity by construction)."""
+    along, their writes inside the capacity by construction). window: the
+    slots every layer attends to (window_slots; a streaming draft)."""
     self._check(tokens, cache, live)
     with self.torch.inference_mode():
       try:
-        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
+        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v, tree, window)
       except Exception as e:  # pylint: disable=broad-except
         if not self.compiled:
           raise
         # torch.compile broken here: record why, go on eager.
         self.compile_note = f"torch.compile failed, eager fallback: {first_line(e)}"
         self.compiled, self._fn = False, self._eager
-        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
+        out = self._fn(self.w, tokens, cache.lengths, cache.k, cache.v, tree, window)
     cache.lengths += tokens.shape[1]
     return out
 
-  def logits(self, tokens, cache: "Cache", tree=None):
+  def logits(self, tokens, cache: "Cache", tree=None, window=None):
     """f32 logits [B, T, V] of the same forward, eager (`tree`: a tree
-    verify, see _forward); lengths += T."""
+    verify, `window`: a streaming draft's slots, see _forward); lengths += T."""
     self._check(tokens, cache)
     with self.torch.inference_mode():
-      out = self._eager_logits(self.w, tokens, cache.lengths, cache.k, cache.v, tree)
+      out = self._eager_logits(self.w, tokens, cache.lengths, cache.k, cache.v, tree, window)
     cache.lengths += tokens.shape[1]
     return out
 
-  def prefill(self, prompts: Sequence[Sequence[int]], cache: "Cache"):
-    """Writes each row's prompt at slots 0..len-1 (right-padded batch, eager);
-    returns the argmax [B] at each row's last prompt token."""
+  def prefill(self, prompts: Sequence[Sequence[int]], cache: "Cache", chunk: int = 512):
+    """Writes each row's prompt at slots 0..len-1 (right-padded batch, eager,
+    `chunk` tokens per forward: a long prompt's scores and logits stay
+    bounded); returns the argmax [B] at each row's last prompt token."""
     torch = self.torch
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
     pad = max(len(p) for p in prompts)
     ids = torch.tensor([list(p) + [0] * (pad - len(p)) for p in prompts], dtype=torch.int64)
-    cache.lengths.zero_()
-    logits = self.logits(ids, cache)
+    best = []
+    for lo in range(0, pad, chunk):
+      cache.lengths.fill_(lo)
+      best.append(torch.argmax(self.logits(ids[:, lo:lo + chunk], cache), -1))
     cache.lengths.copy_(lens)  # padding slots are past the lengths: never attended
-    return torch.argmax(logits[torch.arange(len(prompts)), lens - 1], -1)
+    return torch.cat(best, 1)[torch.arange(len(prompts)), lens - 1]
+
+  def random_cache(self, batch: int, capacity: int, depth: int, seed: int = 0) -> "Cache":
+    """A cache whose first `depth` slots per row hold random K/V (not the
+    model's; cost_surface.random_cache in torch, for timing at a long context)."""
+    cache = self.new_cache(batch, capacity)
+    gen = self.torch.Generator().manual_seed(seed)
+    for c in cache.k + cache.v:
+      c[:, :, :depth] = self.torch.randn(c[:, :, :depth].shape, generator=gen, dtype=c.dtype)
+    cache.lengths.fill_(depth)
+    return cache
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specjax.bench.backends.torch_llama import Cache, TorchLlama, dynamo_graphs
+from specjax.bench.backends.torch_llama import Cache, TorchLlama, dynamo_graphs, window_slots
 from specjax.decode import acceptance
 from specjax.decode import generation
 from specjax.errors import ConfigError
@@ -264,12 +264,15 @@ class TorchCostProbe:
   torch loop)."""
 
   def __init__(self, m: TorchLlama, batch: int, capacity: int, depth: int, seed: int = 0,
-               k: int = REPEATS):
+               k: int = REPEATS, random_kv: bool = False):
     self.m, self.batch, self.capacity, self.depth, self.k = m, batch, capacity, depth, k
     self.rng = np.random.RandomState(seed)
-    self.cache = m.new_cache(batch, capacity)
-    if depth:
-      m.prefill(self.rng.randint(0, m.cfg.vocab_size, (batch, depth)).tolist(), self.cache)
+    if random_kv:  # a long context without its prefill (TorchLlama.random_cache)
+      self.cache = m.random_cache(batch, capacity, depth, seed)
+    else:
+      self.cache = m.new_cache(batch, capacity)
+      if depth:
+        m.prefill(self.rng.randint(0, m.cfg.vocab_size, (batch, depth)).tolist(), self.cache)
     self.warm: set[int] = set()
 
   def times(self, ns: Sequence[int], reps: int = 3) -> dict[int, timing.Timing]:
@@ -297,6 +300,74 @@ class TorchCostProbe:
         times.append((time.perf_counter() - t0) / self.k)
       out[n] = timing.Timing(times=times, compile_s=warm_s)
     return out
+
+
+class TorchStreamingDraft:
+  """drafters/streaming.py's self-draft in torch, greedy chains: the target's
+  weights on the target's own cache, fed index f written at slot n - 1 + f,
+  each fed token attending only to the first `sinks` slots, the last
+  `window` kept slots and the tokens fed before it (window_slots); the
+  lengths handed back as they were (the verify rewrites those slots)."""
+
+  def __init__(self, target: TorchLlama, window: int, sinks: int = 4):
+    self.target, self.window, self.sinks = target, int(window), int(sinks)
+
+  def propose(self, last, cache: Cache, gamma: int, logits: bool = False):
+    """gamma greedy drafts [B, gamma] after `last` [B] (the step's tail, at
+    slot lengths); with `logits`, also each feed's f32 logits [B, gamma, V]
+    (eager)."""
+    torch = self.target.torch
+    start = cache.lengths.clone()
+    win = window_slots(start, min(self.sinks, cache.capacity), min(self.window, cache.capacity),
+                       gamma, cache.capacity)
+    tok, drafts, outs = last, [], []
+    for _ in range(gamma):
+      if logits:
+        out = self.target.logits(tok[:, None], cache, window=win)
+        outs.append(out[:, 0])
+        tok = torch.argmax(out[:, 0], -1)
+      else:
+        tok = self.target.step(tok[:, None], cache, window=win)[:, 0]
+      drafts.append(tok)
+    cache.lengths.copy_(start)
+    drafts = torch.stack(drafts, 1)
+    return (drafts, torch.stack(outs, 1)) if logits else drafts
+
+
+class TorchDraftProbe:
+  """T_draft(1) of the torch streaming draft at batch `batch`: k whole
+  proposals of gamma tokens per repetition on a cache of random K/V holding
+  `depth` tokens per row (the target's n - 1), time per drafted token
+  (probes.ProposeProbe's shape; each forward a host call)."""
+
+  def __init__(self, draft: TorchStreamingDraft, batch: int, capacity: int, depth: int,
+               gamma: int, seed: int = 0, k: int = REPEATS):
+    self.draft, self.gamma, self.k = draft, gamma, k
+    self.cache = draft.target.random_cache(batch, capacity, depth - 1, seed)
+    rng = np.random.RandomState(seed)
+    self.last = draft.target.torch.from_numpy(
+        rng.randint(0, draft.target.cfg.vocab_size, (batch,)))
+    self.warm = False
+
+  def times(self, ns: Sequence[int], reps: int = 3) -> dict[int, timing.Timing]:
+    if set(ns) != {1}:
+      raise ValueError(f"TorchDraftProbe times T_draft(1) only, asked for {sorted(set(ns))}")
+
+    def run():
+      for _ in range(self.k):
+        self.draft.propose(self.last, self.cache, self.gamma)
+
+    warm_s = 0.0
+    if not self.warm:
+      t0 = time.perf_counter()
+      run()
+      warm_s, self.warm = time.perf_counter() - t0, True
+    times = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      run()
+      times.append((time.perf_counter() - t0) / (self.k * self.gamma))
+    return {1: timing.Timing(times=times, compile_s=warm_s)}
 
 
 def make_engine(tcfg: ModelConfig, tparams, dcfg: ModelConfig | None = None, dparams=None,
