@@ -104,11 +104,12 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
     vc[rows, :, slots] = vv.to(vc.dtype)
     if window is not None:  # the window's slots gathered: [B, K, n, D]
       kc, vc = (c[rows, :, window[0]].permute(0, 2, 1, 3) for c in (kc, vc))
-    qg = q.view(b, t, k, h // k, d).permute(0, 2, 3, 1, 4)  # [B, K, G, T, D]
-    scores = torch.matmul(qg.float(), kc[:, :, None].transpose(-1, -2).float())
+    g = h // k  # a group's G x T queries in one product: K and V read once, never expanded
+    qg = q.view(b, t, k, g, d).permute(0, 2, 3, 1, 4).reshape(b, k, g * t, d)  # [B, K, GT, D]
+    scores = torch.matmul(qg.float(), kc.transpose(-1, -2).float()).view(b, k, g, t, -1)
     scores = scores / math.sqrt(d) + bias  # [B, K, G, T, S or n]
-    probs = torch.softmax(scores, -1).to(x.dtype)
-    out = torch.matmul(probs, vc[:, :, None])  # [B, K, G, T, D]
+    probs = torch.softmax(scores, -1).to(x.dtype).view(b, k, g * t, -1)
+    out = torch.matmul(probs, vc).view(b, k, g, t, d)  # [B, K, G, T, D]
     out = out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
     x = x + lin(out, lw["wo"])
     y = norm(x, lw["mlp_norm"])
