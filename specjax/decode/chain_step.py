@@ -73,6 +73,34 @@ def verify_phase(tparams, tcache, tail, drafts, sc):
   return sampling.probs(logits, sc.sp), tcache, None
 
 
+def anything_drafted(n_drafted) -> jax.Array:
+  """Whether the step's verify is worth running: some row drafted a token."""
+  return jnp.any(n_drafted > 0)
+
+
+def padded(x, width: int):
+  """x [B, T, ...] zero-padded to [B, width, ...] along axis 1 (None stays)."""
+  if x is None:
+    return None
+  return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+
+def skipping_verify(full, n_drafted, tparams, tcache, tail, width: int, sc):
+  """full() (a verify: p [B, width, V], the cache, features) when any row
+  drafted, else the target's decode of the last token alone, padded to
+  width: a step with nothing to verify costs one decode step, not a verify
+  of width tokens (issue 40). The judge never reads past a row's drafts, and
+  both roll the cache back to the same length, so the verdict is the same;
+  `lax.cond` runs one branch. Only for drafters that can propose nothing
+  (Drafter.may_draft_nothing): the decode branch is one more program."""
+  def decode():
+    p, cache, feats = verify_phase(tparams, tcache, tail, tail[:, :0], sc)
+    return padded(p, width), cache, padded(feats, width)
+  if not sc.drafter.may_draft_nothing or sc.simulated:
+    return full()
+  return jax.lax.cond(ChainStep.worth_verifying(n_drafted), full, decode)
+
+
 def accept_phase(key, accept_probs, p, drafted: Drafted, tail, n, live, sc) -> Judged:
   """Judges the drafts and advances the sequence bookkeeping; rows that are
   not `live` (finished) keep their state."""
@@ -115,8 +143,15 @@ class ChainStep:
     return drafted
 
   @staticmethod
+  def worth_verifying(n_drafted) -> jax.Array:
+    """The verify's predicate (anything_drafted; a method so a test can break it)."""
+    return anything_drafted(n_drafted)
+
+  @staticmethod
   def verify(tparams, tcache, tail, drafted: Drafted, sc):
-    return verify_phase(tparams, tcache, tail, drafted.tokens, sc)
+    """The verify of [last, drafts], or a decode step when no row drafted."""
+    return skipping_verify(lambda: verify_phase(tparams, tcache, tail, drafted.tokens, sc),
+                           drafted.n_drafted, tparams, tcache, tail, sc.gamma + 1, sc)
 
   @staticmethod
   def judge(key, accept_probs, p, drafted, tail, n, live, sc) -> Judged:

@@ -104,7 +104,17 @@ def lengths(rows: RowAlpha, n_drafted, live, sc) -> jax.Array:
 def verify_phase(tparams, tcache, tail, drafted: Drafted, sc):
   """The chain's verify_phase over a packed block of each row's 1 + l_b
   tokens (l_b: drafted.n_drafted, as allotted): p [B, gamma+1, V] (entries
-  past a row's block are never read), the cache + 1 + l_b, features."""
+  past a row's block are never read), the cache + 1 + l_b, features. A step
+  that gives no row a draft is a decode step (chain_step.skipping_verify)."""
+  width = sc.gamma + 1
+  full = lambda: packed_phase(tparams, tcache, tail, drafted, sc)
+  if budget_of(sc, tail.shape[0]) == tail.shape[0]:
+    return full()  # a block of the tails alone is already a decode step
+  return chain_step.skipping_verify(full, drafted.n_drafted, tparams, tcache, tail, width, sc)
+
+
+def packed_phase(tparams, tcache, tail, drafted: Drafted, sc):
+  """verify_phase's packed block, always run."""
   tokens = jnp.concatenate([tail[:, 1:], drafted.tokens], 1)  # [B, gamma+1]
   b, width = tokens.shape
   block = pk.pack(tokens, 1 + drafted.n_drafted, tcache.lengths, budget_of(sc, b))

@@ -111,6 +111,9 @@ class Drafter:
   catches_up: ClassVar[bool] = False
   # drafts a dynamic tree with a prompt-lookup chain grafted on (`+ngram:L`)
   can_graft: ClassVar[bool] = False
+  # may propose no token for a row (n_drafted 0: a lookup with no match), so
+  # a step where no row drafted is a decode step (chain_step.skipping_verify)
+  may_draft_nothing: ClassVar[bool] = False
 
   @property
   def spec(self) -> str:

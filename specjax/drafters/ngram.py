@@ -27,6 +27,7 @@ class NgramDrafter(Drafter):
   n_max: int = 4
   kind: ClassVar[str] = "ngram"
   deterministic: ClassVar[bool] = True
+  may_draft_nothing: ClassVar[bool] = True
 
   @property
   def spec(self) -> str:

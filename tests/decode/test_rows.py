@@ -13,6 +13,7 @@ import pytest
 
 from specjax import cli
 from specjax.decode import autorows
+from specjax.decode import chain_step
 from specjax.decode import generation
 from specjax.decode import plan
 from specjax.decode import rows_step
@@ -223,6 +224,38 @@ def test_bad_spellings_are_one_line():
     cli.parse_gammas(["2", "auto:rows"])
 
 
+# ---------------------------------------------------------------- nothing to verify
+
+
+def verify_lengths(tiny, gamma, n_drafted) -> tuple[list[int], np.ndarray]:
+  """(the cache's lengths after one n-gram step's verify, p at the last
+  token [B, V]) for drafts of n_drafted tokens on two prefilled rows: the
+  chain's at gamma 4, or per-row lengths' (budget 6) for "auto:rows"."""
+  per_row = gamma == "auto:rows"
+  sc = plan.SpecConfig(target=tiny.cfg, draft=None, gamma=4, drafter="ngram",
+                       per_row=per_row, budget=6 if per_row else 0)
+  prompts = [[5, 17, 42, 9], [7, 7, 7, 7, 7, 7]]
+  _, cache = tiny.prefill([p[:-1] for p in prompts], tiny.new_cache(2, 32))
+  tail = jnp.asarray([p[-2:] for p in prompts], jnp.int32)
+  drafted = rows_step.Drafted(tokens=jnp.full((2, 4), 3, jnp.int32), q=jnp.zeros((2, 4, 0)),
+                              n_drafted=jnp.asarray(n_drafted, jnp.int32),
+                              caught_up=jnp.zeros(2, bool))
+  p, cache, _ = jax.jit(sc.step.verify, static_argnums=4)(tiny.params, cache, tail, drafted, sc)
+  return np.asarray(cache.lengths).tolist(), np.asarray(p[:, 0])
+
+
+@pytest.mark.parametrize("gamma", [4, "auto:rows"])
+def test_a_step_with_nothing_drafted_is_a_decode_step(tiny, gamma):
+  """No row drafted: the target decodes the last token alone (the cache
+  grows by 1, not gamma + 1 or the budget), with the same distribution
+  there as the verify's; one row drafted: the verify runs."""
+  none, p_none = verify_lengths(tiny, gamma, [0, 0])
+  some, p_some = verify_lengths(tiny, gamma, [0, 2])
+  assert none == [4, 6]
+  assert some == ([8, 10] if gamma == 4 else [4, 8])  # the rectangle, or each row's block
+  np.testing.assert_allclose(p_none, p_some, atol=1e-5)
+
+
 # ---------------------------------------------------------------- mutations
 
 
@@ -257,7 +290,26 @@ def _features_of_the_next_row(orig):
   return verify
 
 
+def _verify_always(orig):
+  """The verify run even when no row drafted."""
+  del orig
+  return lambda n_drafted: jnp.bool_(True)
+
+
+def _verify_only_when_every_row_drafted(orig):
+  """The decode step taken whenever one row drafted nothing."""
+  del orig
+  return lambda n_drafted: jnp.all(n_drafted > 0)
+
+
 MUTATIONS = {
+    "the verify run when nothing was drafted": (
+        chain_step.ChainStep, "worth_verifying", _verify_always, staticmethod,
+        lambda pair_, tiny, greedy, head, chain: verify_lengths(tiny, 4, [0, 0])[0] != [4, 6]),
+    "the verify skipped when one row drafted nothing": (
+        chain_step.ChainStep, "worth_verifying", _verify_only_when_every_row_drafted,
+        staticmethod,
+        lambda pair_, tiny, greedy, head, chain: greedy_spec(tiny, greedy[0]).tokens != greedy[1]),
     "lengths from this step's draft values": (
         rows_step.RowsStep, "allot", _lengths_from_draft_values, staticmethod,
         lambda pair_, tiny, greedy, head, chain: adjusted(sampled(pair_)[0]) < ALPHA),
