@@ -322,17 +322,17 @@ def test_a_noisy_timer_flags_the_points_and_the_run(tmp_path, tiny_dir, monkeypa
   noise.json keeps the spread. (A threshold of 50 %: the machine's own
   noise on a shared 2-core box must not decide the test; noise.py's rules
   are pinned on synthetic records in test_noise.py.)"""
-  calls = []
-  real = engine.Loop.target_only
+  groups = []
+  real, real_group = engine.Loop.target_only, gamma.run_group
 
   def noisy(self, rows, sp):
     res = real(self, rows, sp)
-    calls.append(1)
-    if len(calls) == 3:  # warm-up, group 1, then group 2's run
+    if len(groups) == 2:  # every target-only run of the second group (each of its prompts)
       res.eval_s *= 3
     return res
 
   monkeypatch.setattr(engine.Loop, "target_only", noisy)
+  monkeypatch.setattr(gamma, "run_group", lambda b, ps: groups.append(ps) or real_group(b, ps))
   cfg = _tiny_config(tiny_dir, gammas=(1, 2, 3), accepts=("always",), measure_split=False,
                      noise_threshold=0.5)
   run(cfg, tmp_path)
