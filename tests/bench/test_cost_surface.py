@@ -115,3 +115,37 @@ def test_the_report(models, tmp_path):
   turns = {r["context"]: r["turning_batch"] for r in saved["crossovers"]["xla"]}
   assert set(turns) == {512, 4096}
   assert (tmp_path / "surface.png").stat().st_size > 0
+
+
+def by_hand_records(target):
+  """point_records on made-up times: what each step reads, by hand."""
+  times = {("xla", "target", 1): [1.0], ("torch", "target", 3): [2.0],
+           ("xla", "streaming:8,2", 1): [0.5], ("torch", "streaming:8,2", 1): [0.5]}
+  recs = cs.point_records(target.cfg, {"streaming:8,2": target.cfg},
+                          {"target": 7, "streaming:8,2": 7}, SETTINGS, 40, 2, times)
+  return {(r["engine"], r["role"]): r["kv_slots"] for r in recs}
+
+
+def test_the_bytes_each_step_reads_by_hand(models):
+  slots = by_hand_records(models[0])
+  cap = cs.capacity_of(40, SETTINGS)
+  assert cap == 48
+  assert slots == {("xla", "target"): 48,  # 41 slots in whole 8-slot blocks
+                   ("torch", "target"): cap,  # the masked pass reads the capacity
+                   ("xla", "streaming:8,2"): 2 + 8 + 2, ("torch", "streaming:8,2"): 12}
+
+
+BUGS = {  # name: (module, attribute, mutant)
+    "XLA's KV counted at the used length, not in whole blocks": (
+        cs.roofline, "attended_slots", lambda f: lambda cfg, cap, n: min(cap, n)),
+    "the streaming draft's reads not cut at its window": (
+        cs, "draft_reads", lambda f: lambda d, cfg, dcfg, c, g: (c + g, cs.slot_bytes(cfg))),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_each_deliberate_bug_fails(models, monkeypatch, bug):
+  module, name, make = BUGS[bug]
+  monkeypatch.setattr(module, name, make(getattr(module, name)))
+  with pytest.raises(AssertionError):
+    test_the_bytes_each_step_reads_by_hand(models)
