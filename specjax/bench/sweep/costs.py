@@ -15,6 +15,7 @@ the thread's predictions beside it (`predict`). docs/sweep.md.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,6 +38,22 @@ def loop_steps(res: list) -> tuple[int, int, int]:
     carried += s * (int(rec.row.max()) + 1 if rec.row.size else 0)
     catchup += len(np.unique(rec.step[rec.caught_up.astype(bool)]))
   return steps, carried, catchup
+
+
+def point_fields(bench, p, reps: list[dict], compile_s: float, steps: int,
+                 n_runs: int) -> dict[str, Any]:
+  """The fields every gamma-sweep point's record shares (a chain's, auto's,
+  per-row lengths'): its settings, and the medians over repetitions of the
+  target-only and speculative speeds (reps' base_s, spec_s, speedup)."""
+  cfg = bench.cfg
+  med = lambda k: statistics.median(r[k] for r in reps)
+  return dict(
+      batch=p.batch, accept_rule=p.accept_rule, temperature=p.sp.temperature,
+      top_k=p.sp.top_k, top_p=p.sp.top_p, seed=cfg.seed, loop="device",
+      capacity=bench.loop.capacity, n_prompts=len(bench.setup.prompts), reps=cfg.reps,
+      baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=med("speedup"),
+      baseline_tps_reps=[1 / r["base_s"] for r in reps],
+      compile_s=compile_s, loop_steps=steps, steps_measured=steps / n_runs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,13 +203,7 @@ def point_record(bench: Bench, p: Point, reps: list[dict], res: list, compile_s:
   for r in reps:
     r["speedup"] = r["base_s"] / r["spec_s"]
   med = lambda k: statistics.median(r[k] for r in reps)
-  common = dict(
-      batch=p.batch, accept_rule=p.accept_rule, temperature=p.sp.temperature,
-      top_k=p.sp.top_k, top_p=p.sp.top_p, seed=cfg.seed, loop="device",
-      capacity=bench.loop.capacity, n_prompts=len(bench.setup.prompts), reps=cfg.reps,
-      baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=med("speedup"),
-      baseline_tps_reps=[1 / r["base_s"] for r in reps],
-      compile_s=compile_s, loop_steps=steps, steps_measured=steps / len(groups))
+  common = costs.point_fields(bench, p, reps, compile_s, steps, len(groups))
   if p.auto:
     used = engine.gammas_chosen(res)
     return schema.run_record(

@@ -140,14 +140,9 @@ def point_record(bench, p, reps: list[dict], res: list, compile_s: float,
                                    n_predict=sum(r.stats.n_predict for r in res))
   steps, carried, catchup = costs.loop_steps(res)
   med = lambda k: statistics.median(r[k] for r in reps)
-  common = dict(
-      batch=p.batch, accept_rule=p.accept_rule, temperature=p.sp.temperature,
-      top_k=p.sp.top_k, top_p=p.sp.top_p, seed=cfg.seed, loop="device",
-      capacity=bench.loop.capacity, n_prompts=len(bench.setup.prompts), reps=cfg.reps,
-      baseline_tps=1 / med("base_s"), spec_tps=1 / med("spec_s"), speedup=med("speedup"),
-      baseline_tps_reps=[1 / r["base_s"] for r in reps], compile_s=compile_s,
-      loop_steps=steps, steps_measured=steps / len(res), gamma=p.gamma, gamma_max=gamma_max,
-      budget=budget if n is None else n, **theory_fields(bench, p, res, gamma_max))
+  common = dict(costs.point_fields(bench, p, reps, compile_s, steps, len(res)),
+                gamma=p.gamma, gamma_max=gamma_max, budget=budget if n is None else n,
+                **theory_fields(bench, p, res, gamma_max))
   if n is None:
     used = [k for r in budgets_run(bench, p, res) for k in r]
     plan = bench.loop.rows_plan(p.gamma, p.sp, p.accept_rule, bench.drafter, p.batch)
