@@ -16,6 +16,7 @@ import numpy as np
 from specjax import workdir as wd
 from specjax.bench import tables
 from specjax.bench.studies import cost_surface as cs
+from specjax.bench.sweep import context_plot
 from specjax.drafters import registry
 from specjax.drafters import streaming
 from specjax.errors import SpecjaxError
@@ -46,6 +47,24 @@ def reads(cfg, role: str, dcfg=None) -> cc.Reads:
     return cc.Reads(cs.slot_bytes(cfg), window=d.sinks + d.window)
   return cc.Reads(cs.slot_bytes(dcfg))
 
+
+def surface_fit(recs: Sequence[wd.Record]) -> context_plot.SurfaceFit:
+  """Every engine's fits (those that fit) and what each role's step reads,
+  its slot bytes taken from the records (kv_bytes / (B x kv_slots)): the
+  predictions the sweeps' contexts.png draws (bench/sweep/context_plot.py)."""
+  models = {}
+  for e in sorted({r["engine"] for r in cs.measured(recs)}):
+    try:
+      models[e] = fits(recs, e)
+    except SpecjaxError:
+      continue
+  out = {}
+  for r in cs.measured(recs):
+    if r["role"] not in out:
+      d = None if r["role"] == "target" else registry.parse(r["role"])
+      window = d.sinks + d.window if isinstance(d, streaming.StreamingDrafter) else None
+      out[r["role"]] = cc.Reads(r["kv_bytes"] / (r["batch"] * r["kv_slots"]), window=window)
+  return context_plot.SurfaceFit(models, out)
 
 def crossovers(models: dict[str, cc.StepModel], cfg, dcfgs: dict, contexts: Sequence[int],
                alphas: Sequence[float], gamma: int, batches: Sequence[int]) -> list[wd.Record]:

@@ -7,8 +7,9 @@ the models loaded once; each appends its points as they finish, and a resume
 skips them. Every record gains its `context` and its prompts' lengths;
 WORKDIR/contexts.jsonl holds them all, contexts.md a table of the speedup
 per (drafter, context, batch, gamma) and the best drafter per (context,
-batch), contexts.png speedup against batch, a line per context and a panel
-per drafter. docs/streaming.md, "Long prompts".
+batch), contexts.png speedup against batch, measured and predicted, a line
+per context and a panel per drafter (context_plot.py). docs/streaming.md,
+"Long prompts".
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 
 from specjax import workdir as wd
-from specjax.bench.sweep import gamma, harness, outputs
+from specjax.bench.sweep import context_plot, gamma, harness, outputs
 from specjax.bench.sweep.config import SweepConfig
 from specjax.errors import ConfigError
 from specjax.workdir import Record
@@ -91,26 +92,4 @@ def write_report(workdir: str, records: list[Record], cfg: SweepConfig) -> None:
   lines += ["", "## Every point\n", *table(records)]
   with open(os.path.join(workdir, REPORT), "w") as f:
     f.write("\n".join(lines) + "\n")
-  plot(records, os.path.join(workdir, PLOT))
-
-
-def plot(records: list[Record], path: str) -> None:
-  """Speedup against batch (the best gamma per point), a line per context, a
-  panel per drafter (greedy points, else the lowest temperature)."""
-  plt = wd.pyplot()
-  drafters = sorted({r["drafter"] for r in records})
-  temp = min(r["temperature"] for r in records)
-  fig, axes = plt.subplots(1, len(drafters), figsize=(4.5 * len(drafters), 3.8), squeeze=False)
-  for ax, d in zip(axes[0], drafters):
-    mine = [r for r in records if r["drafter"] == d and r["temperature"] == temp]
-    for c in sorted({r["context"] for r in mine}):
-      pts = best([r for r in mine if r["context"] == c])
-      xs = sorted(b for (_, b, _) in pts)
-      ax.plot(xs, [pts[(c, b, temp)]["speedup"] for b in xs], "o-", label=f"context {c}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_title(d, fontsize=9)
-    ax.set_xlabel("batch")
-    ax.set_ylabel("speedup (best gamma)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  wd.save_figure(fig, path)
+  context_plot.plot(records, os.path.join(workdir, PLOT))
