@@ -7,8 +7,10 @@ written past a row's block, the lengths.
 
 A ragged batch of 4 rows (0, 1, 5 and 3 drafts) in a block with 2 padding
 entries, and a block of tails only (N = B). The layout the test unpacks with
-is its own, so a wrong layout shows in the logits. MUTATIONS are deliberate
-bugs, each of which must fail (test_each_deliberate_bug_fails).
+is its own, so a wrong layout shows in the logits. Both attentions: the
+dense block-diagonal mask and its diagonal blocks row by row. MUTATIONS are
+deliberate bugs (on the dense mask), each of which must fail
+(test_each_deliberate_bug_fails).
 """
 
 import jax
@@ -18,6 +20,7 @@ import pytest
 
 from specjax.bench.backends import torch_packed as tp
 from specjax.bench.backends.torch_llama import TorchLlama
+from specjax.bench.studies import packed_verify_cost as pvc
 from specjax.errors import CacheOverflowError, ConfigError
 from specjax.model import config
 from specjax.model import kv_cache as kvc
@@ -74,19 +77,19 @@ def copy(cache):
                      cache.lengths.clone())
 
 
-def packed_run(setup, case):
+def packed_run(setup, case, attention="mask"):
   tm, cache, block, *_ = setup
   counts, size = CASES[case]
   cache = copy(cache)
   packed = tp.flatten(block, counts, cache.lengths, size)
-  return tp.TorchPackedVerify(tm).logits(packed, cache).numpy(), cache
+  return tp.TorchPackedVerify(tm, attention).logits(packed, cache).numpy(), cache
 
 
-def logit_mismatches(setup, case) -> list[str]:
+def logit_mismatches(setup, case, attention="mask") -> list[str]:
   """Real tokens whose logits differ from the torch rectangle's or (the
   ragged block) XLA's packed verify's."""
   rect, xla = setup[3], setup[5]
-  got = packed_run(setup, case)[0]
+  got = packed_run(setup, case, attention)[0]
   bad = []
   for i, (b, j) in enumerate(layout(CASES[case][0])):
     wants = [("rect", rect[b, j])] + ([("xla", xla[i])] if case == "ragged" else [])
@@ -97,12 +100,12 @@ def logit_mismatches(setup, case) -> list[str]:
   return bad
 
 
-def cache_mismatches(setup, case) -> list[str]:
+def cache_mismatches(setup, case, attention="mask") -> list[str]:
   """Each row's cache after the packed verify: below lengths + count as the
   rectangle's, from there on untouched (STALE); the lengths lengths + count."""
   want = setup[4]
   counts, _ = CASES[case]
-  _, got = packed_run(setup, case)
+  _, got = packed_run(setup, case, attention)
   new = np.asarray(LENGTHS) + np.asarray(counts)
   bad = [] if got.lengths.tolist() == new.tolist() else \
       [f"lengths {got.lengths.tolist()}, want {new.tolist()}"]
@@ -116,14 +119,16 @@ def cache_mismatches(setup, case) -> list[str]:
   return bad
 
 
+@pytest.mark.parametrize("attention", list(tp.ATTENTION))
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_equal_the_rectangle_and_xla(setup, case):
-  assert logit_mismatches(setup, case) == []
+def test_logits_equal_the_rectangle_and_xla(setup, case, attention):
+  assert logit_mismatches(setup, case, attention) == []
 
 
+@pytest.mark.parametrize("attention", list(tp.ATTENTION))
 @pytest.mark.parametrize("case", list(CASES))
-def test_caches_and_lengths_follow_each_rows_block(setup, case):
-  assert cache_mismatches(setup, case) == []
+def test_caches_and_lengths_follow_each_rows_block(setup, case, attention):
+  assert cache_mismatches(setup, case, attention) == []
 
 
 def test_the_timed_call_is_the_argmax(setup):
@@ -143,10 +148,34 @@ def test_bad_layouts_and_overflow_are_one_line_errors(setup):
       tp.flatten(block, counts, cache.lengths, size)
   full = copy(cache)
   full.lengths.fill_(CAPACITY - 2)
+  with pytest.raises(ConfigError, match="attention 'flash': one of"):
+    tp.TorchPackedVerify(tm, "flash")
   with pytest.raises(CacheOverflowError, match="row 2's block of 6 token"):
     tp.TorchPackedVerify(tm).step(tp.flatten(block, CASES["ragged"][0], full.lengths,
                                                      CASES["ragged"][1]), full)
   assert full.lengths.tolist() == [CAPACITY - 2] * 4  # refused before any write
+
+
+def test_the_cost_studys_torch_columns(setup):
+  """packed_verify_cost's torch runs, timed and recorded (XLA's left out here:
+  its compiles are the study's own business)."""
+  tm = setup[0]
+  r = np.random.RandomState(1)
+  block = r.randint(0, tm.cfg.vocab_size, (2, 3))
+  runs = pvc.torch_runs(tm, r.randint(0, tm.cfg.vocab_size, (2, 6)).tolist(), block, [2, 4, 5],
+                        16)
+  assert sorted(runs) == sorted([("torch rect", t) for t in (1, 2, 3)] +
+                                [(f"torch {a}", n) for a in tp.ATTENTION for n in (2, 4, 5)])
+  med = pvc.median_times(runs, reps=1)
+  assert all(t > 0 for t in med.values())
+  four = pvc.record(med, 2, 4, 2, 6, 1)
+  assert four["t_rect_same_torch_s"] == med["torch rect", 2]
+  assert four["ratio_same_torch_rows"] == med["torch rows", 4] / med["torch rect", 2]
+  assert four["ratio_full_torch"] == med["torch mask", 4] / med["torch rect", 3]
+  assert four["t_packed_s"] is None and four["torch_over_xla"] is None
+  five = pvc.record(med, 2, 5, 2, 6, 1)
+  assert five["t_rect_same_torch_s"] is None and five["ratio_same_torch"] is None
+  assert pvc.summary(four).startswith("B 2 N   4: torch mask")
 
 
 # ------------------------------------------------------------ deliberate bugs
@@ -182,20 +211,36 @@ def _padding_written(orig):
   return flatten
 
 
-MUTATIONS = {
-    "a segment id off by one": ("flatten", _segment_off_by_one, logit_mismatches),
-    "a position from the wrong row": ("flatten", _position_from_the_wrong_row,
-                                      logit_mismatches),
-    "a token that attends across rows": ("block_mask", _attends_across_rows, logit_mismatches),
-    "padding written into the cache": ("flatten", _padding_written, cache_mismatches),
+def _rows_read_the_next_row(orig):
+  def attend_rows(q, kc, vc, bias, n_kv_heads, packed):  # row b attends to row b + 1's slots
+    return orig(q, kc.roll(-1, 0), vc.roll(-1, 0), bias, n_kv_heads, packed)
+  return attend_rows
+
+
+def patch(name, make):
+  return lambda mp: mp.setattr(tp, name, make(getattr(tp, name)))
+
+
+MUTATIONS = {  # bug: (apply it, the check it must fail, the attention it runs)
+    "a segment id off by one": (patch("flatten", _segment_off_by_one), logit_mismatches,
+                                "mask"),
+    "a position from the wrong row": (patch("flatten", _position_from_the_wrong_row),
+                                      logit_mismatches, "mask"),
+    "a token that attends across rows": (patch("block_mask", _attends_across_rows),
+                                         logit_mismatches, "mask"),
+    "padding written into the cache": (patch("flatten", _padding_written), cache_mismatches,
+                                       "mask"),
+    "rows attending to the next row's cache": (
+        lambda mp: mp.setitem(tp.ATTENTION, "rows", _rows_read_the_next_row(tp.attend_rows)),
+        logit_mismatches, "rows"),
 }
 
 
 @pytest.mark.parametrize("bug", list(MUTATIONS))
 def test_each_deliberate_bug_fails(setup, monkeypatch, bug):
-  name, make, check = MUTATIONS[bug]
-  monkeypatch.setattr(tp, name, make(getattr(tp, name)))
-  bad = check(setup, "ragged")
+  apply, check, attention = MUTATIONS[bug]
+  apply(monkeypatch)
+  bad = check(setup, "ragged", attention)
   monkeypatch.undo()
   print(f"MUTATION | {bug} | {len(bad)} mismatches, e.g. {bad[:2]}")
   assert bad, f"{bug}: no mismatch found"

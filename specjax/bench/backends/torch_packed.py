@@ -5,12 +5,13 @@ the N tokens, each token's K/V written into its own row's cache at its own
 position (nothing past a row's block; padding nowhere), then attention over
 every row's cache slots at once, [N, B x S], under a block-diagonal mask
 (`block_mask`: row segment[i]'s slots <= pos[i]; its cached prefix and its
-own earlier block tokens, causal within the row). It is the XLA packed
-verify's (model/packed.py) other layout: there each row attends in a [B, W]
-view; here the mask is dense, so attention scores cost N x B x S, not
-N x S. Same weights as TorchLlama (`TorchPackedVerify` wraps one); the
-lengths grow by each row's count, as steps.packed_verify's. Parity:
-tests/bench/test_torch_packed.py; costs: docs/packed_verify.md.
+own earlier block tokens, causal within the row). The XLA packed verify
+(model/packed.py) attends in a [B, W] view instead. A dense mask makes the
+scores cost N x B x S, not N x S: `attend_rows` computes its diagonal
+blocks alone, row by row, as a varlen kernel does. Same weights as
+TorchLlama (`TorchPackedVerify` wraps one); the lengths grow by each row's
+count, as steps.packed_verify's. Parity: tests/bench/test_torch_packed.py;
+costs: docs/packed_verify.md.
 """
 
 from __future__ import annotations
@@ -72,20 +73,61 @@ def block_mask(packed: TorchPacked, capacity: int):
   return torch.where(pad, (row == 0) & (slot == 0), mask)
 
 
+def attend(q, keys, vals, bias, n_kv_heads: int):
+  """q [n, H, D] against keys, vals [K, M, D] under bias [n, M] (0 or -inf)
+  -> [n, H x D]; a group's G x n queries in one product (K, V never expanded)."""
+  torch = import_torch()
+  (n, h, d), k = q.shape, n_kv_heads
+  g = h // k
+  qg = q.view(n, k, g, d).permute(1, 2, 0, 3).reshape(k, g * n, d)  # [K, Gn, D]
+  scores = torch.matmul(qg.float(), keys.transpose(-1, -2).float()).view(k, g, n, -1)
+  probs = torch.softmax(scores / math.sqrt(d) + bias, -1).to(q.dtype)  # [K, G, n, M]
+  out = torch.matmul(probs.view(k, g * n, -1), vals).view(k, g, n, d)
+  return out.permute(2, 0, 1, 3).reshape(n, h * d)
+
+
+def attend_masked(q, kc, vc, bias, n_kv_heads: int, packed: TorchPacked):
+  """Every token against every row's slots (kc, vc [B, K, S, D] read as
+  [K, B x S, D]) under the block-diagonal bias [N, B x S]: vLLM's layout
+  with a dense mask; the scores cost N x B x S."""
+  del packed
+  b, k, s_cap, d = kc.shape
+  flat = lambda c: c.permute(1, 0, 2, 3).reshape(k, b * s_cap, d)
+  return attend(q, flat(kc), flat(vc), bias, n_kv_heads)
+
+
+def attend_rows(q, kc, vc, bias, n_kv_heads: int, packed: TorchPacked):
+  """The same mask's diagonal blocks alone, as a varlen kernel computes
+  them: row b's tokens (contiguous) against row b's S slots; the scores cost
+  N x S, one product per row (a host loop); padding gets zeros."""
+  torch = import_torch()
+  s_cap, outs, lo = kc.shape[2], [], 0
+  for b, c in enumerate(packed.counts().tolist()):
+    cols = slice(b * s_cap, (b + 1) * s_cap)
+    outs.append(attend(q[lo:lo + c], kc[b], vc[b], bias[lo:lo + c, cols], n_kv_heads))
+    lo += c
+  outs.append(q.new_zeros((q.shape[0] - lo, q.shape[1] * q.shape[2])))
+  return torch.cat(outs, 0)
+
+
+ATTENTION = {"mask": attend_masked, "rows": attend_rows}
+
+
 def packed_forward(w: dict[str, Any], packed: TorchPacked, ks: list, vs: list, n_heads: int,
-                   n_kv_heads: int, eps: float, logits: bool = False):
+                   n_kv_heads: int, eps: float, logits: bool = False, attention: str = "mask"):
   """The packed block's forward; the caches (L x [B, K, S, D]) are written in
-  place. Returns the f32 logits [N, V] (or their argmax [N]); padding: junk."""
+  place. attention: "mask" (attend_masked) or "rows" (attend_rows). Returns
+  the f32 logits [N, V] (or their argmax [N]); padding: junk."""
   torch = import_torch()
   n, h, k = packed.tokens.shape[0], n_heads, n_kv_heads
   b, _, s_cap, d = ks[0].shape
-  g = h // k
   bias = torch.zeros((n, b * s_cap), dtype=torch.float32)
   bias = bias.masked_fill(~block_mask(packed, s_cap), float("-inf"))  # [N, BS]
   freqs = packed.pos[:, None].float() * w["inv_freq"]      # [N, D/2]
   emb = torch.cat([freqs, freqs], -1)[:, None, :]          # [N, 1, D]
   cos, sin = emb.cos(), emb.sin()
   seg, pos = packed.segment[:packed.n_real], packed.pos[:packed.n_real]
+  attn = ATTENTION[attention]
 
   def norm(x, scale):  # RMSNorm in f32 (HF's LlamaRMSNorm)
     x32 = x.float()
@@ -104,13 +146,7 @@ def packed_forward(w: dict[str, Any], packed: TorchPacked, ks: list, vs: list, n
     kk = rope(lin(y, lw["wk"]).view(n, k, d))
     kc[seg, :, pos] = kk[:packed.n_real].to(kc.dtype)  # write first: a block reads itself
     vc[seg, :, pos] = lin(y, lw["wv"]).view(n, k, d)[:packed.n_real].to(vc.dtype)
-    keys = kc.permute(1, 0, 2, 3).reshape(k, b * s_cap, d)  # every row's slots: [K, BS, D]
-    vals = vc.permute(1, 0, 2, 3).reshape(k, b * s_cap, d)
-    qg = q.view(n, k, g, d).permute(1, 2, 0, 3).reshape(k, g * n, d)  # [K, GN, D]
-    scores = torch.matmul(qg.float(), keys.transpose(-1, -2).float()).view(k, g, n, -1)
-    probs = torch.softmax(scores / math.sqrt(d) + bias, -1).to(x.dtype)  # [K, G, N, BS]
-    out = torch.matmul(probs.view(k, g * n, -1), vals).view(k, g, n, d)
-    x = x + lin(out.permute(2, 0, 1, 3).reshape(n, h * d), lw["wo"])
+    x = x + lin(attn(q, kc, vc, bias, k, packed), lw["wo"])
     y = norm(x, lw["mlp_norm"])
     x = x + lin(torch.nn.functional.silu(lin(y, lw["w_gate"])) * lin(y, lw["w_up"]),
                 lw["w_down"])
@@ -121,12 +157,16 @@ def packed_forward(w: dict[str, Any], packed: TorchPacked, ks: list, vs: list, n
 class TorchPackedVerify:
   """A TorchLlama's packed verify: `step` (argmax [N], the timed call,
   `torch.compile`d when the model is) and `logits` (f32 [N, V], eager).
-  Each checks capacity first and adds each row's count to its length."""
+  Each checks capacity first and adds each row's count to its length.
+  attention: "mask" (the dense block-diagonal mask) or "rows" (its
+  diagonal blocks, row by row)."""
 
-  def __init__(self, m: TorchLlama):
-    self.m, self.torch = m, m.torch
+  def __init__(self, m: TorchLlama, attention: str = "mask"):
+    if attention not in ATTENTION:
+      raise ConfigError(f"attention {attention!r}: one of {sorted(ATTENTION)}")
+    self.m, self.torch, self.attention = m, m.torch, attention
     c = m.cfg
-    kw = dict(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, eps=c.norm_eps)
+    kw = dict(n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, eps=c.norm_eps, attention=attention)
     self._eager = lambda w, p, ks, vs, logits=False: packed_forward(w, p, ks, vs, **kw,
                                                                      logits=logits)
     self._fn = (self.torch.compile(self._eager, dynamic=False) if m.compiled
