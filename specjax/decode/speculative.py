@@ -259,8 +259,15 @@ def prefill(target: steps.Runner, dparams, prompts, capacity: int, key,
   drafter's initial state (the draft model's prefilled cache, ...).
   Returns (state, first tokens [B])."""
   logits, tcache = target.prefill(prompts, target.new_cache(len(prompts), capacity))
+  return start(target, dparams, prompts, logits, tcache, key, sc)
+
+
+def start(target: steps.Runner, dparams, prompts, logits, tcache, key,
+          sc: SpecConfig) -> tuple[SpecState, jax.Array]:
+  """`prefill`'s state from the prompts' prefilled cache and last-token logits
+  [B, V] (a cache prefilled once can start many runs: experiments/long_batch_check.py)."""
   first = generation.sample_jit(jax.random.fold_in(key, 0), logits, sp=sc.sp)
-  dstate = sc.drafter.init(sc, target, dparams, prompts, capacity, first)
+  dstate = sc.drafter.init(sc, target, dparams, prompts, tcache.capacity, first)
   prev = jnp.asarray([p[-1] for p in prompts], jnp.int32)
   st = SpecState(tcache=tcache, dcache=dstate, tail=jnp.stack([prev, first], 1),
                  n=tcache.lengths + 1, rows=sc.step.start_rows(len(prompts)))

@@ -1,0 +1,171 @@
+"""Speculation's speedup against batch on long, mixed prompts, each prompt
+prefilled once (issue 39; docs/long_context.md, "Measured at 4 K on mixed rows").
+
+The sweep and experiments/speculative.py prefill a run's rows for every run;
+at 4 K tokens a row's prefill is about a minute on 2 CPU cores, more than a
+run's decode, so a batch sweep there is mostly prefill. Here each prompt of
+the long suite at --context is prefilled once, alone; a batch's cache is
+rows stacked (row r: prompt r mod n), and every run starts from a copy of
+it: target-only decode and the speculative loop (speculative.start), one
+untimed warm-up of each, then --reps alternating. A row's KV does not depend
+on the batch that holds it, so a run is the run after its own prefill; the
+tokens are checked equal to target-only's in every row. Times are decode
+only, as the sweep's (eval_s): speedup = target-only s/token over
+speculative s/token. Writes OUT/records.jsonl (the sweep's record fields
+that context_plot.curves reads) and OUT/log.txt.
+  python experiments/long_batch_check.py --context=4096 --batches=1,4,8 --out=/tmp/lbc
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs import sweep_gamma  # pylint: disable=wrong-import-position
+from specjax import workdir as wd
+from specjax.bench.sweep import prompts as sweep_prompts
+from specjax.bench.sweep.config import SweepConfig
+from specjax.decode import generation, plan as plans, speculative
+from specjax.formats import checkpoint
+from specjax.metrics.stats import Records, SpecStats
+from specjax.metrics.timing import block
+from specjax.model import steps
+from specjax.model.sampling import SamplingParams
+
+_CONTEXT = flags.DEFINE_integer("context", 4096, "The long suite's context (its prompts).")
+_BATCHES = flags.DEFINE_list("batches", ["1", "4", "8"], "Rows per run.")
+_DRAFTER = flags.DEFINE_string("drafter", "streaming:256,4", "A drafter with no draft model.")
+_GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length.")
+_N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens per row.")
+_REPS = flags.DEFINE_integer("reps", 2, "Timed repetitions (target-only first in even ones).")
+_PROMPTS = flags.DEFINE_integer("prompts", 6, "The long suite's prompts at the context.")
+_OUT = flags.DEFINE_string("out", "/tmp/long_batch_check", "Output folder.")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Its dtype.")
+
+
+def log(out: str, msg: str) -> None:
+  line = f"{time.strftime('%H:%M:%S')} {msg}"
+  print(line, flush=True)
+  with open(os.path.join(out, "log.txt"), "a") as f:
+    f.write(line + "\n")
+
+
+def stack(trees):
+  """Per-row pytrees (batch 1 each) stacked into one batch."""
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs, 0), *trees)
+
+
+def copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def target_only(target, logits, cache, n_predict: int):
+  """(seconds, tokens per row) of one decode from a copy of `cache`."""
+  cache = copy(cache)
+  t0 = time.perf_counter()
+  out, _ = block(generation.decode_loop(
+      target.params, logits, cache, jax.random.PRNGKey(0), cfg=target.cfg,
+      sp=SamplingParams(), n_predict=n_predict, eos_id=generation.NO_EOS))
+  return time.perf_counter() - t0, jax.device_get(out).tolist()
+
+
+def spec(target, p, rows, logits, cache, n_predict: int):
+  """(seconds, tokens per row, its Records) of one speculative run from a copy."""
+  sc, key = p.sc, jax.random.PRNGKey(0)
+  dparams = sc.drafter.draft_params(target.params, None)
+  st, first = speculative.start(target, dparams, rows, logits, copy(cache), key, sc)
+  out = jnp.full((len(rows), n_predict + sc.gamma + 1), generation.NO_EOS, jnp.int32)
+  out = out.at[:, 0].set(first)
+  t0 = time.perf_counter()
+  out, count, rec, _ = block(speculative.spec_loop(
+      target.params, dparams, st, out, jax.random.fold_in(key, 1),
+      jnp.asarray(p.accept_probs()), sc=sc, n_predict=n_predict, eos_id=generation.NO_EOS))
+  secs = time.perf_counter() - t0
+  tokens, records = speculative.outputs(out, count, rec)
+  return secs, tokens, records
+
+
+def groups(n_prompts: int, batch: int) -> list[list[int]]:
+  """The prompt indices of each run: batch 1 every prompt alone, batch B one
+  group of B rows, row r prompt r mod n (the sweep's batch_prompts, uncut)."""
+  if batch == 1:
+    return [[i] for i in range(n_prompts)]
+  return [[r % n_prompts for r in range(batch)]]
+
+
+def measure(out, target, p, rows, logits, caches, batch: int, n_predict: int,
+            reps: int) -> dict:
+  """One batch's record: every group warmed up once, then reps alternating;
+  alpha and tokens per step pooled over the last repetition's runs."""
+  runs = [(ix, stack([logits[i] for i in ix]), stack([caches[i] for i in ix]))
+          for ix in groups(len(caches), batch)]
+  base_t, spec_t, last = [], [], []
+  for rep in range(-1, reps):  # -1: the warm-up (compiles), untimed
+    b_s = s_s = 0.0
+    order = ("base", "spec") if rep % 2 == 0 else ("spec", "base")
+    recs, n_kept = [], 0
+    for ix, lg, ca in runs:
+      for what in order:
+        if what == "base":
+          secs, base_tok = target_only(target, lg, ca, n_predict)
+          b_s += secs
+        else:
+          secs, spec_tok, r = spec(target, p, [rows[i] for i in ix], lg, ca, n_predict)
+          s_s += secs
+          recs.append(r)
+          n_kept += sum(map(len, spec_tok)) - len(ix)
+      if [r[:n_predict] for r in spec_tok] != [r[:n_predict] for r in base_tok]:
+        raise SystemExit(f"batch {batch}: speculative tokens differ from target-only's")
+    log(out, f"batch {batch} rep {rep}: target-only {b_s:.1f} s, speculative {s_s:.1f} s")
+    if rep >= 0:
+      base_t.append(b_s / (len(runs) * batch * (n_predict - 1)))
+      spec_t.append(s_s / n_kept)
+      last = recs
+  st = SpecStats.compute(Records.concat(last), gamma=p.sc.gamma, n_predict=n_predict)
+  return dict(drafter=p.sc.drafter.spec, gamma=p.sc.gamma, batch=batch, temperature=0.0,
+              alpha=st.alpha, tokens_per_step=st.tokens_per_step, n_steps=st.n_steps,
+              speedup=statistics.median(b / s for b, s in zip(base_t, spec_t)),
+              speedup_reps=[b / s for b, s in zip(base_t, spec_t)],
+              baseline_tps=1 / statistics.median(base_t), spec_tps=1 / statistics.median(spec_t),
+              n_predict=n_predict * len(runs) * batch, n_prompts=len(caches), reps=reps,
+              load_avg=wd.load_avg())
+
+
+def main(argv):
+  del argv
+  out = _OUT.value
+  os.makedirs(out, exist_ok=True)
+  cfg, params, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value)
+  target = steps.Runner(cfg, params)
+  scfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context")).replace(
+      contexts=(), context=_CONTEXT.value, taskbench_prompts=_PROMPTS.value)
+  rows = sweep_prompts.sweep_prompts(scfg, tok, cfg.vocab_size)
+  p = plans.resolve(cfg, None, drafter=_DRAFTER.value, gamma=_GAMMA.value, rule="real")
+  cap = p.capacity(max(map(len, rows)), _N_PREDICT.value)
+  log(out, f"{len(rows)} prompts of {[len(x) for x in rows]} tokens; capacity {cap}; "
+           f"env {json.dumps(wd.environment())[:300]}")
+  logits, caches = [], []
+  for i, row in enumerate(rows):
+    t0 = time.perf_counter()
+    lg, ca = block(target.prefill([row], target.new_cache(1, cap)))
+    logits.append(lg)
+    caches.append(ca)
+    log(out, f"prefill {i}: {len(row)} tokens in {time.perf_counter() - t0:.1f} s")
+  for b in map(int, _BATCHES.value):
+    rec = dict(measure(out, target, p, rows, logits, caches, b, _N_PREDICT.value, _REPS.value),
+               context=_CONTEXT.value, prompt_lens=[len(x) for x in rows],
+               target=cfg.name, precision=_DTYPE.value)
+    wd.append_jsonl(os.path.join(out, "records.jsonl"), [rec])
+    log(out, f"batch {b}: speedup {rec['speedup']:.3f}x ({rec['speedup_reps']}), alpha "
+             f"{rec['alpha']:.3f}, tokens/step {rec['tokens_per_step']:.2f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
