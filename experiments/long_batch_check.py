@@ -12,7 +12,9 @@ on the batch that holds it, so a run is the run after its own prefill; the
 tokens are checked equal to target-only's in every row. Times are decode
 only, as the sweep's (eval_s): speedup = target-only s/token over
 speculative s/token. Writes OUT/records.jsonl (the sweep's record fields
-that context_plot.curves reads) and OUT/log.txt.
+that context_plot.curves reads), OUT/log.txt, and from the records with the
+cost surface's fit (--surface: its results.jsonl) OUT/summary.md (measured
+beside predicted) and OUT/contexts.png (--plot_only: these alone).
   python experiments/long_batch_check.py --context=4096 --batches=1,4,8 --out=/tmp/lbc
 """
 
@@ -29,6 +31,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # pylint: disable=wrong-import-position
 from specjax import workdir as wd
+from specjax.bench.studies import cost_surface_report
+from specjax.bench.sweep import context_plot
 from specjax.bench.sweep import prompts as sweep_prompts
 from specjax.bench.sweep.config import SweepConfig
 from specjax.decode import generation, plan as plans, speculative
@@ -48,6 +52,10 @@ _PROMPTS = flags.DEFINE_integer("prompts", 6, "The long suite's prompts at the c
 _OUT = flags.DEFINE_string("out", "/tmp/long_batch_check", "Output folder.")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Its dtype.")
+_SURFACE = flags.DEFINE_string(
+    "surface", os.path.join(os.path.dirname(__file__), "..", "docs", "results", "cost_surface"),
+    "A cost surface's workdir (experiments/cost_surface.py): the fit the predictions use.")
+_PLOT_ONLY = flags.DEFINE_bool("plot_only", False, "Only the summary and plot of OUT's records.")
 
 
 def log(out: str, msg: str) -> None:
@@ -138,10 +146,32 @@ def measure(out, target, p, rows, logits, caches, batch: int, n_predict: int,
               load_avg=wd.load_avg())
 
 
+def report(out: str, surface: str) -> None:
+  """OUT/summary.md and OUT/contexts.png: each batch measured beside the fit's
+  prediction at its alpha (XLA, and PyTorch's, not measured)."""
+  recs = wd.read_jsonl(os.path.join(out, "records.jsonl"))
+  fit = cost_surface_report.surface_fit(wd.read_jsonl(os.path.join(surface, wd.RESULTS)))
+  lines = ["| context | batch | alpha | tokens/step | measured | predicted (XLA fit) | error "
+           "| predicted (torch fit) | KV share of T(B, 1) |", "|" + "---:|" * 9]
+  for r in sorted(recs, key=lambda r: (r["context"], r["batch"])):
+    x, t = fit.speedup("xla", r), fit.speedup("torch", r)
+    lines.append(f"| {r['context']} | {r['batch']} | {r['alpha']:.3f} | "
+                 f"{r['tokens_per_step']:.2f} | {r['speedup']:.3f}x | {x:.3f}x | "
+                 f"{100 * (x - r['speedup']) / r['speedup']:+.0f}% | {t:.3f}x | "
+                 f"{fit.kv_share('xla', r['context'], r['batch']):.2f} |")
+  with open(os.path.join(out, wd.SUMMARY), "w") as f:
+    f.write("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  context_plot.plot(recs, os.path.join(out, "contexts.png"), fit)
+
+
 def main(argv):
   del argv
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
+  if _PLOT_ONLY.value:
+    report(out, _SURFACE.value)
+    return
   cfg, params, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value)
   target = steps.Runner(cfg, params)
   scfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context")).replace(
@@ -165,6 +195,7 @@ def main(argv):
     wd.append_jsonl(os.path.join(out, "records.jsonl"), [rec])
     log(out, f"batch {b}: speedup {rec['speedup']:.3f}x ({rec['speedup_reps']}), alpha "
              f"{rec['alpha']:.3f}, tokens/step {rec['tokens_per_step']:.2f}")
+  report(out, _SURFACE.value)
 
 
 if __name__ == "__main__":
