@@ -14,14 +14,15 @@ batch), overhead (the device loop's), trees (the tree verify T(B, N)), mesh
 SmolLM2-135M-Instruct plus the new EAGLE-3 head's rows, one line each while
 it is missing), levers (draft and target ms/token and c under each of
 model/levers.py's levers) and lever_sweep (the sweep's largest gamma under
-the best lever, in a process started under its XLA_FLAGS). They run in
-ORDER, so that a run cut short keeps the ones the README quotes; a part that
-fails is one FAILED line and the rest still run. Writes gpu_summary.md
-(rewritten after every part) and gpu_check.jsonl (one record per
-measurement, with the environment) to --workdir. `--smoke` runs the same
-path on tiny models on any backend (the tests use it). What each part
-measures: docs/results.md, "On a GPU"; each part's runner and its summary
-section: specjax.bench.studies.gpu_study.
+the best lever, in a process started under its XLA_FLAGS), packed (the
+packed verify's T(B, N), llama-7b) and surface (T(B, N, context), llama-7b
+and the streaming draft; ~2 device minutes each). They run in ORDER, so
+that a run cut short keeps the ones the README quotes; a part that fails is
+one FAILED line and the rest still run. Writes gpu_summary.md (rewritten
+after every part) and gpu_check.jsonl (one record per measurement, with the
+environment) to --workdir. `--smoke`: the same path on tiny models on any
+backend (the tests use it). What each part measures: docs/results.md, "On a
+GPU"; the runners and sections: specjax.bench.studies.gpu_study, gpu_costs.
 """
 
 import os
@@ -35,6 +36,7 @@ from configs import sweep_gamma  # noqa: E402
 from specjax import cli
 from specjax import workdir as wd
 from specjax.bench.studies import draft_levers
+from specjax.bench.studies import gpu_costs
 from specjax.bench.studies import gpu_study as gs
 from specjax.bench.studies import roofline
 from specjax.bench.sweep.config import SweepConfig
@@ -56,14 +58,16 @@ _SWEEP_GAMMA = flags.DEFINE_multi_integer("sweep_gamma", None, "The sweep part's
                                            "(repeat the flag); default: the config's.",
                                            lower_bound=1)
 _SKIP = flags.DEFINE_list("skip", [], "Parts to leave out: peaks, bench, attention, sweep, batch, "
-                         "overhead, trees, mesh, taskbench, levers, lever_sweep.")
+                         "overhead, trees, mesh, taskbench, levers, lever_sweep, packed, "
+                         "surface.")
 
 
 # The order the parts run in: the cost curves, the task suite and the levers first.
 ORDER = ("peaks", "bench", "taskbench", "levers", "sweep", "lever_sweep", "trees", "attention",
-         "batch", "overhead", "mesh")
+         "batch", "overhead", "mesh", "packed", "surface")
 # The levers measured (model/levers.py; 'default' is the backend's attention).
 LEVERS = ("default", "blocked", "fused", "draft_scan", "command_buffers", "all")
+PREDICT_BATCHES = (1, 2, 4, 8, 16, 32)  # the surface part's predicted speedups
 
 
 def levers_part(scfg, names, point, reps, out, bandwidth, measured: dict) -> list[str]:
@@ -152,11 +156,22 @@ def main(argv):
     tnote = ("Smoke: the tiny target (random weights), the n-gram drafter, one category; "
              "the real part runs configs/sweep_gamma.py:taskbench_quick.")
     lever_names, lever_point = ("default", "all"), (48, 8, 4)
+    # one ragged block (3 + 1 tokens); two surface points at one batch and
+    # capacity (one set of compiles; too few to fit: tests/bench/test_gpu_costs.py
+    # gives the sections a fitted surface)
+    packed_model, packed_batches, packed_gamma = "tiny", (2,), 2
+    packed_sizes = lambda batch, gamma: [batch * (1 + gamma // 2)]
+    surface = gpu_costs.surface_settings("tiny", "float32", (16, 24), (2,), 2, 1,
+                                         "streaming:8,2", k=1)
   else:
     models, n_prompt, n_gen, depth = ["llama-160m", "llama-7b"], [1, 2, 4, 8, 16, 32, 64], 64, 128
     attn_model, attn_points, attn_gen = "llama-160m", [(256, 128), (4096, 128), (4096, 2000)], 32
     tree_model, tree_batches, tree_sizes = "llama-7b", (1, 4, 16, 32), (4, 8, 16, 32, 64)
     lever_names, lever_point = LEVERS, (512, 128, 64)  # capacity, depth, steps timed
+    packed_model, packed_batches, packed_gamma = "llama-7b", (1, 16, 64), 4
+    packed_sizes = gpu_costs.packed_sizes
+    surface = gpu_costs.surface_settings("llama-7b", scfg.dtype, (512, 4096, 32768),
+                                         (1, 8, 32), 4, min(reps, 3))
   if _SWEEP_GAMMA.value:
     scfg.gammas = tuple(_SWEEP_GAMMA.value)
   scfg, bcfg, tcfg = (SweepConfig.from_mapping(c) for c in (scfg, bcfg, tcfg))
@@ -193,6 +208,12 @@ def main(argv):
       ("levers", lambda: levers_part(scfg, lever_names, lever_point, reps, out, bandwidth,
                                      measured)),
       ("lever_sweep", lambda: lever_sweep_part(scfg, measured, child, _SMOKE.value)),
+      ("packed", lambda: gpu_costs.packed_section(gpu_costs.packed_run(
+          packed_model, scfg.dtype, packed_batches, packed_gamma, depth, reps, out,
+          packed_sizes), packed_model)),
+      ("surface", lambda: gpu_costs.surface_section(gpu_costs.surface_run(
+          surface, os.path.join(_WORKDIR.value, "surface"), out, out.env, PREDICT_BATCHES,
+          overwrite=_OVERWRITE.value), surface, PREDICT_BATCHES)),
   ]
   # The parts the README quotes first, so that a run cut short (a device lease is
   # minutes) still has them; the summary is rewritten after every part.

@@ -34,6 +34,15 @@ def test_gpu_check_smoke(tmp_path):
   assert "## Levers: tiny-draft draft / tiny target" in summary and "| all | fused scan |" in summary
   assert "Best lever: " in summary and "random weights), under lever all" in summary
   assert "levers" in parts and (tmp_path / "lever_sweep" / "sweep" / "results.jsonl").exists()
+  # issue 40's and 39's parts, last: one ragged packed block (every rectangle
+  # it needs timed), two surface points (too few to fit: test_gpu_costs.py)
+  assert parts.index("packed") < parts.index("surface") and parts[-1] == "surface"
+  assert "## Packed verify cost T_packed(B, N) (tiny" in summary
+  row = next(l for l in summary.splitlines() if l.startswith("| 2 | 4 |"))
+  assert "-" not in row.replace(" ", "").strip("|").split("|"), row
+  assert "## Cost surface T(B, N, context) (tiny, float32, XLA, streaming:8,2" in summary
+  assert "Not fitted: N = 1: the fit needs at least two batches" in summary
+  assert (tmp_path / "surface" / "results.jsonl").exists()
 
 
 def test_mesh_bench_smoke(tmp_path):

@@ -6,11 +6,11 @@ repetition; medians. Beside each time: the bytes of weights and of KV the
 step reads (the roofline's inputs) and the process's peak resident memory.
 
 The caches hold random K/V at the context (`random_cache`: a step's time
-does not depend on the values; the prefills would take most of the run);
-parity is checked first on a real prompt (`check_parity`). A point whose
-caches and activations would not fit the memory available is refused in one
-line before it runs (`estimate_bytes`). The workdir resumes finished points
-and refuses other settings (workdir.check_stage). docs/long_context.md.
+does not depend on the values); parity is checked first on a real prompt.
+A point whose caches and activations would not fit is refused in one line
+before it runs (`estimate_bytes` against `available_bytes`: the device's
+pool on an accelerator, the host's memory on the CPU). The workdir resumes
+finished points and refuses other settings. docs/long_context.md.
 """
 
 from __future__ import annotations
@@ -111,8 +111,19 @@ def _status(key: str) -> int | None:
   return None
 
 
+def device_memory() -> dict[str, int]:
+  """The default device's allocator figures (bytes_limit, bytes_in_use,
+  peak_bytes_in_use, ...; {} on the CPU, whose arrays are the host's)."""
+  return jax.devices()[0].memory_stats() or {}
+
+
 def available_bytes() -> int | None:
-  """MemAvailable of /proc/meminfo (None where there is none)."""
+  """The memory a point's arrays would take from: on an accelerator the
+  default device's pool left (bytes_limit - bytes_in_use), on the CPU
+  MemAvailable of /proc/meminfo (None where there is neither)."""
+  stats = device_memory()
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
   try:
     with open("/proc/meminfo") as f:
       for line in f:
@@ -339,7 +350,8 @@ def run(work: str | os.PathLike, s: Settings, target: steps.Runner, tmodel, draf
     peak = peak_rss()
     env = {"load_avg": wd.load_avg(), "estimate_bytes": need, "available_bytes": have,
            "peak_rss_bytes": peak, "rss_before_bytes": before,
-           "peak_since": "point" if tracked else "process"}
+           "peak_since": "point" if tracked else "process",
+           "peak_device_bytes": device_memory().get("peak_bytes_in_use")}
     wd.append_jsonl(out, [{**r, **env} for r in recs])
     left = len(todo) - i - 1
     per = (time.perf_counter() - t0) / (i + 1)

@@ -20,6 +20,7 @@ import numpy as np
 
 from specjax.bench.backends import torch_packed
 from specjax.decode.probes import ragged_counts, repeat_packed
+from specjax.errors import ConfigError
 from specjax.metrics import timing
 from specjax.model import kv_cache as kvc
 from specjax.model import llama as model
@@ -43,24 +44,43 @@ def repeat_rect(params, tokens, cache: kvc.KVCache, cfg, k: int):
   return acc, cache
 
 
+def even_sizes(batch: int, gamma: int) -> list[int]:
+  """N = B .. B (gamma + 1) by B / 2: the block sizes a budget may take."""
+  return list(range(batch, batch * (gamma + 1) + 1, max(1, batch // 2)))
+
+
+def rectangles(batch: int, gamma: int, ns: Sequence[int]) -> set[int]:
+  """The rectangles' widths the records of blocks of `ns` tokens use: gamma
+  + 1 and, where B divides N, N / B."""
+  return {gamma + 1} | {n // batch for n in ns if n % batch == 0}
+
+
 def packed_cost(target: steps.Runner, batches: Sequence[int], gamma: int, depth: int,
-                reps: int, log: Callable[[str], None] = print, torch_model=None) -> list[dict]:
-  """One record per (batch, N), N = B .. B (gamma + 1) by B / 2: T_packed(B, N),
+                reps: int, log: Callable[[str], None] = print, torch_model=None,
+                sizes: Callable[[int, int], Sequence[int]] = even_sizes) -> list[dict]:
+  """One record per (batch, N), N in sizes(B, gamma): T_packed(B, N),
   T_rect(B, gamma + 1), T_rect(B, N / B) where B divides N, their ratios;
   with torch_model (a TorchLlama on the same weights) the same three in
-  PyTorch (torch_packed.py's flattened layout), timed in the same rounds."""
+  PyTorch (torch_packed.py's flattened layout), timed in the same rounds.
+  Only the rectangles a record uses are compiled (a 7B shape takes seconds:
+  `rectangles`)."""
   cfg, rng = target.cfg, np.random.RandomState(0)
   capacity = kvc.round_capacity(depth + gamma + 2)
   recs = []
   for batch in batches:
     prompts = rng.randint(0, cfg.vocab_size, (batch, depth)).tolist()
     block = rng.randint(0, cfg.vocab_size - 1, (batch, gamma + 1))
-    sizes = list(range(batch, batch * (gamma + 1) + 1, max(1, batch // 2)))
-    runs = xla_runs(target, prompts, block, sizes, capacity)
+    ns = sorted(set(sizes(batch, gamma)))
+    if not ns or ns[0] < batch or ns[-1] > batch * (gamma + 1):
+      raise ConfigError(f"block sizes {ns} at batch {batch}: each must lie in "
+                        f"[{batch}, {batch * (gamma + 1)}] (a tail a row, gamma drafts at most)")
+    runs = xla_runs(target, prompts, block, ns, capacity)
     if torch_model is not None:
-      runs.update(torch_runs(torch_model, prompts, block, sizes, capacity))
-    med = median_times(runs, reps)
-    for n in sizes:
+      runs.update(torch_runs(torch_model, prompts, block, ns, capacity))
+    rects = rectangles(batch, gamma, ns)
+    med = median_times({key: run for key, run in runs.items()
+                        if not key[0].endswith("rect") or key[1] in rects}, reps)
+    for n in ns:
       recs.append(record(med, batch, n, gamma, depth, reps))
       log(summary(recs[-1]))
   return recs
