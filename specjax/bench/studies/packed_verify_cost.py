@@ -63,7 +63,8 @@ def packed_cost(target: steps.Runner, batches: Sequence[int], gamma: int, depth:
   with torch_model (a TorchLlama on the same weights) the same three in
   PyTorch (torch_packed.py's flattened layout), timed in the same rounds.
   Only the rectangles a record uses are compiled (a 7B shape takes seconds:
-  `rectangles`)."""
+  `rectangles`). A round runs the kinds by token count, so that the
+  kinds compared at one count run back to back."""
   cfg, rng = target.cfg, np.random.RandomState(0)
   capacity = kvc.round_capacity(depth + gamma + 2)
   recs = []
@@ -78,7 +79,8 @@ def packed_cost(target: steps.Runner, batches: Sequence[int], gamma: int, depth:
     if torch_model is not None:
       runs.update(torch_runs(torch_model, prompts, block, ns, capacity))
     rects = rectangles(batch, gamma, ns)
-    med = median_times({key: run for key, run in runs.items()
+    tokens = lambda key: key[1] * batch if key[0].endswith("rect") else key[1]
+    med = median_times({key: run for key, run in sorted(runs.items(), key=lambda r: tokens(r[0]))
                         if not key[0].endswith("rect") or key[1] in rects}, reps)
     for n in ns:
       recs.append(record(med, batch, n, gamma, depth, reps))
