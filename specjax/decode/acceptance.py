@@ -165,7 +165,7 @@ def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, 
   if simulated:
     ok = u < accept_probs[None, :]
   elif sp.greedy:
-    ok = drafts == jnp.argmax(p[:, :gamma], -1)
+    ok = drafts == sampling.argmax(p[:, :gamma])
   else:
     p_x = jnp.take_along_axis(p[:, :gamma], drafts[..., None], -1)[..., 0]  # [B, gamma]
     q_x = (jnp.ones_like(p_x) if deterministic
@@ -184,7 +184,7 @@ def judge(key, simulated: bool, accept_probs, sp: SamplingParams, drafts, q, p, 
       q_next = _at(q, at_next)
     p_next = target_token_dist(p_next, q_next, n_acc < n_drafted)
   if sp.greedy:
-    nxt = jnp.argmax(p_next, -1).astype(jnp.int32)
+    nxt = sampling.argmax(p_next)
   else:
     nxt = sampling.sample(k_tok, p_next)
   return n_acc, nxt

@@ -293,7 +293,7 @@ def judge_tree(key, parents, drafts, p, q=None, *, greedy: bool = False,
     table = (jnp.ones((max_depth, max_children)) if accept_p is None
              else jnp.asarray(accept_p, jnp.float32))
     path, law = _walk(u, children, drafts, p, q, table, siblings, simulated)
-  nxt = jnp.argmax(law, -1).astype(jnp.int32) if greedy else sampling.sample(k_tok, law)
+  nxt = sampling.argmax(law) if greedy else sampling.sample(k_tok, law)
   tries, accepts = rank_counts(children, path)
   return TreeVerdict(path, jnp.sum(path >= 0, -1).astype(jnp.int32), nxt, tries, accepts)
 

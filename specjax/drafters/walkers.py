@@ -31,7 +31,7 @@ def _draw(logits, key, sc):
   """(token [B], q [B, V] or [B, 0] unless sc.needs_q, top probability [B])."""
   q = sampling.probs(logits, sc.sp)
   if sc.sp.greedy:
-    tok, top = jnp.argmax(logits, -1).astype(jnp.int32), jnp.max(jax.nn.softmax(logits), -1)
+    tok, top = sampling.argmax(logits), jnp.max(jax.nn.softmax(logits), -1)
   else:
     tok, top = sampling.sample(key, q), jnp.max(q, -1)
   return tok, (q if sc.needs_q else q[..., :0]), top
