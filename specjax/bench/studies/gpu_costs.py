@@ -9,9 +9,9 @@ gpu_summary.md from those records:
   draft in XLA (cost_surface.py; a point past the device's memory refused
   in one line), its fit and the speedup predicted along the batch under the
   simulated `bernoulli:alpha` at the draft's alpha on SmolLM2
-  (cost_surface_report.py). 3 compiles a point, 4 points fit an H100 and 6
-  an H200 (512, 4 K, 32 K x 1, 8, 32): about 2 minutes. Goal: at long
-  context the speedup rises with the batch.
+  (cost_surface_report.py). Of 512, 4 K, 32 K x 1, 8, 32, 4 points fit an
+  H100 and 6 an H200, ~5 compiles each: about 2 minutes (H100), 3 (H200).
+  Goal: at long context the speedup rises with the batch.
 """
 
 from __future__ import annotations
