@@ -94,6 +94,10 @@ def test_the_surface_section_predicts_at_the_smollm2_alpha():
   assert len(rows) == 1
   assert rows[0][4:9] == [f"{x:.2f}" for x in want]
   assert rows[0][9] == str(cc.turning_batch((1, 4, 8, 16, 32), want) or "none")
+  # the fit predicts at contexts not measured too
+  other = "\n".join(gpu_costs.surface_section(surface_records(), SETTINGS, (1, 4),
+                                              contexts=(8192,)))
+  assert [c[3] for c in cells(other) if c[:3] == ["xla", "streaming:256,4", "0.829"]] == ["8192"]
 
 
 def test_the_surface_section_with_too_few_points():

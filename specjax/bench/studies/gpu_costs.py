@@ -9,8 +9,8 @@ gpu_summary.md from those records:
   draft in XLA (cost_surface.py; a point past the device's memory refused
   in one line), its fit and the speedup predicted along the batch under the
   simulated `bernoulli:alpha` at the draft's alpha on SmolLM2
-  (cost_surface_report.py). Of 512, 4 K, 32 K x 1, 8, 32, 4 points fit an
-  H100 and 6 an H200, ~5 compiles each: about 2 minutes (H100), 3 (H200).
+  (cost_surface_report.py). Of 512, 16 K, 32 K x 1, 8, 32, 4 points fit an
+  H100 and 5 an H200, ~5 compiles each: about 2 minutes (H100), 2.5 (H200).
   Goal: at long context the speedup rises with the batch.
 """
 
@@ -118,9 +118,11 @@ def draft_configs(cfg, s: cs.Settings) -> dict:
 
 
 def surface_section(recs: Records, s: cs.Settings, predict: Sequence[int],
-                    alpha: float = SMOLLM2_ALPHA) -> list[str]:
+                    alpha: float = SMOLLM2_ALPHA,
+                    contexts: Sequence[int] | None = None) -> list[str]:
   """The measured table, the refused points, the fit and the predicted
-  speedup along the batch at `bernoulli:alpha`, per context."""
+  speedup along the batch at `bernoulli:alpha`, per context (`contexts`:
+  the measured ones by default; the fit predicts any)."""
   cfg = config.get_preset(s.model, s.dtype)
   lines = [f"## Cost surface T(B, N, context) ({s.model}, {s.dtype}, XLA, "
            f"{', '.join(s.drafters)} draft)", ""]
@@ -133,8 +135,8 @@ def surface_section(recs: Records, s: cs.Settings, predict: Sequence[int],
     models = report.fits(recs, "xla")
   except SpecjaxError as e:
     return lines + [f"Not fitted: {e}."]
-  cross = report.crossovers(models, cfg, draft_configs(cfg, s), s.contexts, [alpha], s.gamma,
-                            predict)
+  cross = report.crossovers(models, cfg, draft_configs(cfg, s), contexts or s.contexts, [alpha],
+                            s.gamma, predict)
   return lines + [report.fit_table({"xla": models}, recs), "",
                   f"Predicted speedup along the batch, gamma {s.gamma}, `bernoulli:{alpha}` "
                   f"(the geometric law the acceptance simulation draws from; {alpha}: "
