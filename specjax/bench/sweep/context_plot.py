@@ -153,47 +153,50 @@ def curves(records: Sequence[Record], fit: SurfaceFit | None = None) -> list[Pan
 
 
 def plot(records: Sequence[Record], path: str, fit: SurfaceFit | None = None) -> None:
-  """contexts.png: `curves` drawn, a column per drafter, a row per engine."""
+  """contexts.png: `curves` drawn, a row per drafter, a column per engine
+  (its panels sharing the speedup axis)."""
   plt = wd.pyplot()
   panels = curves(records, fit)
   engines = list(dict.fromkeys(p.engine for p in panels))
-  cols = max(sum(p.engine == e for p in panels) for e in engines)
-  fig, axes = plt.subplots(len(engines), cols, figsize=(5.2 * cols, 4.2 * len(engines)),
-                           squeeze=False)
-  for i, e in enumerate(engines):
-    mine = [p for p in panels if p.engine == e]
-    for ax, p in zip(axes[i], mine):
-      draw(ax, p)
-    for ax in axes[i][len(mine):]:
-      ax.axis("off")
+  drafters = list(dict.fromkeys(p.drafter for p in panels))
+  fig, axes = plt.subplots(len(drafters), len(engines), figsize=(5.6 * len(engines),
+                                                                 4.2 * len(drafters)),
+                           squeeze=False, sharey="row")
+  for i, d in enumerate(drafters):
+    for j, e in enumerate(engines):
+      p = next((p for p in panels if (p.engine, p.drafter) == (e, d)), None)
+      if p is None:
+        axes[i][j].axis("off")
+      else:
+        draw(axes[i][j], p)
   wd.save_figure(fig, path)
 
 
 def draw(ax, p: Panel) -> None:
-  """One panel: per context, measured o-, the measured-cost prediction --,
-  the fit's -., the crossover ringed; the fit's KV share : on the right."""
+  """One panel: per context, measured o-, the measured-cost prediction s--,
+  the fit's ^-., the crossover ringed; the fit's KV share : on the right."""
   twin = ax.twinx() if any(c.kv_share for c in p.curves) else None
   for i, c in enumerate(p.curves):
-    color, xs = f"C{i}", list(c.batches)
-    label = f"context {c.context}" + (f": {c.turn}" if c.turn else "") + (
-        f" (fit: {c.fit_turn})" if c.fit_turn and c.measured is not None else "")
-    for ys, style, extra in ((c.measured, "o-", label), (c.predicted_cost, "s--", None),
-                             (c.predicted_fit, "^-.", None if c.measured else label)):
+    color, xs, tag = f"C{i}", list(c.batches), f"{c.context}"
+    series = ((c.measured, "o-", f"{tag} measured" + (f": {c.turn}" if c.turn else "")),
+              (c.predicted_cost, "s--", f"{tag} predicted, measured costs"),
+              (c.predicted_fit, "^-.", f"{tag} predicted, surface fit"
+               + (f": {c.fit_turn}" if c.fit_turn else "")))
+    for ys, style, label in series:
       if ys is not None and all(y is not None for y in ys):
-        ax.plot(xs, ys, style, color=color, label=extra, ms=4)
+        ax.plot(xs, ys, style, color=color, label=label, ms=4)
     b = cc.turning_batch(xs, c.main) if c.turn and c.turn != "never rises" else None
     if b is not None:
       ax.plot([b], [c.main[xs.index(b)]], "o", ms=13, mfc="none", mec=color, mew=1.5)
     if twin is not None and c.kv_share and all(v is not None for v in c.kv_share):
       twin.plot(xs, c.kv_share, ":", color=color, lw=1.2)
+      ax.plot([], [], ":", color=color, label=f"{tag} KV share of T(B, 1), fit (right)")
   if twin is not None:
     twin.set_ylim(0, 1)
-    twin.set_ylabel("KV share of the target's decode step (fit, dotted)", fontsize=7)
+    twin.set_ylabel("KV share of the target's decode step (fit)", fontsize=8)
   ax.axhline(1.0, color="grey", lw=0.8)
   ax.set_title(p.title, fontsize=9)
   ax.set_xlabel("batch")
-  ax.set_ylabel("speedup (best gamma)" if not p.predicted_only else "predicted speedup")
+  ax.set_ylabel("speedup (best gamma; ring: where it turns)")
   ax.grid(alpha=0.3)
-  keys = ("measured o-, " if not p.predicted_only else "") + (
-      "measured-cost prediction s--, " if not p.predicted_only else "") + "fit ^-., ring: turn"
-  ax.legend(fontsize=7, loc="upper left", title=keys, title_fontsize=6)
+  ax.legend(fontsize=7, loc="lower right")
