@@ -4,11 +4,14 @@
 The cost curve is measured, not modelled: each candidate's seconds per loop
 step T(N), timed in the loop itself (adaptive.step_times after warm_up: the
 G drafts a row, the packed verify of N tokens, the judge and the chunk's
-round trips). Between chunks `BudgetChooser` reads the last step's rows
-(each live row's running alpha and what its drafter proposed), gives each
+round trips). Between chunks `BudgetChooser` reads each live row's running
+alpha at the chunk's last step and what its drafter proposed at every step
+of the chunk (n-gram's lookup matches at some steps and not at others, and a
+step that drafts nothing costs a decode whatever N is), gives each
 candidate its allocation (allocation.allocate) and expected tokens under
-the per-row geometric model (rows_theory.expected_tokens), and picks the
-candidate with the most expected tokens per second, E(N) / T(N).
+the per-row geometric model (rows_theory.expected_tokens), averaged over
+the chunk's proposals, and picks the most expected tokens per second,
+E(N) / T(N).
 """
 
 from __future__ import annotations
@@ -40,6 +43,16 @@ def expected_tokens(alpha, limit, live, budget: int, gamma_max: int) -> float:
   return rows_theory.expected_tokens(alpha[live], lengths[live])
 
 
+def chunk_proposals(records, batch: int) -> tuple[np.ndarray, np.ndarray]:
+  """The distinct [B] vectors of what the rows proposed at the chunk's steps
+  (0 for a row not recorded at a step), and the share of steps with each."""
+  steps, index = np.unique(records["step"], return_inverse=True)
+  per_step = np.zeros((steps.size, batch), np.int32)
+  per_step[index, records["row"]] = records["proposed"]
+  limits, counts = np.unique(per_step, axis=0, return_counts=True)
+  return limits, counts / counts.sum()
+
+
 @dataclasses.dataclass
 class BudgetChooser:
   """adaptive.Chooser for budget=auto (module docstring). `times`: each
@@ -48,8 +61,9 @@ class BudgetChooser:
   plan: plans.Plan
   estimates: list = dataclasses.field(default_factory=list)  # {name: tokens/s} per choice
   alpha: np.ndarray | None = None  # [B] the rows' running alpha at the last step seen
-  limit: np.ndarray | None = None  # [B] what each row proposed then
-  live: np.ndarray | None = None   # [B] the rows live then
+  limits: np.ndarray | None = None  # [P, B] the distinct proposals [B] of the last chunk's steps
+  weights: np.ndarray | None = None  # [P] the share of the chunk's steps with each
+  live: np.ndarray | None = None   # [B] the rows live at its last step
 
   def __post_init__(self):
     missing = sorted(set(self.plan.configs) - set(self.times))
@@ -59,7 +73,8 @@ class BudgetChooser:
 
   def start(self, rows):
     self.alpha = np.full(rows, rows_step.PRIOR_ALPHA, np.float32)
-    self.limit = np.full(rows, self.plan.first.gamma, np.int32)
+    self.limits = np.full((1, rows), self.plan.first.gamma, np.int32)
+    self.weights = np.ones(1)
     self.live = np.ones(rows, bool)
     self.predicted()  # compiles each budget's allocation now, not inside the timed loop
 
@@ -71,13 +86,14 @@ class BudgetChooser:
     rows = records["row"][last]
     self.live = np.zeros_like(self.live)
     self.live[rows] = True
-    self.limit[rows] = records["proposed"][last]
     self.alpha[rows] = records["alpha"][last]  # the estimate that step read (one step old)
+    self.limits, self.weights = chunk_proposals(records, self.live.size)
 
   def predicted(self) -> dict[str, float]:
     """Each candidate's expected tokens per second for the rows as last seen."""
-    return {k: expected_tokens(self.alpha, self.limit, self.live, sc.budget, sc.gamma)
-            / self.times[k] for k, sc in self.plan.configs.items()}
+    return {k: sum(w * expected_tokens(self.alpha, limit, self.live, sc.budget, sc.gamma)
+                   for limit, w in zip(self.limits, self.weights)) / self.times[k]
+            for k, sc in self.plan.configs.items()}
 
   def choose(self, remaining, live):
     del remaining, live

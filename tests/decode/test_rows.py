@@ -393,6 +393,42 @@ def _first_step_of_the_chunk(orig):
   return observe
 
 
+def intermittent_choice() -> int:
+  """The budget chosen after a chunk of 4 steps at alpha 0.95 whose rows
+  proposed 4 drafts at the first 3 steps and nothing at the last (n-gram's
+  lookup matching at some steps), T(N) = 1 + 0.05 N."""
+  pl = plan.parse_flags(drafter="ngram", gamma="auto:rows,max=4,budget=auto").resolve(
+      config.get_preset("tiny"), None, batch=3)
+  times = {k: 1.0 + 0.05 * c.budget for k, c in pl.configs.items()}
+  step = np.repeat([4, 5, 6, 7], 3)
+  records = {"step": step, "row": np.tile([0, 1, 2], 4), "proposed": np.where(step < 7, 4, 0),
+             "alpha": np.full(12, 0.95, np.float32), "n_acc": np.zeros(12, int)}
+  chooser = autorows.BudgetChooser(times, pl)
+  chooser.start(3)
+  chooser.observe("any", records)
+  return pl.configs[chooser.choose(10, 3)].budget
+
+
+def test_the_budget_chooser_weighs_the_chunks_proposals_not_its_last_step():
+  # by hand: N 15: (3/4 x 3 x 4.52 + 1/4 x 3) / 1.75 = 6.24 tokens/s; N 9 (2 drafts a
+  # row): (3/4 x 3 x 2.85 + 3/4) / 1.45 = 4.94; N 3: 3 / 1.15 = 2.61
+  assert intermittent_choice() == 15
+
+
+def _last_steps_proposals(orig):
+  """What the rows proposed at the chunk's last step only (the chooser before
+  this test: a last step without a lookup match gave the chunk tails only)."""
+  def chunk_proposals(records, batch):
+    last = records["step"] == records["step"].max()
+    return orig({k: v[last] for k, v in records.items()}, batch)
+  return chunk_proposals
+
+
+def test_the_last_steps_proposals_only_fails(monkeypatch):
+  monkeypatch.setattr(autorows, "chunk_proposals", _last_steps_proposals(autorows.chunk_proposals))
+  assert intermittent_choice() != 15
+
+
 @pytest.mark.parametrize("bug", ["times ignored", "the chunk's first step"])
 def test_each_deliberate_chooser_bug_fails(monkeypatch, bug):
   name, make = {"times ignored": ("predicted", _times_ignored),
