@@ -32,7 +32,6 @@ from specjax.model import steps
 from specjax.metrics import timing
 from specjax.model.sampling import SamplingParams
 from specjax.drafters import draft_model
-from specjax.drafters import streaming
 from specjax.drafters import vocab
 from specjax.drafters.base import Drafted, DraftedTree
 
@@ -256,7 +255,7 @@ def draft_probe(drafter, target: steps.Runner, draft: steps.Runner | None, gamma
     cfg = drafter.draft_config(target.cfg, draft and draft.cfg)
     return CostProbe(steps.Runner(cfg, drafter.draft_params(target.params, draft)), capacity,
                      depth, k=k, batch=batch)
-  batch = batch if isinstance(drafter, streaming.StreamingDrafter) else 1
+  batch = batch if drafter.reads_batch_cache else 1
   return ProposeProbe(drafter, target.cfg, gamma, capacity, depth, k=k, target=target,
                       batch=batch)
 

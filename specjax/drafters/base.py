@@ -114,6 +114,9 @@ class Drafter:
   # may propose no token for a row (n_drafted 0: a lookup with no match), so
   # a step where no row drafted is a decode step (chain_step.skipping_verify)
   may_draft_nothing: ClassVar[bool] = False
+  # a proposal reads the batch's shared target cache, so its cost grows with
+  # the batch: its probe runs at the point's batch (probes.draft_probe)
+  reads_batch_cache: ClassVar[bool] = False
 
   @property
   def spec(self) -> str:

@@ -43,6 +43,7 @@ class StreamingDrafter(network.NetworkDrafter):
   sinks: int = 4
   layers: int = 0
   kind: ClassVar[str] = "streaming"
+  reads_batch_cache: ClassVar[bool] = True
 
   @property
   def base_spec(self) -> str:

@@ -237,9 +237,9 @@ class Loop:
     return probes.PackedProbe(self.target, self.capacity, depth, batch, gamma_max,
                               k=PROBE_REPEATS)
 
-  def draft_probe(self, d, gamma: int, depth: int):
+  def draft_probe(self, d, gamma: int, depth: int, batch: int = 1):
     return probes.draft_probe(d, self.target, self.draft, gamma, self.capacity, depth,
-                              k=PROBE_REPEATS)
+                              batch=batch, k=PROBE_REPEATS)
 
   def spec_config(self, gamma: int, sp, rule: str, d) -> plan.SpecConfig:
     return plan.SpecConfig(self.target.cfg, self.draft and self.draft.cfg, gamma, sp,

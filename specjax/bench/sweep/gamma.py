@@ -63,9 +63,12 @@ class Bench:
       return self.probe_t, self.probe_d
     if batch not in self.probes:
       make = lambda m: self.loop.cost_probe(m, self.setup.depth, batch)
-      # a model-free drafter's proposal cost is per row and tiny: its batch-1 probe
+      # a model-free drafter's proposal cost is per row and tiny: its batch-1 probe,
+      # unless it reads the batch's cache (streaming)
       draft = (make(self.probe_d.m) if isinstance(self.probe_d, engine.CostProbe)
-               else self.probe_d)
+               else self.loop.draft_probe(self.drafter, self.probe_d.sc.gamma,
+                                          self.setup.depth, batch)
+               if self.drafter.reads_batch_cache else self.probe_d)
       self.probes[batch] = (make(self.loop.target), draft)
     return self.probes[batch]
 

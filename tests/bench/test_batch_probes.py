@@ -1,0 +1,53 @@
+"""The gamma sweep's cost probes at batch B (gamma.Bench.probe): a drafter
+whose proposal reads the batch's shared cache (streaming) is probed at B,
+a model-free one keeps its batch-1 probe; a deliberate bug (the flag
+ignored: streaming priced at batch 1, as before) must fail."""
+
+import types
+
+import pytest
+
+from specjax.bench.sweep import gamma
+from specjax.drafters import registry
+from specjax.drafters import streaming
+
+
+class Loop:
+  """Stands in for engine.Loop: records which probes the bench asks for."""
+  target = "target"
+
+  def __init__(self):
+    self.asked = []
+
+  def cost_probe(self, m, depth, batch=1):
+    self.asked.append(("cost", m, batch))
+    return ("cost", m, batch)
+
+  def draft_probe(self, d, g, depth, batch=1):
+    self.asked.append(("draft", d.spec, g, batch))
+    return ("draft", d.spec, g, batch)
+
+
+def probes_at(spec: str, batch: int):
+  loop = Loop()
+  setup = types.SimpleNamespace(loop=loop, depth=12)
+  batch1 = types.SimpleNamespace(sc=types.SimpleNamespace(gamma=4))
+  bench = gamma.Bench(setup, registry.parse(spec), "t1", batch1)
+  return bench.probe(batch), batch1
+
+
+def test_streaming_is_probed_at_the_points_batch():
+  (target, draft), _ = probes_at("streaming:16,2", 4)
+  assert target == ("cost", "target", 4)
+  assert draft == ("draft", "streaming:16,2", 4, 4)
+
+
+def test_ngram_keeps_its_batch_one_probe():
+  (target, draft), batch1 = probes_at("ngram", 4)
+  assert target == ("cost", "target", 4) and draft is batch1
+
+
+def test_the_flag_ignored_fails(monkeypatch):
+  monkeypatch.setattr(streaming.StreamingDrafter, "reads_batch_cache", False)
+  with pytest.raises(AssertionError):
+    test_streaming_is_probed_at_the_points_batch()
