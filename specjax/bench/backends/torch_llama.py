@@ -45,6 +45,36 @@ def window_slots(start, sinks: int, size: int, span: int, capacity: int):
   return slots.clamp(0, capacity - 1), real
 
 
+def rms_norm(x, scale, eps: float):
+  """RMSNorm in f32, cast back to x's dtype (HF's LlamaRMSNorm)."""
+  torch = import_torch()
+  x32 = x.float()
+  return scale * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x, cos, sin):
+  """RoPE by HF's rotate_half; cos and sin broadcast against x [..., heads, D]."""
+  torch = import_torch()
+  x1, x2 = x.chunk(2, -1)
+  return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
+
+
+def mlp_residual(x, lw: dict[str, Any], eps: float):
+  """x plus the layer's SwiGLU MLP of its normed x (HF's LlamaMLP)."""
+  torch = import_torch()
+  lin = torch.nn.functional.linear
+  y = rms_norm(x, lw["mlp_norm"], eps)
+  return x + lin(torch.nn.functional.silu(lin(y, lw["w_gate"])) * lin(y, lw["w_up"]),
+                 lw["w_down"])
+
+
+def lm_head(x, w: dict[str, Any], eps: float, logits: bool):
+  """The final norm and the LM head: f32 logits [..., V], or their argmax."""
+  torch = import_torch()
+  out = torch.nn.functional.linear(rms_norm(x, w["final_norm"], eps), w["lm_head"]).float()
+  return out if logits else torch.argmax(out, -1)
+
+
 def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: int,
              n_kv_heads: int, eps: float, logits: bool = False, tree=None, window=None):
   """T new tokens per row against the cache; the caches are written in place.
@@ -82,20 +112,12 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
   emb = torch.cat([freqs, freqs], -1)[:, :, None, :]    # [B, T, 1, D]
   cos, sin = emb.cos(), emb.sin()
 
-  def norm(x, scale):  # RMSNorm in f32 (HF's LlamaRMSNorm)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return scale * x32.to(x.dtype)
-
-  def rope(x):  # x [B, T, N, D], HF's rotate_half
-    x1, x2 = x.chunk(2, -1)
-    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
-
+  rope = lambda x: rotate(x, cos, sin)  # x [B, T, N, D]
   lin = torch.nn.functional.linear
   x = w["embed"][tokens]  # [B, T, E]
   for i, (kc, vc) in enumerate(zip(ks, vs)):
     lw = w["layers"][i]
-    y = norm(x, lw["attn_norm"])
+    y = rms_norm(x, lw["attn_norm"], eps)
     d = kc.shape[3]
     q = rope(lin(y, lw["wq"]).view(b, t, h, d))
     kk = rope(lin(y, lw["wk"]).view(b, t, k, d))
@@ -111,12 +133,8 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
     probs = torch.softmax(scores, -1).to(x.dtype).view(b, k, g * t, -1)
     out = torch.matmul(probs, vc).view(b, k, g, t, d)  # [B, K, G, T, D]
     out = out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
-    x = x + lin(out, lw["wo"])
-    y = norm(x, lw["mlp_norm"])
-    x = x + lin(torch.nn.functional.silu(lin(y, lw["w_gate"])) * lin(y, lw["w_up"]),
-                lw["w_down"])
-  out = lin(norm(x, w["final_norm"]), w["lm_head"]).float()
-  return out if logits else torch.argmax(out, -1)
+    x = mlp_residual(x + lin(out, lw["wo"]), lw, eps)
+  return lm_head(x, w, eps, logits)
 
 
 class TorchLlama:

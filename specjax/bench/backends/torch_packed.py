@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from specjax.bench.backends.pytorch import import_torch
+from specjax.bench.backends import torch_llama as tl
 from specjax.bench.backends.torch_llama import Cache, TorchLlama
 from specjax.errors import CacheOverflowError, ConfigError
 
@@ -129,29 +130,18 @@ def packed_forward(w: dict[str, Any], packed: TorchPacked, ks: list, vs: list, n
   seg, pos = packed.segment[:packed.n_real], packed.pos[:packed.n_real]
   attn = ATTENTION[attention]
 
-  def norm(x, scale):  # RMSNorm in f32 (HF's LlamaRMSNorm)
-    x32 = x.float()
-    return scale * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-  def rope(x):  # x [N, heads, D], HF's rotate_half
-    x1, x2 = x.chunk(2, -1)
-    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
-
+  rope = lambda x: tl.rotate(x, cos, sin)  # x [N, heads, D]
   lin = torch.nn.functional.linear
   x = w["embed"][packed.tokens]  # [N, E]
   for i, (kc, vc) in enumerate(zip(ks, vs)):
     lw = w["layers"][i]
-    y = norm(x, lw["attn_norm"])
+    y = tl.rms_norm(x, lw["attn_norm"], eps)
     q = rope(lin(y, lw["wq"]).view(n, h, d))
     kk = rope(lin(y, lw["wk"]).view(n, k, d))
     kc[seg, :, pos] = kk[:packed.n_real].to(kc.dtype)  # write first: a block reads itself
     vc[seg, :, pos] = lin(y, lw["wv"]).view(n, k, d)[:packed.n_real].to(vc.dtype)
-    x = x + lin(attn(q, kc, vc, bias, k, packed), lw["wo"])
-    y = norm(x, lw["mlp_norm"])
-    x = x + lin(torch.nn.functional.silu(lin(y, lw["w_gate"])) * lin(y, lw["w_up"]),
-                lw["w_down"])
-  out = lin(norm(x, w["final_norm"]), w["lm_head"]).float()
-  return out if logits else torch.argmax(out, -1)
+    x = tl.mlp_residual(x + lin(attn(q, kc, vc, bias, k, packed), lw["wo"]), lw, eps)
+  return tl.lm_head(x, w, eps, logits)
 
 
 class TorchPackedVerify:
