@@ -21,18 +21,13 @@ import pytest
 from specjax.bench.backends import torch_packed as tp
 from specjax.bench.backends.torch_llama import TorchLlama
 from specjax.bench.studies import packed_verify_cost as pvc
+from packedcase import CAPACITY, CASES, GAMMA_MAX, LENGTHS, STALE
 from specjax.errors import CacheOverflowError, ConfigError
 from specjax.model import config
 from specjax.model import kv_cache as kvc
 from specjax.model import packed as pk
 from specjax.model import steps
 
-CAPACITY = 48
-LENGTHS = (3, 5, 11, 17)
-GAMMA_MAX = 5
-CASES = {"ragged": ((1, 2, 6, 4), 15),  # (tokens per row: tail + drafts, N)
-         "tails only": ((1, 1, 1, 1), 4)}
-STALE = 7.0  # every cache slot past a row's length holds this before a verify
 TOL = 2e-4   # test_tree_verify_cost.py's torch-vs-XLA tolerance
 
 

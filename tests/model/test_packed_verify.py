@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from packedcase import CAPACITY, CASES, GAMMA_MAX, LENGTHS, STALE
 from specjax.errors import CacheOverflowError, ConfigError
 from specjax.model import config
 from specjax.model import kv_cache as kvc
@@ -24,12 +25,6 @@ from specjax.model import llama as model
 from specjax.model import packed as pk
 from specjax.model import steps
 
-CAPACITY = 48
-LENGTHS = (3, 5, 11, 17)
-GAMMA_MAX = 5
-CASES = {"ragged": ((1, 2, 6, 4), 15),  # (tokens per row: tail + drafts, N)
-         "tails only": ((1, 1, 1, 1), 4)}
-STALE = 7.0  # every cache slot past a row's length holds this before a verify
 ATOL = 2e-5
 
 
