@@ -166,7 +166,7 @@ def main(argv):
     akw = dict(every=_AUTO_EVERY.value, **kw)
     compile_s = adaptive.warm_up(target, draft, prompts, n, pl, **akw)
     times = autorows.calibrate(target, draft, prompts, n, pl, **akw)
-    print("T(N), seconds per loop step: " + ", ".join(
+    print("T(N), seconds per loop step (never falling with N): " + ", ".join(
         f"N={c.budget}: {1e3 * times[k]:.2f} ms" for k, c in pl.configs.items()))
     spec = lambda: adaptive.generate(target, draft, prompts, n, pl,
                                      autorows.BudgetChooser(times, pl), **akw)

@@ -429,6 +429,21 @@ def test_the_last_steps_proposals_only_fails(monkeypatch):
   assert intermittent_choice() != 15
 
 
+def test_the_calibrated_step_times_never_fall_with_the_budget(monkeypatch):
+  pl = plan.parse_flags(drafter="ngram", gamma="auto:rows,max=4,budget=auto").resolve(
+      config.get_preset("tiny"), None, batch=3)
+  noisy = dict(zip(pl.configs, [0.056, 0.058, 0.055, 0.067, 0.066]))  # N 3, 5, 6, 9, 15
+  monkeypatch.setattr(autorows.adaptive, "step_times", lambda *a, **k: dict(reversed(noisy.items())))
+  got = autorows.calibrate(None, None, [], 1, pl)
+  assert [got[k] for k in pl.configs] == [0.056, 0.058, 0.058, 0.067, 0.067]
+
+
+def test_noisy_times_taken_as_measured_fail(monkeypatch):
+  monkeypatch.setattr(autorows, "monotone", lambda times, plan: dict(times))
+  with pytest.raises(AssertionError):
+    test_the_calibrated_step_times_never_fall_with_the_budget(monkeypatch)
+
+
 @pytest.mark.parametrize("bug", ["times ignored", "the chunk's first step"])
 def test_each_deliberate_chooser_bug_fails(monkeypatch, bug):
   name, make = {"times ignored": ("predicted", _times_ignored),

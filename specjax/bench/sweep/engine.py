@@ -224,7 +224,8 @@ class Loop:
                             self.rows_plan(spec, sp, rule, d, len(rows)), **self._kw(every))
 
   def calibrate_rows(self, rows, spec: str, sp, rule: str, d, every: int) -> dict[str, float]:
-    """budget=auto's T(N): each candidate's seconds per loop step, in the loop."""
+    """budget=auto's T(N): each candidate's seconds per loop step, in the loop
+    (autorows.calibrate: never falling with N)."""
     return autorows.calibrate(self.target, self.draft, rows, self.n_predict,
                               self.rows_plan(spec, sp, rule, d, len(rows)), **self._kw(every))
 
