@@ -14,7 +14,9 @@ only, as the sweep's (eval_s): speedup = target-only s/token over
 speculative s/token. Writes OUT/records.jsonl (the sweep's record fields
 that context_plot.curves reads), OUT/log.txt, and from the records with the
 cost surface's fit (--surface: its results.jsonl) OUT/summary.md (measured
-beside predicted) and OUT/contexts.png (--plot_only: these alone).
+beside predicted) and OUT/contexts.png (--plot_only: these alone). OUT keeps
+its settings (settings.json): a rerun with the same ones skips the batches
+already recorded, with others it is refused.
   python experiments/long_batch_check.py --context=4096 --batches=1,4,8 --out=/tmp/lbc
 """
 
@@ -26,16 +28,18 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import sweep_gamma  # pylint: disable=wrong-import-position
+from specjax import cli
 from specjax import workdir as wd
 from specjax.bench.studies import cost_surface_report
 from specjax.bench.sweep import context_plot
 from specjax.bench.sweep import prompts as sweep_prompts
 from specjax.bench.sweep.config import SweepConfig
 from specjax.decode import generation, plan as plans, speculative
+from specjax.errors import ConfigError
 from specjax.formats import checkpoint
 from specjax.metrics.stats import Records, SpecStats
 from specjax.metrics.timing import block
@@ -166,13 +170,40 @@ def report(out: str, surface: str) -> None:
   context_plot.plot(recs, os.path.join(out, "contexts.png"), fit)
 
 
+def batches() -> list[int]:
+  try:
+    out = [int(b) for b in _BATCHES.value]
+  except ValueError:
+    raise ConfigError(f"--batches must be whole numbers, got {','.join(_BATCHES.value)}") from None
+  if not out or min(out) < 1:
+    raise ConfigError(f"--batches must be positive, got {','.join(_BATCHES.value)}")
+  return out
+
+
 def main(argv):
   del argv
   out = _OUT.value
-  os.makedirs(out, exist_ok=True)
+  wd.check_output_dir(out, "--out")
+  fit_records = os.path.join(_SURFACE.value, wd.RESULTS)
+  if not os.path.isfile(fit_records):
+    raise ConfigError(f"--surface {_SURFACE.value} holds no {wd.RESULTS} (a cost surface's "
+                      f"workdir: experiments/cost_surface.py)")
+  records = os.path.join(out, "records.jsonl")
   if _PLOT_ONLY.value:
+    if not os.path.isfile(records):
+      raise ConfigError(f"--plot_only: {records} does not exist")
     report(out, _SURFACE.value)
     return
+  todo = batches()
+  os.makedirs(out, exist_ok=True)
+  settings = dict(context=_CONTEXT.value, drafter=_DRAFTER.value, gamma=_GAMMA.value,
+                  n_predict=_N_PREDICT.value, reps=_REPS.value, prompts=_PROMPTS.value,
+                  model=_MODEL.value, dtype=_DTYPE.value)
+  if wd.check_stage(os.path.join(out, "settings.json"), settings, [records],
+                    "choose another --out"):
+    done = {r["batch"] for r in wd.read_jsonl(records)}
+    todo = [b for b in todo if b not in done]
+    log(out, f"resuming: batches {sorted(done)} already recorded")
   cfg, params, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value)
   target = steps.Runner(cfg, params)
   scfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context")).replace(
@@ -189,7 +220,7 @@ def main(argv):
     logits.append(lg)
     caches.append(ca)
     log(out, f"prefill {i}: {len(row)} tokens in {time.perf_counter() - t0:.1f} s")
-  for b in map(int, _BATCHES.value):
+  for b in todo:
     rec = dict(measure(out, target, p, rows, logits, caches, b, _N_PREDICT.value, _REPS.value),
                context=_CONTEXT.value, prompt_lens=[len(x) for x in rows],
                target=cfg.name, precision=_DTYPE.value)
@@ -200,4 +231,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

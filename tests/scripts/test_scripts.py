@@ -268,3 +268,19 @@ def test_readme_quickstart_and_ci_agree():
   assert "pytest" in commands[1]
   ci = open(os.path.join(ROOT, ".ci", "run")).read()
   assert commands[1].strip() in ci
+
+
+def test_long_batch_check_refuses_bad_batches_and_a_folder_of_other_settings(tmp_path):
+  """experiments/long_batch_check.py: one line before any model loads, and an
+  --out holding another run's records is never appended to."""
+  assert_one_line_error(run("long_batch_check.py", "--batches=a,2", f"--out={tmp_path}/a"),
+                        r"--batches must be whole numbers")
+  out = tmp_path / "b"
+  out.mkdir()
+  (out / "records.jsonl").write_text('{"batch": 1}\n')
+  (out / "settings.json").write_text(json.dumps(dict(
+      context=2048, drafter="streaming:256,4", gamma=4, n_predict=64, reps=2, prompts=6,
+      model="smollm2-135m", dtype="float32")))
+  assert_one_line_error(run("long_batch_check.py", f"--out={out}"),
+                        r"made with other settings \(context: 2048 -> 4096\)")
+  assert (out / "records.jsonl").read_text() == '{"batch": 1}\n'
