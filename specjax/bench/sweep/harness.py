@@ -5,7 +5,8 @@ them per category). A runner only measures its points and writes its report.
 
 `prepare` checks everything before any work and writes nothing: the
 settings (typed config, then the runner's own `check`), the workdir
-(outputs.check), the models, the prompts and the capacity. `execute` then
+(outputs.check), the models, the prompts and the capacity. The models
+prefill each prompt once (prefills.MemoRunner). `execute` then
 claims the workdir, measures the points not finished yet (each record
 appended to results.jsonl as it finishes), and writes costs.json, the
 report, and noise.json with the summary's noise section (noise.py).
@@ -19,7 +20,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from specjax import workdir as wd
-from specjax.bench.sweep import engine, noise, outputs
+from specjax.bench.sweep import engine, noise, outputs, prefills
 from specjax.bench.sweep.config import SweepConfig
 from specjax.bench.sweep.prompts import sweep_prompts
 from specjax.formats import checkpoint
@@ -93,6 +94,7 @@ def prepare(runner: Runner, cfg: SweepConfig, workdir: str, resume: bool = False
     engine.check_vocabularies(tcfg, dcfg)
     draft = steps.Runner(dcfg, dparams)
   prompts = sweep_prompts(cfg, tok, tcfg.vocab_size)
+  target, draft = prefills.wrap(target, prompts), prefills.wrap(draft, prompts)
   capacity = engine.plan_capacity(tcfg, max(len(p) for p in prompts), cfg.n_predict,
                                   extra=runner.extra_slots(cfg), ctx_size=cfg.ctx_size)
   loop = engine.Loop(target, draft, capacity, cfg.n_predict, cfg.seed)
