@@ -235,6 +235,16 @@ def _head_chain(hparams, tparams, feats, tokens, first, *, hcfg, tcfg):
 
 
 _features = jax.jit(eagle_train.target_features, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _head_probs(tparams, feats, tcfg, log=False):
+  """(log-)softmax of the target's LM head over head outputs, jitted: one
+  compile where eager ops compile one each (again after every mutation's
+  cache clear)."""
+  logits = model.head_logits(tparams, feats, tcfg)
+  return jax.nn.log_softmax(logits[..., :tcfg.vocab_size]) if log else jax.nn.softmax(logits)
+
 # level 2: two parents; depth 4, so a node is fed at depth 3 (RoPE n - 2 + 3)
 HEAD_TREE = trees.from_paths([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
 WIDTH = 32
@@ -289,8 +299,9 @@ def head_mismatches(v6, tree=HEAD_TREE) -> list[str]:
   g, ref = head(feats, toks, padded[:, 0])
   rows = np.arange(len(seqs))
   for name, got, want in (("k", hcache.k[0], ref.k[0]), ("v", hcache.v[0], ref.v[0])):
+    got, want = np.asarray(got), np.asarray(want)  # on the host: no op compiled per length
     for b in rows:  # [B, K, S, D]
-      err = float(jnp.max(jnp.abs(got[b, :, :n[b] - 1] - want[b, :, :n[b] - 1])))
+      err = float(np.max(np.abs(got[b, :, :n[b] - 1] - want[b, :, :n[b] - 1])))
       if not err <= 1e-4:
         bad.append(f"row {b}: head cache {name} off by {err:.2g}")
   node_feat = np.zeros((len(seqs), tree.block_size, feats.shape[-1]), np.float32)
@@ -310,8 +321,7 @@ def head_mismatches(v6, tree=HEAD_TREE) -> list[str]:
     out = np.asarray(head(f, t, np.repeat(padded[:, 0], len(nodes), 0))[0])
     for r, (b, j) in enumerate((b, j) for b in rows for j in nodes):
       node_feat[b, j] = out[r, n[b] - 2 + depth]
-  want = np.asarray(jax.nn.softmax(model.head_logits(target.params, jnp.asarray(node_feat),
-                                                     tcfg)))
+  want = np.asarray(_head_probs(target.params, jnp.asarray(node_feat), tcfg))
   fed = depths < tree.max_depth
   err = np.max(np.abs(np.asarray(d.q) - want)[:, fed], -1)  # [B, fed nodes]
   bad += [f"row {b} node {j}: q off by {err[b, i]:.2g}" for b, i in zip(*np.nonzero(err > 1e-4))
@@ -336,7 +346,9 @@ DYNAMIC = {"2,3,5": trees.DynamicTree(2, 3, 5), "3,2,4": trees.DynamicTree(3, 2,
            "2,4,12": trees.DynamicTree(2, 4, 12)}
 
 
-@pytest.mark.parametrize("name", list(DYNAMIC))
+# 2,3,5 runs greedy on the other heads (test_greedy_eagle_trees_of_a_prev_token_head_...,
+# test_a_grafted_chain_keeps_more_per_step): a compile of the loop saved here
+@pytest.mark.parametrize("name", ["3,2,4", "2,4,12"])
 def test_greedy_eagle_dynamic_tree_equals_target_only(v6_head, name):
   tree = DYNAMIC[name]
   want = generation.generate(v6_head[0], lawcheck.PROMPTS, 16).tokens
@@ -391,7 +403,7 @@ def dynamic_head_mismatches(v6, tree=DYN_TREE) -> list[str]:
   toks = np.concatenate([padded[:, 1:], np.zeros_like(padded[:, :1])], 1)
   parents = np.asarray(d.parents) + 1  # block indices (0: the root)
   tokens, fed = np.asarray(d.tokens), np.asarray(d.fed)
-  depth = np.asarray(jnp.sum(d.mask, -1)) - 1  # [B, 1+N]
+  depth = np.sum(np.asarray(d.mask), -1) - 1  # [B, 1+N]
   b_rows = len(seqs)
   batch = b_rows * tree.n_nodes
   head = lambda f, t, x0: _head_chain(hparams, target.params, _rows(f, batch), _rows(t, batch),
@@ -422,8 +434,7 @@ def dynamic_head_mismatches(v6, tree=DYN_TREE) -> list[str]:
                   np.max(np.abs(got_v[b, :, s] - ref_v[r, :, c])))
         if not err <= 1e-4:
           bad.append(f"row {b} node {j} (fed {fed[b, j]}): K/V off by {err:.2g}")
-  logp = np.asarray(jax.nn.log_softmax(model.head_logits(target.params, jnp.asarray(node_feat),
-                                                         tcfg)[..., :tcfg.vocab_size]))
+  logp = np.asarray(_head_probs(target.params, jnp.asarray(node_feat), tcfg, True))
   for b in range(b_rows):
     score = np.zeros(tree.block_size)
     for j in range(1, tree.block_size):
@@ -715,7 +726,7 @@ def chain_mismatches(v6, gamma: int = 3) -> list[str]:
     g = np.asarray(_head_chain(hparams, target.params, jnp.asarray(feats), jnp.asarray(toks),
                                jnp.asarray(padded[:, 0]), hcfg=hcfg, tcfg=tcfg)[0])
     at = g[rows, n - 2 + j]
-    want = np.asarray(jax.nn.softmax(model.head_logits(target.params, jnp.asarray(at), tcfg)))
+    want = np.asarray(_head_probs(target.params, jnp.asarray(at), tcfg))
     err = np.max(np.abs(q[:, j] - want[:, :q.shape[-1]]), -1)
     bad += [f"row {b} draft {j + 1}: q off by {err[b]:.2g}" for b in np.nonzero(err > 1e-4)[0]]
     feats[rows, n - 1 + j], toks[rows, n - 1 + j] = at, tokens[:, j]
