@@ -142,7 +142,8 @@ def main(argv):
     tcfg.taskbench_trees = tuple(_TREES.value)
   if _SMOKE.value:
     bcfg.target, bcfg.draft, bcfg.dtype = "tiny", "tiny-draft", "float32"
-    bcfg.batches, bcfg.gammas, bcfg.n_predict, bcfg.ctx_size, bcfg.reps = (1, 2), (2,), 8, 48, 1
+    # batch 2 alone: batch 1 runs in the sweep part (each batch is a set of compiles)
+    bcfg.batches, bcfg.gammas, bcfg.n_predict, bcfg.ctx_size, bcfg.reps = (2,), (2,), 8, 48, 1
     scfg.target, scfg.draft, scfg.dtype = "tiny", "tiny-draft", "float32"
     scfg.gammas, scfg.n_predict, scfg.ctx_size, scfg.reps = (2,), 8, 48, 1  # one group
     scfg.accepts = ("bernoulli:0.8", "always")
