@@ -215,9 +215,12 @@ def tiny_stage(tmp_path_factory):
   """selfdistill.run(stages=("head3",)) with configs/train.py:smollm2_tiny on
   a tiny random 4-layer target with SmolLM2's tokenizer and chat template."""
   from specjax.formats import checkpoint  # pylint: disable=import-outside-toplevel
+  from specjax.formats import gguf as gguf_file  # pylint: disable=import-outside-toplevel
+  from specjax.formats import gguf_tokenizer  # pylint: disable=import-outside-toplevel
   from specjax.train import selfdistill as sd  # pylint: disable=import-outside-toplevel
   try:
-    _, _, tok = checkpoint.load_model("smollm2-135m", "float32")
+    path = checkpoint.packaged_path("smollm2-135m")  # its tokenizer alone, not the weights
+    tok = gguf_tokenizer.gguf_tokenizer(gguf_file.open_reader(path), str(path))
   except Exception as e:  # pylint: disable=broad-except
     pytest.skip(f"smollm2-135m: {e}")
   cfg = ModelConfig("tiny-smol", tok.vocab_size, 32, 4, 4, 2, 64, max_seq_len=512,
