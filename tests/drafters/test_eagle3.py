@@ -282,17 +282,26 @@ def teacher_forced_q(target, head, seq, drafts):
   tcfg, hcfg = target.cfg.replace(attn_block=0), head.cfg.replace(attn_block=0)
   n = len(seq)
   pad = lambda x: jnp.asarray([list(x) + [0] * (TF_LEN - len(x))], jnp.int32)
-  feats = _fused_target_features(target.params, head.params, pad(seq), tcfg, head.layers)
-  feats = feats.at[:, n - 1:].set(0)  # pairs 0..n-2 only: f_{n-1} is not known yet
-  toks, qs = list(seq[1:]), []
+  feats = np.array(_fused_target_features(target.params, head.params, pad(seq), tcfg,
+                                          head.layers))
+  feats[:, n - 1:] = 0  # pairs 0..n-2 only: f_{n-1} is not known yet (on the host: no
+  toks, qs = list(seq[1:]), []  # op compiled per length)
   for j, d in enumerate([None] + list(drafts[:-1])):
     if d is not None:
-      feats = feats.at[:, n - 2 + j].set(out[:, n - 3 + j])  # h of the pair before
+      feats[:, n - 2 + j] = out[:, n - 3 + j]  # h of the pair before
       toks.append(d)
-    out, q = _head_pass(head.params, target.params, feats, pad(toks), jnp.asarray(head.ids),
-                        hcfg, tcfg)
-    qs.append(q[0, n - 2 + j])
-  return np.asarray(jnp.stack(qs))
+    out, q = _head_pass(head.params, target.params, jnp.asarray(feats), pad(toks),
+                        jnp.asarray(head.ids), hcfg, tcfg)
+    out = np.asarray(out)
+    qs.append(np.asarray(q[0, n - 2 + j]))
+  return np.stack(qs)
+
+
+@functools.partial(jax.jit, static_argnames="sc")
+def _propose(dparams, dcache, tail, n, key, sc):
+  """One draft phase of every row, jitted: one compile where the eager
+  drafter compiled each op (again after every mutation's cache clear)."""
+  return sc.drafter.propose(dparams, dcache, None, tail, n, jnp.ones(n.shape, bool), key, sc)[0]
 
 
 def teacher_forced_mismatches(v, gamma: int = 4) -> list[str]:
@@ -304,8 +313,7 @@ def teacher_forced_mismatches(v, gamma: int = 4) -> list[str]:
   st = res.state
   sc = plan.SpecConfig(target.cfg, None, gamma, SamplingParams(1.0), drafter=drafter)
   dparams = sc.drafter.draft_params(target.params, None)
-  d = sc.drafter.propose(dparams, st.dcache, None, st.tail, st.n, jnp.ones(st.n.shape, bool),
-                         jax.random.PRNGKey(5), sc)[0]
+  d = _propose(dparams, st.dcache, st.tail, st.n, jax.random.PRNGKey(5), sc=sc)
   head, bad = eagle3.load_head3(drafter.path), []
   for b, p in enumerate(PROMPTS64):
     seq = p + res.tokens[b]
