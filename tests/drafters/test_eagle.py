@@ -161,8 +161,7 @@ def test_drafts_equal_the_teacher_forced_head(shipped):
   drafter = sc.drafter  # the shipped head, resolved for the target
   dparams = drafter.draft_params(target.params, None)
   hcfg, hparams = sc.draft, dparams["head"]
-  d = drafter.propose(dparams, st.dcache, None, st.tail, st.n, jnp.ones(st.n.shape, bool),
-                      jax.random.PRNGKey(5), sc)[0]
+  d = _propose(dparams, st.dcache, st.tail, st.n, jax.random.PRNGKey(5), sc=sc)
   # every row's passes at one padded width, one compile each (both passes are
   # causal: the padding past a row's real pairs changes nothing before it)
   seqs = [p + out for p, out in zip(prompts, res.tokens)]  # x_0 .. x_{n-1}
@@ -188,6 +187,13 @@ def test_drafts_equal_the_teacher_forced_head(shipped):
 
 
 _features = jax.jit(eagle_train.target_features, static_argnums=1)
+
+
+@functools.partial(jax.jit, static_argnames="sc")
+def _propose(dparams, dcache, tail, n, key, sc):
+  """One draft phase of every row, jitted: one compile where the eager
+  drafter compiled each op."""
+  return sc.drafter.propose(dparams, dcache, None, tail, n, jnp.ones(n.shape, bool), key, sc)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg"))
