@@ -130,6 +130,13 @@ class ChainStep:
   def propose(dparams, dstate, tcache, tail, n, live, key, sc):
     return sc.drafter.propose(dparams, dstate, tcache, tail, n, live, key, sc)
 
+  @classmethod
+  def draft(cls, dparams, st, live, key, sc):
+    """The step's drafts as verified: propose, then allot. Returns
+    (Drafted, dstate, tcache); st: the loop's SpecState."""
+    d, dcache, tcache = cls.propose(dparams, st.dcache, st.tcache, st.tail, st.n, live, key, sc)
+    return cls.allot(d, st.rows, live, sc), dcache, tcache
+
   @staticmethod
   def start_rows(batch: int):
     """The loop's per-row state before step 0: none (rows_step.RowsStep's: alpha)."""

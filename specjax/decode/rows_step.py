@@ -1,16 +1,17 @@
 """Per-row draft lengths (--gamma=auto:rows): a chain step whose verify is one
 packed block of N tokens (model/packed.py), each row given its own length.
 
-The drafter proposes gamma_max per row, as a chain's does; `RowsStep.allot`
-then gives row b a length l_b (allocation.allocate: the top N - B gains
-alpha_b^k, at most what the row proposed, 0 for a finished row) and caps
-Drafted.n_drafted there; the verify packs each row's 1 + l_b tokens
+`RowsStep.allot` gives row b a length l_b (allocation.allocate: the top
+N - B gains alpha_b^k, at most what the row proposed, 0 for a finished row)
+and caps Drafted.n_drafted there; a network drafter, which always proposes
+gamma_max, is allotted first and drafts only as deep as the longest l_b
+(`RowsStep.draft`). The verify packs each row's 1 + l_b tokens
 (steps.packed_verify) and brings the logits (and an EAGLE head's features)
-back to [B, gamma_max + 1]; the judge is the chain's, stopped at l_b, so the
-target's token is drawn at that position. alpha_b is a running estimate
-(`RowAlpha`, in the loop state) from the row's own past accepted counts.
-Exactness: a length depends on past acceptances and on how many tokens were
-proposed, never on their values. docs/packed_verify.md (per-row lengths).
+back to [B, gamma_max + 1]; the judge is the chain's, stopped at l_b.
+alpha_b is a running estimate (`RowAlpha`, in the loop state) from the
+row's own past accepted counts. Exactness: a length depends on past
+acceptances and on how many tokens were proposed, never on their values.
+docs/packed_verify.md (per-row lengths).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class RowsDrafted(Drafted):
   """A chain's drafts with each row's length allotted (n_drafted)."""
   proposed: jax.Array = None  # [B] what the drafter proposed
   alpha: jax.Array = None     # [B] the running estimate the lengths came from
+  depth: jax.Array = None     # [] how deep it drafted (gamma_max, or the longest length)
 
 
 @struct.dataclass
@@ -92,6 +94,13 @@ class RowsJudged(chain_step.Judged):
 def budget_of(sc, batch: int) -> int:
   """The step's verify budget N: sc.budget, or the default for the batch."""
   return sc.budget or default_budget(batch, sc.gamma)
+
+
+def allotted_first(sc) -> bool:
+  """The drafter proposes gamma_max for every row whatever it drafts, so the
+  lengths can be allotted before it drafts, and it drafts only as deep as
+  the longest (Drafter.drafts_to_depth; p_min would stop rows early)."""
+  return sc.drafter.drafts_to_depth and sc.p_min == 0
 
 
 def lengths(rows: RowAlpha, n_drafted, live, sc) -> jax.Array:
@@ -138,9 +147,24 @@ class RowsStep(chain_step.ChainStep):
   def start_rows(batch: int) -> RowAlpha:
     return RowAlpha.start(batch)
 
+  @classmethod
+  def draft(cls, dparams, st, live, key, sc):
+    """A drafter that always proposes gamma_max (allotted_first) drafts only
+    as deep as the longest length: a step giving the rows few drafts (the
+    tails alone: none) pays few draft forwards."""
+    if not allotted_first(sc):
+      return super().draft(dparams, st, live, key, sc)
+    proposed = jnp.full(st.n.shape, sc.gamma, jnp.int32)
+    depth = jnp.max(lengths(st.rows, proposed, live, sc))
+    d, dcache, tcache = sc.drafter.propose(dparams, st.dcache, st.tcache, st.tail, st.n, live,
+                                           key, sc, depth=depth)
+    d = cls.allot(d.replace(n_drafted=proposed), st.rows, live, sc)  # the same lengths
+    return d.replace(depth=depth), dcache, tcache
+
   @staticmethod
   def allot(drafted: Drafted, rows: RowAlpha, live, sc) -> RowsDrafted:
-    return RowsDrafted(**fields_of(drafted), proposed=drafted.n_drafted, alpha=rows.alpha()
+    return RowsDrafted(**fields_of(drafted), proposed=drafted.n_drafted, alpha=rows.alpha(),
+                       depth=jnp.int32(sc.gamma)
                        ).replace(n_drafted=lengths(rows, drafted.n_drafted, live, sc))
 
   @staticmethod
@@ -150,8 +174,10 @@ class RowsStep(chain_step.ChainStep):
   @staticmethod
   def judge(key, accept_probs, p, drafted, tail, n, live, sc) -> RowsJudged:
     j = chain_step.accept_phase(key, accept_probs, p, drafted, tail, n, live, sc)
+    # a draft cache holds the root and the drafts fed: d_1 .. d_{depth-1}
+    fed = n - 1 + jnp.maximum(drafted.depth, 1)
     return RowsJudged(**fields_of(j), given=drafted.n_drafted, proposed=drafted.proposed,
-                      alpha=drafted.alpha)
+                      alpha=drafted.alpha).replace(d_len=jnp.minimum(j.d_len, fed))
 
 
 ROWS = RowsStep()

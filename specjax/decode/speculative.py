@@ -124,8 +124,7 @@ def _steps(key, i, tparams, dparams, st: SpecState, done, accept_probs, sc):
   """The phases of step i, in order (shared by both loops through jit)."""
   kd, ka = jax.random.split(jax.random.fold_in(key, i))
   step = sc.step
-  d, dcache, tcache = step.propose(dparams, st.dcache, st.tcache, st.tail, st.n, ~done, kd, sc)
-  d = step.allot(d, st.rows, ~done, sc)
+  d, dcache, tcache = step.draft(dparams, st, ~done, kd, sc)
   p, tcache, feats = step.verify(tparams, tcache, st.tail, d, sc)
   j = step.judge(ka, accept_probs, p, d, st.tail, st.n, ~done, sc)
   return d, dcache, tcache, j, feats

@@ -117,6 +117,10 @@ class Drafter:
   # a proposal reads the batch's shared target cache, so its cost grows with
   # the batch: its probe runs at the point's batch (probes.draft_probe)
   reads_batch_cache: ClassVar[bool] = False
+  # proposes gamma tokens for every row whatever it drafts (without p_min),
+  # and can stop drafting at a traced depth (propose's `depth`): per-row
+  # lengths allot first and draft only as deep as the longest (rows_step.py)
+  drafts_to_depth: ClassVar[bool] = False
 
   @property
   def spec(self) -> str:
@@ -152,7 +156,9 @@ class Drafter:
   def init(self, sc, target: steps.Runner, dparams, prompts, capacity: int, first):
     raise NotImplementedError
 
-  def propose(self, dparams, dstate, tcache: kvc.KVCache, tail, n, live, key, sc):
+  def propose(self, dparams, dstate, tcache: kvc.KVCache, tail, n, live, key, sc, depth=None):
+    """(Drafted, dstate, tcache); `depth` (traced, only if drafts_to_depth):
+    drafts past it are not drafted, and are junk."""
     raise NotImplementedError
 
   def commit(self, dstate, c: Committed):

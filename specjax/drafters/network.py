@@ -17,6 +17,7 @@ A subclass provides its properties and three traced functions:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,7 @@ class NetworkDrafter(Drafter):
   ':vocab=V'): its LM head over a reduced set of ids (drafters/vocab.py;
   '': the set stored with its weights, if any; 'full': none)."""
   vocab: str = dataclasses.field(default="", kw_only=True)
+  drafts_to_depth: ClassVar[bool] = True
 
   @property
   def base_spec(self) -> str:
@@ -75,9 +77,9 @@ class NetworkDrafter(Drafter):
   def end(self, dparams, fst, dstate, tcache, n, sc):
     raise NotImplementedError
 
-  def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
+  def propose(self, dparams, dstate, tcache, tail, n, live, key, sc, depth=None):
     fst, behind = self.begin(dparams, dstate, tcache, tail, n, live, sc, sc.gamma)
-    tokens, q, n_drafted, fst = walkers.chain(self, dparams, fst, tail[:, 1], key, sc)
+    tokens, q, n_drafted, fst = walkers.chain(self, dparams, fst, tail[:, 1], key, sc, depth)
     dstate, tcache = self.end(dparams, fst, dstate, tcache, n, sc)
     return Drafted(tokens=tokens, q=q, n_drafted=n_drafted, caught_up=behind), dstate, tcache
 

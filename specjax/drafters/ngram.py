@@ -49,7 +49,8 @@ class NgramDrafter(Drafter):
       hist[b, len(p)] = first[b]
     return jnp.asarray(hist)
 
-  def propose(self, dparams, dstate, tcache, tail, n, live, key, sc):
+  def propose(self, dparams, dstate, tcache, tail, n, live, key, sc, depth=None):
+    del depth  # a lookup costs the same at any depth
     tokens, n_drafted = ngram_propose(dstate, n, sc.gamma, self.n_min, self.n_max)
     b = n.shape[0]
     return Drafted(tokens=tokens, q=jnp.zeros((b, sc.gamma, 0), jnp.float32),

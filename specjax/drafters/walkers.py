@@ -37,17 +37,19 @@ def _draw(logits, key, sc):
   return tok, (q if sc.needs_q else q[..., :0]), top
 
 
-def chain(feeder, dparams, fst, root, key, sc):
+def chain(feeder, dparams, fst, root, key, sc, depth=None):
   """gamma drafts per row: (tokens [B, gamma], q [B, gamma, V or 0], n_drafted [B], fst).
 
   With sc.p_min > 0 a row stops drafting (n_drafted) at the first draw
-  whose top probability is below p_min; the scan still runs gamma draws."""
+  whose top probability is below p_min; the scan still runs gamma draws.
+  `depth` (traced): d_j for j > depth is not drafted (no feed; its token
+  and q are junk), so the draft costs the depth's feeds; the root always is."""
   keys = jax.random.split(key, sc.gamma)
   logits, fst = feeder.feed(dparams, fst, root[:, None], 0, None, None, sc)
   tok, q, top = _draw(logits[:, 0], keys[0], sc)
   active = top >= sc.p_min if sc.p_min > 0 else jnp.ones(root.shape, bool)
 
-  def body(carry, xs):
+  def draft(carry, xs):
     tok, fst, active = carry
     j, k = xs
     parent = jnp.broadcast_to(j - 1, tok.shape)[:, None].astype(jnp.int32)
@@ -56,6 +58,13 @@ def chain(feeder, dparams, fst, root, key, sc):
     if sc.p_min > 0:
       active = active & (top >= sc.p_min)
     return (nxt, fst, active), (nxt, q, active)
+
+  def body(carry, xs):
+    if depth is None:
+      return draft(carry, xs)
+    skip = lambda c, x: (c, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                          jax.eval_shape(draft, c, x)[1]))
+    return jax.lax.cond(xs[0] < depth, draft, skip, carry, xs)
 
   (_, fst, _), (toks, qs, actives) = jax.lax.scan(
       body, (tok, fst, active), (jnp.arange(1, sc.gamma), keys[1:]))
