@@ -434,6 +434,9 @@ def _fails_list_cache(v6, target, base):
 
 
 DRAFTER_MUTATIONS = {
+    "layerskip: the layers one past the listed ones": (
+        draft_model.LayerSkipDrafter, "draft_params", 'tparams[f"layers_{l}"]',
+        'tparams[f"layers_{l + 1}"]', _fails_lossless("layerskip:1", 4)),
     "ngram: the proposal shifted by one position": (
         ngram, "ngram_propose", "start = best_j + best_m ", "start = best_j + best_m + 1 ",
         _fails_lossless("ngram:1-2", 4)),
@@ -444,9 +447,6 @@ DRAFTER_MUTATIONS = {
     "ngram: drafting past n_drafted (the slots past the match count)": (
         ngram.NgramDrafter, "propose", "n_drafted=jnp.where(live, n_drafted, 0)",
         "n_drafted=jnp.where(live, sc.gamma, 0)", _fails_lossless("ngram:1-2", 4)),
-    "layerskip: the layers one past the listed ones": (
-        draft_model.LayerSkipDrafter, "draft_params", 'tparams[f"layers_{l}"]',
-        'tparams[f"layers_{l + 1}"]', _fails_lossless("layerskip:1", 4)),
     "layerskip:N: the draft's lengths kept in the shared cache": (
         draft_model.LayerSkipDrafter, "end", "v=fst.cache.v + tcache.v[k:])",
         "v=fst.cache.v + tcache.v[k:], lengths=fst.cache.lengths)", _fails_ragged("layerskip:2")),
@@ -456,15 +456,25 @@ DRAFTER_MUTATIONS = {
 }
 
 
+# draft_params runs on the host before the loop, which takes its output as an
+# argument: no compiled program holds it, so its mutation (first, before any
+# clear) reuses the loop test_lossless_at_temperature_one compiled; were it
+# ever traced, the cached loop would keep the bug out and this case would fail.
+UNTRACED = {"layerskip: the layers one past the listed ones"}
+
+
 @pytest.mark.parametrize("bug", list(DRAFTER_MUTATIONS))
 def test_each_deliberate_drafter_bug_fails_its_test(v6, target, base, monkeypatch, bug):
   owner, name, old, new, check = DRAFTER_MUTATIONS[bug]
-  jax.clear_caches()
+  traced = bug not in UNTRACED
+  if traced:
+    jax.clear_caches()
   monkeypatch.setattr(owner, name, lossless.mutant(getattr(owner, name), old, new))
   try:
     failed, detail = check(v6, target, base)
   finally:
     monkeypatch.undo()
-    jax.clear_caches()
+    if traced:
+      jax.clear_caches()
   print(f"MUTATION | {bug} | {detail}")
   assert failed, detail
