@@ -1,7 +1,8 @@
 """probes.filled_cache: a probe's cache holds `depth` slots of random K/V
 per row (not a prefill of random tokens), so a probe at depth D attends
 over D slots; past them the cache is empty. Committed deliberate bugs
-must each fail: the lengths left at 0, the fill one slot short."""
+must each fail: the lengths left at 0, the fill one slot short, and the cache
+left uncommitted beside placed params (the probe compiles in its timed repetitions)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -52,3 +53,21 @@ def test_each_deliberate_bug_fails(tiny, monkeypatch, bug):
   monkeypatch.setattr(probes, "random_slots", bug)
   with pytest.raises(AssertionError):
     check_filled(tiny)
+
+
+def check_times_without_compiling(m, capacity):
+  """The sweep's case: params placed on the device (a checkpoint's); the probe's
+  timed repetitions must not compile (timing.measure raises if they do)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  placed = steps.Runner(m.cfg, jax.device_put(m.params, jax.devices()[0]))
+  probes.CostProbe(placed, capacity=capacity, depth=12, k=2).times([1], reps=2)
+
+
+def test_a_probe_over_placed_params_compiles_only_while_warming_up(tiny):
+  check_times_without_compiling(tiny, 64)
+
+
+def test_an_uncommitted_cache_fails(tiny, monkeypatch):
+  monkeypatch.setattr(probes, "committed", lambda cache, params: cache)
+  with pytest.raises(RuntimeError, match="compilation"):
+    check_times_without_compiling(tiny, 80)  # shapes of its own: nothing compiled yet
