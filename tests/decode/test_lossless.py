@@ -100,9 +100,9 @@ def _top_p_on_p_only(orig):
   (The output law survives this one: rejection sampling is exact for any q.
   The acceptance law does not.) walkers.chain draws a network drafter's
   chain, the draft model's included."""
-  def chain(feeder, dparams, fst, root, key, sc):
+  def chain(feeder, dparams, fst, root, key, sc, depth=None):
     sp = dataclasses.replace(sc.sp, top_p=1.0)
-    return orig(feeder, dparams, fst, root, key, dataclasses.replace(sc, sp=sp))
+    return orig(feeder, dparams, fst, root, key, dataclasses.replace(sc, sp=sp), depth)
   return chain
 
 
