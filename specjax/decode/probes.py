@@ -106,9 +106,11 @@ def committed(cache: kvc.KVCache, params) -> kvc.KVCache:
   uncommitted cache beside committed params would compile a probe's step
   twice (its first output is committed), the second time inside the timed
   repetitions. A cache on a mesh is already placed (Runner.new_cache)."""
-  if not isinstance(cache.k[0].sharding, jax.sharding.SingleDeviceSharding):
-    return cache
-  return jax.device_put(cache, next(iter(jax.tree.leaves(params)[0].devices())))
+  leaf = jax.tree.leaves(params)[0]
+  if (not isinstance(cache.k[0].sharding, jax.sharding.SingleDeviceSharding)
+      or not getattr(leaf, "committed", True)):
+    return cache  # placed already, or params as uncommitted as the cache
+  return jax.device_put(cache, next(iter(leaf.devices())))
 
 
 class CostProbe:
