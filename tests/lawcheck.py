@@ -313,3 +313,17 @@ def mutant(fn, old: str, new: str):
   scope: dict = {}
   exec(code, fn.__globals__, scope)  # pylint: disable=exec-used
   return scope[fn.__name__]
+
+
+def row_pair_pvalues(target, res_tokens, prompts, rows: int) -> dict[str, float]:
+  """p-values of each prompt's first token pairs (t0,t1 and t1,t2) against
+  the target's law at T = 1, for a run of `rows` rows per prompt in order
+  (the per-row lengths' tests: tests/decode/test_rows.py, test_rows_depth.py)."""
+  tokens, which = np.array(res_tokens), np.repeat(np.arange(len(prompts)), rows)
+  out = {}
+  for i, prompt in enumerate(prompts):
+    t = tokens[which == i]
+    for j, law in enumerate(exact_laws(target, target, prompt, SamplingParams(1.0), 2).pairs):
+      out[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(
+          np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V), law)
+  return out

@@ -29,7 +29,7 @@ from specjax.model import steps
 from specjax.model.sampling import SamplingParams
 
 import lawcheck
-from lawcheck import ALPHA, V, adjusted, chi2_pvalue, exact_laws, pair, sharpen  # noqa: F401
+from lawcheck import ALPHA, adjusted, pair, sharpen  # noqa: F401
 
 LAW_PROMPTS = lawcheck.PROMPTS[:2]  # two of lawcheck's ragged prompts (a law compiles per prompt)
 
@@ -149,14 +149,7 @@ def sampled(pair_):
   target, draft = pair_
   prompts = [p for p in LAW_PROMPTS for _ in range(LAW_ROWS)]
   res = speculative.generate(target, draft, prompts, 5, SAMPLED, sp=SamplingParams(1.0), seed=4)
-  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(LAW_PROMPTS)), LAW_ROWS)
-  out = {}
-  for i, prompt in enumerate(LAW_PROMPTS):
-    t = tokens[which == i]
-    for j, law in enumerate(exact_laws(target, target, prompt, SamplingParams(1.0), 2).pairs):
-      out[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(
-          np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V), law)
-  return out, res
+  return lawcheck.row_pair_pvalues(target, res.tokens, LAW_PROMPTS, LAW_ROWS), res
 
 
 def test_sampling_at_t1_follows_the_target(pair):

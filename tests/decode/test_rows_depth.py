@@ -21,7 +21,7 @@ from specjax.model import steps
 from specjax.model.sampling import SamplingParams
 
 import lawcheck
-from lawcheck import ALPHA, V, adjusted, chi2_pvalue, exact_laws, pair  # noqa: F401
+from lawcheck import ALPHA, adjusted, pair  # noqa: F401
 from lawcheck import perturbed, sharpen
 
 PROMPTS = [[5, 17, 42, 9, 100], [7, 7, 7, 7, 7, 7], [200, 1, 64, 3, 9, 81, 27, 2], [3, 4]]
@@ -95,13 +95,7 @@ def test_sampling_at_t1_follows_the_target(pair):
   target, draft = pair
   prompts = [p for p in LAW_PROMPTS for _ in range(LAW_ROWS)]
   res = speculative.generate(target, draft, prompts, 5, SAMPLED, sp=SamplingParams(1.0), seed=5)
-  tokens, which = np.array(res.tokens), np.repeat(np.arange(len(LAW_PROMPTS)), LAW_ROWS)
-  ps = {}
-  for i, prompt in enumerate(LAW_PROMPTS):
-    t = tokens[which == i]
-    for j, law in enumerate(exact_laws(target, target, prompt, SamplingParams(1.0), 2).pairs):
-      ps[f"prompt {i} pair t{j},t{j + 1}"] = chi2_pvalue(
-          np.bincount(t[:, j] * V + t[:, j + 1], minlength=V * V), law)
+  ps = lawcheck.row_pair_pvalues(target, res.tokens, LAW_PROMPTS, LAW_ROWS)
   assert adjusted(ps) > ALPHA, ps
   rec = res.records
   deepest = {int(rec.n_drafted[rec.step == s].max()) for s in np.unique(rec.step)}
