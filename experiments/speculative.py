@@ -218,8 +218,10 @@ def row_lines(res, auto: str = "") -> list[str]:
             f"{a:.2f}" for a in res.estimates))
   elif getattr(res, "chosen", None) and auto == plan.ROWS:
     names = sorted(set(res.chosen), key=res.chosen.index)
+    factors = getattr(getattr(res, "chooser", None), "factors", None) or [1.0]
     lines.append("auto budget: steps per candidate " + ", ".join(
-        f"{k}: {res.chosen.count(k)}" for k in names))
+        f"{k}: {res.chosen.count(k)}" for k in names)
+        + f"; drafts kept / expected by the model at the last choice {factors[-1]:.2f}")
   elif getattr(res, "chosen", None):
     names = sorted(set(res.chosen), key=res.chosen.index)
     lines.append("auto tree: steps per tree " + ", ".join(

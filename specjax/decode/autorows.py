@@ -12,6 +12,14 @@ candidate its allocation (allocation.allocate) and expected tokens under
 the per-row geometric model (rows_theory.expected_tokens), averaged over
 the chunk's proposals, and picks the most expected tokens per second,
 E(N) / T(N).
+
+The geometric model at the running alphas over-predicts what the drafts
+keep (n-gram on mixed chat rows: 0.92 accepted drafts a step predicted at
+batch 4 where 0.32 came; a row given nothing drifts back to the prior, and
+acceptance is not i.i.d. along a draft), and the error grows with N, so
+the chooser scales each candidate's drafted part by the run's own ratio of
+accepted to predicted drafts (`BudgetChooser.factor`), checked against the
+chunks already run. docs/packed_verify.md (the budget's calibration).
 """
 
 from __future__ import annotations
@@ -33,14 +41,26 @@ from specjax.errors import ConfigError
 # one small program per budget, compiled in BudgetChooser.start (before the run's clock)
 allocate_jit = jax.jit(allocation.allocate, static_argnames=("budget", "gamma_max"))
 
+FACTOR_PRIOR = 2.0  # predicted drafts of pseudo-evidence that the model is right (factor 1)
 
-def expected_tokens(alpha, limit, live, budget: int, gamma_max: int) -> float:
+
+def expected_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 1.0) -> float:
   """One step's expected tokens at budget N: the live rows' allocation for
-  their alpha and proposals (limit) under the geometric model."""
+  their alpha and proposals (limit) under the geometric model, its accepted
+  drafts scaled by `factor` (a tail token per live row is certain)."""
   alpha, live = np.asarray(alpha, np.float32), np.asarray(live, bool)
   limit = np.where(live, np.asarray(limit, np.int32), 0)
   lengths = np.asarray(allocate_jit(alpha, budget, gamma_max, limit=limit))
-  return rows_theory.expected_tokens(alpha[live], lengths[live])
+  tails = float(live.sum())
+  return tails + factor * (rows_theory.expected_tokens(alpha[live], lengths[live]) - tails)
+
+
+def predicted_drafts(records) -> float:
+  """The accepted drafts the geometric model expected of a chunk's row-steps,
+  each at the alpha its lengths were allotted from and the length it was given."""
+  alpha = np.asarray(records["alpha"], np.float64)
+  given = np.asarray(records["n_drafted"])
+  return rows_theory.expected_tokens(alpha, given) - given.size
 
 
 def chunk_proposals(records, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,6 +84,9 @@ class BudgetChooser:
   limits: np.ndarray | None = None  # [P, B] the distinct proposals [B] of the last chunk's steps
   weights: np.ndarray | None = None  # [P] the share of the chunk's steps with each
   live: np.ndarray | None = None   # [B] the rows live at its last step
+  accepted: float = 0.0            # drafts accepted in the chunks so far ..
+  expected: float = 0.0            # .. and what the model expected of them
+  factors: list = dataclasses.field(default_factory=list)  # `factor` at each choice
 
   def __post_init__(self):
     missing = sorted(set(self.plan.configs) - set(self.times))
@@ -88,10 +111,17 @@ class BudgetChooser:
     self.live[rows] = True
     self.alpha[rows] = records["alpha"][last]  # the estimate that step read (one step old)
     self.limits, self.weights = chunk_proposals(records, self.live.size)
+    self.accepted += float(np.sum(records["n_acc"]))
+    self.expected += predicted_drafts(records)
+
+  def factor(self) -> float:
+    """Accepted over expected drafts so far, shrunk to 1 by FACTOR_PRIOR."""
+    return (self.accepted + FACTOR_PRIOR) / (self.expected + FACTOR_PRIOR)
 
   def predicted(self) -> dict[str, float]:
     """Each candidate's expected tokens per second for the rows as last seen."""
-    return {k: sum(w * expected_tokens(self.alpha, limit, self.live, sc.budget, sc.gamma)
+    f = self.factor()
+    return {k: sum(w * expected_tokens(self.alpha, limit, self.live, sc.budget, sc.gamma, f)
                    for limit, w in zip(self.limits, self.weights)) / self.times[k]
             for k, sc in self.plan.configs.items()}
 
@@ -99,6 +129,7 @@ class BudgetChooser:
     del remaining, live
     pred = self.predicted()
     self.estimates.append(pred)
+    self.factors.append(self.factor())
     return max(pred, key=lambda k: (pred[k], -self.plan.configs[k].budget))
 
 

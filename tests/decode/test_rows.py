@@ -335,12 +335,14 @@ def test_each_deliberate_bug_fails(pair, tiny, greedy, head, chain, monkeypatch,
 
 def chunk(rows, proposed, alpha) -> dict[str, np.ndarray]:
   """A chunk of two steps as adaptive.generate hands it to a chooser: the
-  last (step 7) as given, the one before with every row at alpha 0.5."""
+  last (step 7) as given, the one before with every row at alpha 0.5; no row
+  was given a draft, so the chunk says nothing of the model's calibration."""
   n = len(rows)
   cat = lambda before, last: np.concatenate([np.asarray(before), np.asarray(last)])
   return {"step": np.repeat([6, 7], n), "row": cat(rows, rows),
           "proposed": cat(proposed, proposed),
-          "alpha": cat(np.full(n, 0.5), alpha).astype(np.float32), "n_acc": np.zeros(2 * n, int)}
+          "alpha": cat(np.full(n, 0.5), alpha).astype(np.float32), "n_acc": np.zeros(2 * n, int),
+          "n_drafted": np.zeros(2 * n, int)}
 
 
 def budget_choices() -> list[int]:
@@ -395,7 +397,8 @@ def intermittent_choice() -> int:
   times = {k: 1.0 + 0.05 * c.budget for k, c in pl.configs.items()}
   step = np.repeat([4, 5, 6, 7], 3)
   records = {"step": step, "row": np.tile([0, 1, 2], 4), "proposed": np.where(step < 7, 4, 0),
-             "alpha": np.full(12, 0.95, np.float32), "n_acc": np.zeros(12, int)}
+             "alpha": np.full(12, 0.95, np.float32), "n_acc": np.zeros(12, int),
+             "n_drafted": np.zeros(12, int)}
   chooser = autorows.BudgetChooser(times, pl)
   chooser.start(3)
   chooser.observe("any", records)
@@ -435,6 +438,37 @@ def test_noisy_times_taken_as_measured_fail(monkeypatch):
   monkeypatch.setattr(autorows, "monotone", lambda times, plan: dict(times))
   with pytest.raises(AssertionError):
     test_the_calibrated_step_times_never_fall_with_the_budget(monkeypatch)
+
+
+def calibrated_choice(accepted: int) -> tuple[int, float]:
+  """The budget chosen, and the factor, after four chunks in which 3 rows at
+  alpha 0.95 were each given 4 drafts and accepted `accepted` of them,
+  T(N) = 1 + 0.05 N."""
+  pl = plan.parse_flags(drafter="ngram", gamma="auto:rows,max=4,budget=auto").resolve(
+      config.get_preset("tiny"), None, batch=3)
+  times = {k: 1.0 + 0.05 * c.budget for k, c in pl.configs.items()}
+  chooser = autorows.BudgetChooser(times, pl)
+  chooser.start(3)
+  for s in range(4):
+    chooser.observe("any", {"step": np.full(3, s), "row": np.arange(3),
+                            "proposed": np.full(3, 4), "alpha": np.full(3, 0.95, np.float32),
+                            "n_acc": np.full(3, accepted), "n_drafted": np.full(3, 4)})
+  return pl.configs[chooser.choose(10, 3)].budget, chooser.factors[-1]
+
+
+def test_the_budget_chooser_scales_the_drafts_by_what_they_kept():
+  # by hand: 12 row-steps given 4 drafts at 0.95 expect 12 x 3.524 = 42.29 accepted.
+  # None kept: factor 2 / 44.29 = 0.045; N 3: 3 / 1.15 = 2.61, N 5: (3 + 0.045 x 1.9)
+  # / 1.25 = 2.47, so the tails alone. All kept: factor 50 / 44.29 = 1.13, every draft.
+  got, factor = calibrated_choice(0)
+  assert got == 3 and factor == pytest.approx(2 / 44.29, rel=1e-3)
+  got, factor = calibrated_choice(4)
+  assert got == 15 and factor == pytest.approx(50 / 44.29, rel=1e-3)
+
+
+def test_the_model_taken_as_calibrated_fails(monkeypatch):
+  monkeypatch.setattr(autorows.BudgetChooser, "factor", lambda self: 1.0)
+  assert calibrated_choice(0)[0] != 3
 
 
 @pytest.mark.parametrize("bug", ["times ignored", "the chunk's first step"])
