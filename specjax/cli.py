@@ -127,6 +127,8 @@ def run(main: Callable[[list[str]], Any]) -> None:
       preflight.check_config_flags()
       preflight.check_output_flags()
       setup_devices()
+      from specjax import workdir as wd  # pylint: disable=import-outside-toplevel
+      wd.git_commit()  # the commit this process loaded, read before a long run (cached)
       return main(argv)
     except SpecjaxError as e:
       fail(str(e))

@@ -16,6 +16,7 @@ docs/scripts.md, "A run's folder".
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import platform
@@ -251,8 +252,11 @@ def check_stage(record: str | os.PathLike, want: Record,
 # ---------------------------------------------------------------- environment
 
 
+@functools.cache
 def git_commit() -> str:
-  """The short commit of the specjax checkout, '+dirty' if it has changes."""
+  """The short commit of the specjax checkout, '+dirty' if it has changes,
+  read once per process: a long run names the code it started with, not a
+  commit made while it ran."""
   here = os.path.dirname(os.path.abspath(__file__))
   try:
     run = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True,

@@ -163,3 +163,30 @@ def test_a_stage_is_reused_only_with_its_settings(tmp_path):
   with pytest.raises(ConfigError, match="did not record its settings"):
     wd.check_stage(rec, want, [out], "delete it")
   assert out.read_text() == "{}"  # refusals touch nothing
+
+
+
+def commit_after_a_new_commit(monkeypatch, read=None) -> tuple[str, str]:
+  """`read` (wd.git_commit) before and after `git` starts answering another commit."""
+  read = read or wd.git_commit
+  wd.git_commit.cache_clear()
+  first = read()
+
+  class Moved:
+    stdout = "abc1234"
+  monkeypatch.setattr(wd.subprocess, "run", lambda *a, **k: Moved())
+  try:
+    return first, read()
+  finally:
+    monkeypatch.undo()
+    wd.git_commit.cache_clear()
+
+
+def test_a_run_names_the_commit_it_started_with(monkeypatch):
+  first, later = commit_after_a_new_commit(monkeypatch)
+  assert later == first != "abc1234"
+
+
+def test_the_commit_read_when_a_run_ends_fails(monkeypatch):
+  first, later = commit_after_a_new_commit(monkeypatch, read=wd.git_commit.__wrapped__)
+  assert later != first
