@@ -6,6 +6,7 @@ device's memory on an accelerator, not the host's; three deliberate bugs."""
 
 import pytest
 
+from specjax.bench import memory
 from specjax.bench.studies import cost_surface as cs
 from specjax.bench.studies import cost_surface_report as report
 from specjax.bench.studies import gpu_costs
@@ -112,7 +113,7 @@ def test_on_an_accelerator_the_device_pool_is_what_is_available(monkeypatch, ini
                                                                 tmp_path):
   """The device's pool left (bytes_limit - bytes_in_use), not the host's
   memory: a point past it is refused in one line before anything runs."""
-  monkeypatch.setattr(cs, "device_memory", lambda: {"bytes_limit": 3 << 20,
+  monkeypatch.setattr(memory, "device_memory", lambda: {"bytes_limit": 3 << 20,
                                                     "bytes_in_use": 1 << 20})
   assert cs.available_bytes() == 2 << 20
   cfg = config.get_preset("tiny")
@@ -127,7 +128,7 @@ def test_on_an_accelerator_the_device_pool_is_what_is_available(monkeypatch, ini
   assert len(recs) == 1 and recs[0]["refused"] == lines[-1]
   assert lines[-1].startswith("context 4000 batch 2: refused, needs about 0.0 GiB, "
                               "0.0 GiB available")
-  monkeypatch.setattr(cs, "device_memory", lambda: {})  # the CPU: the host's memory
+  monkeypatch.setattr(memory, "device_memory", lambda: {})  # the CPU: the host's memory
   assert cs.available_bytes() > 2 << 20
 
 

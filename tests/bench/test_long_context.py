@@ -3,7 +3,9 @@ dimension (bench/sweep/contexts.py): the shipped prompts sit in their
 context's bounds with the lengths recorded, every answer quotes its
 document, the manifest names this Python's files (a changed or missing file
 is one line), a banned run never reaches a document, bad contexts are one
-line, and :long_context_quick runs end to end on the tiny pair."""
+line, :long_context_quick runs end to end on the tiny pair (each context's
+rows dropped before the next, every record with the process's memory), and a
+context that would not fit is refused before any work."""
 
 import json
 import re
@@ -11,7 +13,8 @@ import re
 import pytest
 
 from configs import sweep_gamma
-from specjax.bench.sweep import contexts, longsuite, prompts, taskbench
+from specjax.bench import memory
+from specjax.bench.sweep import contexts, harness, longsuite, prompts, taskbench
 from specjax.bench.sweep import stdlib_reference as ref
 from specjax.bench.sweep.config import SweepConfig
 from specjax.errors import ConfigError, SpecjaxError
@@ -109,10 +112,16 @@ def test_context_prompts_and_bad_contexts_are_one_line(tok):
       c.replace(**kw)
 
 
-def test_long_context_quick_runs_end_to_end(tmp_path):
+def test_long_context_quick_runs_end_to_end(tmp_path, monkeypatch):
   cfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context_quick"))
   assert cfg.runner == "contexts"
+  memos = []
+  forget = contexts.forget
+  monkeypatch.setattr(contexts, "forget",
+                      lambda p: (forget(p), memos.append(dict(p.setup.loop.target.memo))))
   records = contexts.run_contexts(cfg, str(tmp_path), progress=False)
+  assert memos == [{}, {}]  # each context's prefilled rows dropped when it is done
+  assert all(r["env"]["peak_rss_bytes"] >= r["env"]["rss_bytes"] > 0 for r in records)
   got = sorted((r["context"], r["drafter"], r["batch"]) for r in records)
   assert got == sorted((c, d, b) for c in cfg.contexts for d in cfg.drafters for b in cfg.batches)
   for r in records:
@@ -123,3 +132,29 @@ def test_long_context_quick_runs_end_to_end(tmp_path):
   text = (tmp_path / contexts.REPORT).read_text()
   assert "| 128 | 1 | 0 |" in text and (tmp_path / contexts.PLOT).stat().st_size > 0
   assert (tmp_path / "ctx-64" / "results.jsonl").is_file()
+
+
+def refusal(tmp_path, monkeypatch) -> str:
+  """run_contexts on the quick config with 1 KiB available: its one line,
+  or 'work started' if it got as far as running a point."""
+  monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 10)
+
+  def started(*a, **k):
+    raise SpecjaxError("work started")
+  monkeypatch.setattr(harness, "execute", started)
+  cfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context_quick"))
+  with pytest.raises(SpecjaxError) as e:
+    contexts.run_contexts(cfg, str(tmp_path / "w"), progress=False)
+  return str(e.value)
+
+
+def test_a_context_that_would_not_fit_is_refused_before_any_work(tmp_path, monkeypatch):
+  line = refusal(tmp_path, monkeypatch)
+  assert re.fullmatch(r"context 64 at batch 1 needs about [0-9.]+ GiB, 0\.0 GiB available: "
+                      r"drop it from config\.contexts or lower config\.batches", line), line
+  assert not list((tmp_path / "w").glob("*/results.jsonl"))
+
+
+def test_memory_left_unchecked_fails(tmp_path, monkeypatch):
+  monkeypatch.setattr(contexts, "check_memory", lambda c, p: None)
+  assert refusal(tmp_path, monkeypatch) == "work started"

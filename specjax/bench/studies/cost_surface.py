@@ -15,7 +15,6 @@ finished points and refuses other settings. docs/long_context.md.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import gc
 import os
@@ -30,6 +29,8 @@ import numpy as np
 from specjax import workdir as wd
 from specjax.bench.backends import base as backends
 from specjax.bench.backends import torch_spec
+from specjax.bench.memory import (available_bytes, device_memory, peak_rss, release_memory,
+                                  reset_peak, rss)
 from specjax.bench.studies import roofline
 from specjax.decode import plan
 from specjax.decode import probes
@@ -98,64 +99,6 @@ def capacity_of(context: int, s: Settings) -> int:
   return kvc.round_capacity(context + max(max(s.ns), 2 * s.gamma + 2) + 1)
 
 # ---------------------------------------------------------------- memory
-
-
-def _status(key: str) -> int | None:
-  try:
-    with open("/proc/self/status") as f:
-      for line in f:
-        if line.startswith(key + ":"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    return None
-  return None
-
-
-def device_memory() -> dict[str, int]:
-  """The default device's allocator figures (bytes_limit, bytes_in_use,
-  peak_bytes_in_use, ...; {} on the CPU, whose arrays are the host's)."""
-  return jax.devices()[0].memory_stats() or {}
-
-
-def available_bytes() -> int | None:
-  """The memory a point's arrays would take from: on an accelerator the
-  default device's pool left (bytes_limit - bytes_in_use), on the CPU
-  MemAvailable of /proc/meminfo (None where there is neither)."""
-  stats = device_memory()
-  if "bytes_limit" in stats:
-    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    return None
-  return None
-
-
-def reset_peak() -> bool:
-  """Resets the process's peak resident memory (VmHWM) to now; False where
-  the kernel does not allow it (the peak is then the process's own)."""
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
-
-
-def release_memory() -> None:
-  """Hands the allocator's freed pages back to the system (glibc's
-  malloc_trim), so a point's caches do not count against the next one."""
-  try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):
-    pass
-
-
-def peak_rss() -> int | None:
-  return _status("VmHWM")
 
 
 def estimate_bytes(cfg, s: Settings, context: int, batch: int, draft_cfgs: dict) -> int:
@@ -342,7 +285,7 @@ def run(work: str | os.PathLike, s: Settings, target: steps.Runner, tmodel, draf
     gc.collect()
     release_memory()
     tracked = reset_peak()
-    before = _status("VmRSS")
+    before = rss()
     times = Point(target, tmodel, draft, tdraft, s, context, batch).measure(s.reps)
     gc.collect()
     release_memory()

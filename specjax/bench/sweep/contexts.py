@@ -10,19 +10,31 @@ per (drafter, context, batch, gamma) and the best drafter per (context,
 batch), contexts.png speedup against batch, measured and predicted, a line
 per context and a panel per drafter (context_plot.py). docs/streaming.md,
 "Long prompts".
+
+Memory: each context is checked before any work (`check_memory`: its
+largest batch's caches and prefilled rows against what the host has), and
+a finished context's prefilled rows and compiled programs are dropped
+before the next (`forget`); every point hands its freed pages back
+(harness.execute). The first full run was killed by the kernel at 4 K,
+batch 4, after the 1 K sweep: resident memory had reached 24 GB.
 """
 
 from __future__ import annotations
 
 import os
 
+import jax
+
 from specjax import workdir as wd
-from specjax.bench.sweep import context_plot, gamma, harness, outputs
+from specjax.bench import memory
+from specjax.bench.sweep import context_plot, gamma, harness, outputs, prefills
 from specjax.bench.sweep.config import SweepConfig
 from specjax.errors import ConfigError
+from specjax.model import kv_cache as kvc
 from specjax.workdir import Record
 
 RECORDS, REPORT, PLOT = "contexts.jsonl", "contexts.md", "contexts.png"
+MEMORY_MARGIN = 0.8  # of the memory available once the models are loaded
 
 
 def context_config(cfg: SweepConfig, context: int) -> SweepConfig:
@@ -40,15 +52,59 @@ def run_contexts(cfg: SweepConfig, workdir: str, resume: bool = False, overwrite
   plan = [(c, harness.prepare(gamma.RUNNER, context_config(cfg, c),
                               os.path.join(workdir, f"ctx-{c}"), resume, overwrite, models))
           for c in sorted(cfg.contexts)]
+  for c, p in plan:
+    check_memory(c, p)
   if overwrite:
     outputs.move_aside(workdir, (REPORT, PLOT, RECORDS))
   records = []
   for c, p in plan:
     lens = [len(x) for x in p.setup.prompts]
     records += [dict(r, context=c, prompt_lens=lens) for r in harness.execute(p, progress)]
+    forget(p)
   wd.restart_jsonl(os.path.join(workdir, RECORDS), records)
   write_report(workdir, records, cfg)
   return records
+
+
+def cache_bytes(cfg, batch: int, capacity: int) -> int:
+  """A KV cache's bytes, from its shapes (nothing allocated)."""
+  shapes = jax.eval_shape(lambda: kvc.init_cache(cfg, batch, capacity))
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def estimate_bytes(p: harness.Plan) -> int:
+  """What a context's largest batch holds at once besides the weights: the
+  target's cache three times (a run's, the copy it starts from, a cost
+  probe's), the draft model's twice, and the prompts' prefilled rows once per
+  hidden-state choice (target-only's and each feature-reading drafter's),
+  x 1.25 for the programs' temporaries."""
+  loop, batch = p.setup.loop, max(p.setup.cfg.batches)
+  target = cache_bytes(loop.target.cfg, batch, loop.capacity)
+  draft = 0 if loop.draft is None else cache_bytes(loop.draft.cfg, batch, loop.capacity)
+  choices = 1 + len({d.feature_layers for d in p.setup.drafters if d.needs_features})
+  rows = len(p.setup.prompts) * choices * cache_bytes(loop.target.cfg, 1, loop.capacity)
+  return int(1.25 * (3 * target + 2 * draft + rows))
+
+
+def check_memory(context: int, p: harness.Plan) -> None:
+  """Refuses, in one line and before any work, a context whose largest batch
+  would not fit in MEMORY_MARGIN of the memory available now."""
+  need, have = estimate_bytes(p), memory.available_bytes()
+  if have is not None and need > MEMORY_MARGIN * have:
+    raise ConfigError(
+        f"context {context} at batch {max(p.setup.cfg.batches)} needs about {need / 2**30:.1f} "
+        f"GiB, {have / 2**30:.1f} GiB available: drop it from config.contexts or lower "
+        f"config.batches")
+
+
+def forget(p: harness.Plan) -> None:
+  """A finished context's prefilled rows and compiled programs: none serves
+  the next context's shapes."""
+  for runner in (p.setup.loop.target, p.setup.loop.draft):
+    if isinstance(runner, prefills.MemoRunner):
+      runner.memo.clear()
+  jax.clear_caches()
+  memory.release_memory()
 
 
 def key(r: Record) -> tuple:

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from specjax import workdir as wd
+from specjax.bench import memory
 from specjax.bench.sweep import engine, noise, outputs, prefills
 from specjax.bench.sweep.config import SweepConfig
 from specjax.bench.sweep.prompts import sweep_prompts
@@ -107,11 +108,13 @@ def prepare(runner: Runner, cfg: SweepConfig, workdir: str, resume: bool = False
 def stamp(setup: Setup, point, rec: Record) -> Record:
   """What every record carries besides its measurements: the models, the
   drafter, the prompts (when shipped ones), the precision, the machine
-  (with the load average when the point finished)."""
+  (with the load average when the point finished, and the process's
+  resident memory then and at its peak so far)."""
   loop, d = setup.loop, next(x for x in setup.drafters if x.spec == point.drafter)
   rec.update(target=loop.target.cfg.name, draft=engine.draft_name(d, loop.target, loop.draft),
              drafter=point.drafter, precision=loop.target.cfg.precision,
-             env=dict(setup.env, load_avg=wd.load_avg()))
+             env=dict(setup.env, load_avg=wd.load_avg(), rss_bytes=memory.rss(),
+                      peak_rss_bytes=memory.peak_rss()))
   if setup.cfg.heldout_prompts:
     rec["prompt_set"] = setup.cfg.prompt_set
   return rec
@@ -129,6 +132,7 @@ def execute(plan: Plan, progress: bool = True) -> list[Record]:
   def emit(point, rec: Record) -> None:
     nonlocal n_new
     rec = stamp(setup, point, rec)
+    memory.release_memory()  # the point's freed caches, before the next point's come
     wd.append_jsonl(jsonl, [rec])
     records.append(rec)
     wd.write_csv(os.path.join(workdir, wd.CSV_FILE), records, plan.runner.csv_columns)
