@@ -113,17 +113,20 @@ def lengths(rows: RowAlpha, n_drafted, live, sc) -> jax.Array:
 def verify_phase(tparams, tcache, tail, drafted: Drafted, sc):
   """The chain's verify_phase over a packed block of each row's 1 + l_b
   tokens (l_b: drafted.n_drafted, as allotted): p [B, gamma+1, V] (entries
-  past a row's block are never read), the cache + 1 + l_b, features. A step
-  that gives no row a draft is a decode step (chain_step.skipping_verify)."""
-  width = sc.gamma + 1
-  full = lambda: packed_phase(tparams, tcache, tail, drafted, sc)
-  if budget_of(sc, tail.shape[0]) == tail.shape[0]:
-    return full()  # a block of the tails alone is already a decode step
-  return chain_step.skipping_verify(full, drafted.n_drafted, tparams, tcache, tail, width, sc)
+  past a row's block are never read), the cache + 1 + l_b, features.
+
+  A step that gives no row a draft runs the block too (each row's tail
+  alone, the cache + 1), not a `lax.cond` to the decode program as chains
+  do (chain_step.skipping_verify): around a conditional that writes the
+  cache, XLA:CPU copies the whole cache three times a step (12 cache-sized
+  copies in the tiny model's compiled verify), which made every step of a
+  block with drafts cost 1.5x the tails' alone on SmolLM2 at batch 4. The
+  tails-only step, a decode, is budget=auto's N = B candidate."""
+  return packed_phase(tparams, tcache, tail, drafted, sc)
 
 
 def packed_phase(tparams, tcache, tail, drafted: Drafted, sc):
-  """verify_phase's packed block, always run."""
+  """verify_phase's packed block."""
   tokens = jnp.concatenate([tail[:, 1:], drafted.tokens], 1)  # [B, gamma+1]
   b, width = tokens.shape
   block = pk.pack(tokens, 1 + drafted.n_drafted, tcache.lengths, budget_of(sc, b))

@@ -6,6 +6,8 @@ a noisy draft model, lengths that differ by row and step). Each row's alpha
 is its own acceptance (replayed from the records). MUTATIONS are deliberate
 bugs, each of which must fail (test_each_deliberate_bug_fails)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,7 @@ LAW_PROMPTS = lawcheck.PROMPTS[:2]  # two of lawcheck's ragged prompts (a law co
 PROMPTS = [[5, 17, 42, 9, 100], [7, 7, 7, 7, 7, 7], [200, 1, 64, 3, 9, 81, 27, 2]]
 N_PREDICT = 30
 GREEDY = "auto:rows,max=4,budget=6"  # 3 drafts for 3 rows: lengths must be chosen
+GREEDY_SP = SamplingParams()  # temperature 0
 LAW_ROWS = 800  # rows per prompt at T = 1 (one batch of 1600)
 SAMPLED = f"auto:rows,max=2,budget={2 * 2 * LAW_ROWS}"  # half the rows' drafts
 
@@ -249,6 +252,47 @@ def test_a_step_with_nothing_drafted_is_a_decode_step(tiny, gamma):
   np.testing.assert_allclose(p_none, p_some, atol=1e-5)
 
 
+def cache_copies(tiny) -> int:
+  """Cache-sized copies in the per-row step's compiled verify (budget 6,
+  the cache donated as the loop donates it)."""
+  sc = plan.SpecConfig(target=tiny.cfg, draft=None, gamma=4, drafter="ngram", per_row=True,
+                       budget=6)
+  _, cache = tiny.prefill([[5, 17, 42], [7, 7, 7, 7, 7]], tiny.new_cache(2, 32))
+  tail = jnp.asarray([[42, 9], [7, 7]], jnp.int32)
+  drafted = rows_step.Drafted(tokens=jnp.full((2, 4), 3, jnp.int32), q=jnp.zeros((2, 4, 0)),
+                              n_drafted=jnp.asarray([0, 2], jnp.int32),
+                              caught_up=jnp.zeros(2, bool))
+  text = jax.jit(sc.step.verify, static_argnums=4, donate_argnums=1).lower(
+      tiny.params, cache, tail, drafted, sc).compile().as_text()
+  shape = "f32[" + ",".join(map(str, cache.k[0].shape)) + "]"
+  return len(re.findall(re.escape(shape) + r"\S* copy\(", text))
+
+
+def test_the_per_row_verify_never_copies_the_cache(tiny):
+  assert cache_copies(tiny) == 0
+
+
+def _decode_branch(orig):
+  """A step with no draft taken through the chains' lax.cond to the decode
+  program: XLA:CPU then copies the cache three times a step."""
+  del orig
+  def verify_phase(tparams, tcache, tail, drafted, sc):
+    full = lambda: rows_step.packed_phase(tparams, tcache, tail, drafted, sc)
+    return chain_step.skipping_verify(full, drafted.n_drafted, tparams, tcache, tail,
+                                      sc.gamma + 1, sc)
+  return verify_phase
+
+
+def test_a_conditional_around_the_verify_fails(tiny, monkeypatch):
+  monkeypatch.setattr(rows_step, "verify_phase", _decode_branch(rows_step.verify_phase))
+  jax.clear_caches()  # the step's trace without the bug may be cached
+  try:
+    assert cache_copies(tiny) > 0
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
 # ---------------------------------------------------------------- mutations
 
 
@@ -302,7 +346,9 @@ MUTATIONS = {
     "the verify skipped when one row drafted nothing": (
         chain_step.ChainStep, "worth_verifying", _verify_only_when_every_row_drafted,
         staticmethod,
-        lambda pair_, tiny, greedy, head, chain: greedy_spec(tiny, greedy[0]).tokens != greedy[1]),
+        lambda pair_, tiny, greedy, head, chain: speculative.generate(
+            tiny, None, PROMPTS, N_PREDICT, 4, GREEDY_SP, drafter="ngram",
+            eos_id=greedy[0]).tokens != greedy[1]),  # the chain's skip (per-row steps take none)
     "lengths from this step's draft values": (
         rows_step.RowsStep, "allot", _lengths_from_draft_values, staticmethod,
         lambda pair_, tiny, greedy, head, chain: adjusted(sampled(pair_)[0]) < ALPHA),
