@@ -1,25 +1,15 @@
 """--gamma=auto:rows,budget=auto: the verify budget N chosen between chunks
 (adaptive.py's loop, one chunk program per candidate N: plan.candidate_budgets).
 
-The cost curve is measured, not modelled: each candidate's seconds per loop
-step T(N), timed in the loop itself (adaptive.step_times after warm_up: the
-G drafts a row, the packed verify of N tokens, the judge and the chunk's
-round trips). Between chunks `BudgetChooser` reads each live row's running
-alpha at the chunk's last step and what its drafter proposed at every step
-of the chunk (n-gram's lookup matches at some steps and not at others, and a
-step that drafts nothing costs a decode whatever N is), gives each
-candidate its allocation (allocation.allocate) and expected tokens under
-the per-row geometric model (rows_theory.expected_tokens), averaged over
-the chunk's proposals, and picks the most expected tokens per second,
-E(N) / T(N).
-
-The geometric model at the running alphas over-predicts what the drafts
-keep (n-gram on mixed chat rows: 0.92 accepted drafts a step predicted at
-batch 4 where 0.32 came; a row given nothing drifts back to the prior, and
-acceptance is not i.i.d. along a draft), and the error grows with N, so
-the chooser scales each candidate's drafted part by the run's own ratio of
-accepted to predicted drafts (`BudgetChooser.factor`), checked against the
-chunks already run. docs/packed_verify.md (the budget's calibration).
+T(N) is measured in the loop itself (`calibrate`, made monotone). Between
+chunks `BudgetChooser` reads each live row's running alpha at the chunk's
+last step and what its drafter proposed at every step of the chunk, gives
+each candidate its allocation and expected tokens under the per-row
+geometric model, averaged over the chunk's proposals, with the drafted part
+scaled by the run's own accepted over expected drafts (`factor`: the model
+at the running alphas over-predicts), and picks the most expected tokens
+per second, E(N) / T(N). docs/packed_verify.md (budget=auto, the budget's
+calibration).
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ CPU_FLOAT32_SHARE = 0.5
 
 def machine_memory() -> int | None:
   """Bytes of memory this process may use: the machine's physical memory,
-  or a lower cgroup limit (v2 memory.max, v1 memory.limit_in_bytes); None
+  or a lower cgroup limit (the v2 and v1 limit files read below); None
   when the system does not say."""
   try:
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,22 +1,15 @@
 """The contexts dimension (issue 39, part 4): one gamma sweep per context
 depth C, in WORKDIR/ctx-C/, with a cache of C slots (plus the drafts') and
-the prompts at that context (prompts.context_prompts: the long suite's, or
-prompt_tokens tiled), so the target's and the drafts' cost probes run at
-depth C too. Every sweep is planned and checked before the first one runs,
-the models loaded once; each appends its points as they finish, and a resume
-skips them. Every record gains its `context` and its prompts' lengths;
-WORKDIR/contexts.jsonl holds them all, contexts.md a table of the speedup
-per (drafter, context, batch, gamma) and the best drafter per (context,
-batch), contexts.png speedup against batch, measured and predicted, a line
-per context and a panel per drafter (context_plot.py). docs/streaming.md,
-"Long prompts".
-
-Memory: each context is checked before any work (`check_memory`: its
-largest batch's caches and prefilled rows against what the host has), and
-a finished context's prefilled rows and compiled programs are dropped
-before the next (`forget`); every point hands its freed pages back
-(harness.execute). The first full run was killed by the kernel at 4 K,
-batch 4, after the 1 K sweep: resident memory had reached 24 GB.
+the prompts at that context (prompts.context_prompts), so the cost probes
+run at depth C too. Every sweep is planned and checked before the first one
+runs, memory included (`check_memory`), the models loaded once; a finished
+context's prefilled rows and programs are dropped before the next
+(`forget`: the first full run was killed by the kernel at 4 K after the 1 K
+sweep, 24 GB resident). Records gain `context` and the prompts' lengths;
+WORKDIR/contexts.jsonl holds them all, contexts.md the speedup per
+(drafter, context, batch, gamma) and the fastest per (context, batch),
+contexts.png speedup against batch (context_plot.py). docs/streaming.md,
+"Long prompts"; docs/long_context.md.
 """
 
 from __future__ import annotations
@@ -142,9 +135,12 @@ def write_report(workdir: str, records: list[Record], cfg: SweepConfig) -> None:
            f"{'prompt_tokens tiled' if cfg.prompt_tokens else 'the long suite'}; "
            f"{cfg.n_predict} tokens per run, {cfg.reps} repetitions.\n",
            "## The best drafter per (context, batch)\n",
-           "| context | batch | T | drafter | gamma | speedup |", "|---|---|---|---|---|---|"]
+           "| context | batch | T | drafter | gamma | speedup | fastest |",
+           "|---|---|---|---|---|---|---|"]
   for (c, b, t), r in sorted(best(records).items()):
-    lines.append(f"| {c} | {b} | {t:g} | {r['drafter']} | {r['gamma']} | {r['speedup']:.2f}x |")
+    fastest = r["drafter"] if r["speedup"] > 1 else "target-only"
+    lines.append(f"| {c} | {b} | {t:g} | {r['drafter']} | {r['gamma']} | {r['speedup']:.2f}x "
+                 f"| {fastest} |")
   lines += ["", "## Every point\n", *table(records)]
   with open(os.path.join(workdir, REPORT), "w") as f:
     f.write("\n".join(lines) + "\n")
