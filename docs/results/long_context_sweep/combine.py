@@ -1,0 +1,27 @@
+"""The :long_context sweep's report from its contexts run apart (the 1 K
+sweep at 42e9a24, whose process was then killed at 4 K; the 4 K sweep
+rerun alone): contexts.md and contexts.png here, as run_contexts writes them.
+  python docs/results/long_context_sweep/combine.py
+"""
+import json
+import os
+
+from configs import sweep_gamma
+from specjax.bench.sweep import contexts
+from specjax.bench.sweep.config import SweepConfig
+from specjax.bench.sweep.prompts import sweep_prompts
+from specjax.formats import checkpoint
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+cfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context"))
+tcfg, _, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, role="target")
+records = []
+for c in (1024, 4096):
+  path = os.path.join(HERE, f"ctx-{c}", "results.jsonl")
+  if os.path.exists(path):
+    rows = [json.loads(x) for x in open(path)]
+    lens = [len(p) for p in sweep_prompts(contexts.context_config(cfg, c), tok, tcfg.vocab_size)]
+    records += [dict(r, context=c, prompt_lens=lens) for r in rows]
+cfg = cfg.replace(contexts=tuple(sorted({r["context"] for r in records})))
+contexts.write_report(HERE, records, cfg)
+print(open(os.path.join(HERE, contexts.REPORT)).read())
