@@ -1,7 +1,9 @@
 """The gamma sweep's cost probes at batch B (gamma.Bench.probe): a drafter
 whose proposal reads the batch's shared cache (streaming) is probed at B,
-a model-free one keeps its batch-1 probe; a deliberate bug (the flag
-ignored: streaming priced at batch 1, as before) must fail."""
+a model-free one keeps its batch-1 probe, and the target's probe at B is
+made once for every drafter of the sweep (each holds a cache of B rows at
+the sweep's depth); deliberate bugs (the flag ignored: streaming priced at
+batch 1, as before; a target probe per drafter) must fail."""
 
 import types
 
@@ -51,3 +53,22 @@ def test_the_flag_ignored_fails(monkeypatch):
   monkeypatch.setattr(streaming.StreamingDrafter, "reads_batch_cache", False)
   with pytest.raises(AssertionError):
     test_streaming_is_probed_at_the_points_batch()
+
+
+def target_probes_asked(share: bool) -> int:
+  """How many target probes at batch 4 two drafters' benches ask the loop for."""
+  loop, targets = Loop(), {}
+  setup = types.SimpleNamespace(loop=loop, depth=12)
+  batch1 = types.SimpleNamespace(sc=types.SimpleNamespace(gamma=4))
+  for spec in ("streaming:16,2", "ngram"):
+    kw = {"targets": targets} if share else {}
+    gamma.Bench(setup, registry.parse(spec), "t1", batch1, **kw).probe(4)
+  return sum(a[0] == "cost" and a[1] == "target" for a in loop.asked)
+
+
+def test_the_targets_probe_is_made_once_for_every_drafter():
+  assert target_probes_asked(share=True) == 1
+
+
+def test_a_target_probe_per_drafter_fails():
+  assert target_probes_asked(share=False) != 1
