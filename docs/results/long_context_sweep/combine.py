@@ -1,7 +1,7 @@
 """The :long_context sweep's report from its contexts run apart (the 1 K
 sweep at 42e9a24, whose process was then killed at 4 K; the 4 K sweep
 rerun alone): contexts.md and contexts.png here, as run_contexts writes them.
-  python docs/results/long_context_sweep/combine.py
+  PYTHONPATH=. python docs/results/long_context_sweep/combine.py
 """
 import json
 import os
@@ -13,7 +13,11 @@ from specjax.bench.sweep.prompts import sweep_prompts
 from specjax.formats import checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-cfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context"))
+# the settings the runs used (each context's config.json), not the config's defaults
+with open(os.path.join(HERE, "ctx-1024", "config.json")) as f:
+  ran = json.load(f)["config"]
+cfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context")).replace(
+    n_predict=ran["n_predict"], reps=ran["reps"])
 tcfg, _, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, role="target")
 records = []
 for c in (1024, 4096):
