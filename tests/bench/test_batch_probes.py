@@ -55,20 +55,36 @@ def test_the_flag_ignored_fails(monkeypatch):
     test_streaming_is_probed_at_the_points_batch()
 
 
-def target_probes_asked(share: bool) -> int:
-  """How many target probes at batch 4 two drafters' benches ask the loop for."""
-  loop, targets = Loop(), {}
-  setup = types.SimpleNamespace(loop=loop, depth=12)
-  batch1 = types.SimpleNamespace(sc=types.SimpleNamespace(gamma=4))
-  for spec in ("streaming:16,2", "ngram"):
-    kw = {"targets": targets} if share else {}
-    gamma.Bench(setup, registry.parse(spec), "t1", batch1, **kw).probe(4)
+class SweepLoop(Loop):
+  """Loop whose batch-1 draft probe carries its gamma, as a real one does."""
+
+  def draft_probe(self, d, g, depth, batch=1):
+    probe = super().draft_probe(d, g, depth, batch)
+    return types.SimpleNamespace(sc=types.SimpleNamespace(gamma=g)) if batch == 1 else probe
+
+
+def target_probes_asked() -> int:
+  """How many target probes at batch 4 a sweep of two drafters asks the loop for
+  (gamma.drafter_benches, as GammaRunner.measure builds them)."""
+  loop = SweepLoop()
+  drafters = [registry.parse(x) for x in ("streaming:16,2", "ngram")]
+  setup = types.SimpleNamespace(loop=loop, depth=12, drafters=drafters)
+  for bench in gamma.drafter_benches(setup, "t1", 4).values():
+    bench.probe(4)
   return sum(a[0] == "cost" and a[1] == "target" for a in loop.asked)
 
 
 def test_the_targets_probe_is_made_once_for_every_drafter():
-  assert target_probes_asked(share=True) == 1
+  assert target_probes_asked() == 1
 
 
-def test_a_target_probe_per_drafter_fails():
-  assert target_probes_asked(share=False) != 1
+def _unshared_benches(setup, probe_t, gamma_max):
+  """The bug: each drafter's Bench makes its own target probes."""
+  return {d.spec: gamma.Bench(setup, d, probe_t, setup.loop.draft_probe(d, gamma_max, 12))
+          for d in setup.drafters}
+
+
+def test_a_target_probe_per_drafter_fails(monkeypatch):
+  monkeypatch.setattr(gamma, "drafter_benches", _unshared_benches)
+  with pytest.raises(AssertionError):
+    test_the_targets_probe_is_made_once_for_every_drafter()

@@ -29,8 +29,9 @@ from specjax.workdir import Record
 RECORDS, REPORT, PLOT = "contexts.jsonl", "contexts.md", "contexts.png"
 MEMORY_MARGIN = 0.8  # of the memory available once the models are loaded
 # Resident memory over the caches and rows counted by estimate_bytes, measured:
-# 22.2 GB at 4 K, batch 8 (SmolLM2, four drafters) against 6.9 GB counted (probes'
-# caches, the runs' copies, the allocator's retention; not yet broken down).
+# 22.2 GB at 4 K, batch 8 (SmolLM2, four drafters) against 6.9 GB counted, mostly
+# each drafter's own target probes (about 9 GB; shared since 3f832e9, not remeasured,
+# so conservative).
 OVERHEAD = 3.25
 
 

@@ -270,6 +270,15 @@ def measure_batch_costs(bench: Bench, batches: list[int]) -> dict[int, engine.Ba
                                 bench.drafter, cfg.reps) for b in batches}
 
 
+def drafter_benches(setup: Setup, probe_t, gamma_max: int) -> dict[str, Bench]:
+  """A Bench per drafter (by spec), the target's cost probes shared by all of
+  them, at batch 1 (probe_t) and at every other batch (Bench.targets)."""
+  targets: dict = {}
+  return {d.spec: Bench(setup, d, probe_t, setup.loop.draft_probe(d, gamma_max, setup.depth),
+                        targets=targets)
+          for d in setup.drafters}
+
+
 class GammaRunner:
   """The gamma sweep's part of the harness (harness.Runner)."""
   csv_columns = schema.CSV_COLUMNS
@@ -299,16 +308,15 @@ class GammaRunner:
     cfg, loop = setup.cfg, setup.loop
     gammas, batches = sorted(cfg.gammas), sorted(cfg.batches)
     probe_t = loop.cost_probe(loop.target, setup.depth)
-    benches, curves, targets = {}, {}, {}
-    for d in setup.drafters:  # the target's probes are shared, at every batch
-      bench = Bench(setup, d, probe_t, loop.draft_probe(d, max(gammas), setup.depth),
-                    targets=targets)
+    benches, curves = drafter_benches(setup, probe_t, max(gammas)), {}
+    for d in setup.drafters:
+      bench = benches[d.spec]
       curve = dict(costs.measure_curve(probe_t, bench.probe_d, gammas, cfg.reps).to_dict(),
                    drafter=d.spec)
       if len(batches) > 1 or cfg.auto_gamma:  # the cost surface (auto points choose from it)
         bench.batch_costs = measure_batch_costs(bench, batches)
         curve["batches"] = {str(b): c.to_dict() for b, c in bench.batch_costs.items()}
-      benches[d.spec], curves[d.spec] = bench, curve
+      curves[d.spec] = curve
     first = curves[setup.drafters[0].spec]
     groups: dict[tuple, list[Point]] = {}
     for p in todo:  # in order; a group's points follow one another
