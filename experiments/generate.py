@@ -67,7 +67,7 @@ def main(argv):
         "n_prompt": res.n_prompt, "n_eval": res.n_eval,
         "prompt_ms": 1e3 * res.prompt_s, "eval_ms": 1e3 * res.eval_s,
         "eval_ms_per_token": 1e3 * res.eval_s / max(res.n_eval, 1),
-        "eval_tokens_per_s": (res.n_eval * len(prompts) / res.eval_s  # summed over rows
+        "eval_tokens_per_s": (res.n_decoded / res.eval_s  # summed over rows, each to its EOS
                               if res.eval_s else None),
         "compile_ms": 1e3 * compile_s, "loop": _LOOP.value,
         "sampling": {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p,

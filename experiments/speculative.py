@@ -189,7 +189,7 @@ def main(argv):
   for _ in range(_REPS.value):  # alternating, so both sides see the same machine state
     if _BASELINE.value:
       b = base()
-      base_tps.append(b.n_eval * len(prompts) / b.eval_s)
+      base_tps.append(b.n_decoded / b.eval_s)
     res = spec()
     spec_tps.append(res.stats.tokens_per_s)
   _report(tcfg, pl, tok, prompts, res, b if _BASELINE.value else None,

@@ -157,6 +157,32 @@ def test_eos_cut_counts_in_tokens_and_speed_alike(pair):
   assert res.stats.tokens_per_step == pytest.approx(kept / res.stats.n_steps)
 
 
+def eos_counts(target, draft) -> tuple[int, int]:
+  """(target-only's decoded tokens, the speculative run's kept tokens) for two
+  rows under an EOS that stops one of them early."""
+  rows = [PROMPTS[1], PROMPTS[0]]
+  eos = generation.generate(target, [PROMPTS[1]], 30).tokens[0][9]
+  base = generation.generate(target, rows, 30, eos_id=eos)
+  assert len({len(r) for r in base.tokens}) == 2  # the rows stop at different steps
+  return base.n_decoded, speculative.generate(target, draft, rows, 30, 4, eos_id=eos).stats.n_kept
+
+
+def test_target_only_counts_the_tokens_the_speculative_run_keeps(pair):
+  """The speedup's two speeds count the same tokens: each row up to its EOS."""
+  decoded, kept = eos_counts(*pair)
+  assert decoded == kept
+
+
+def test_target_only_credited_with_every_step_fails(pair, monkeypatch):
+  """The committed bug: target-only credited with n_eval x rows tokens (the
+  speeds of speculative.py and the sweeps before this test), which overstated
+  its speed, and so understated every speedup, in runs with EOS."""
+  monkeypatch.setattr(generation.GenerationResult, "n_decoded",
+                      property(lambda r: r.n_eval * len(r.tokens)))
+  decoded, kept = eos_counts(*pair)
+  assert decoded != kept
+
+
 def test_early_stop_counts_only_what_was_drafted(pair):
   target, draft = pair
   base = generation.generate(target, [PROMPTS[0]], 30).tokens

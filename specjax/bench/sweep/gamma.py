@@ -190,7 +190,7 @@ def run_group(bench: Bench, ps: list[Point]) -> list[Record]:
       raise SpecjaxError(f"{cw.count} compilation(s) inside timed repetition {rep} of "
                          f"{[p.key for p in ps]} ({dict(cw.names)}): shapes changed between runs")
     probed = {} if p0.auto else _rep_costs(bench, p0)
-    base_s = sum(r.eval_s for r in b) / sum(r.n_eval * len(r.tokens) for r in b)
+    base_s = sum(r.eval_s for r in b) / sum(r.n_decoded for r in b)
     for i, r_i in enumerate(res):
       reps[i].append({"base_s": base_s,
                       "spec_s": sum(r.eval_s for r in r_i) / sum(r.stats.n_kept for r in r_i),

@@ -95,7 +95,7 @@ def run_point(bench, p) -> Record:
     if cw.count:
       raise SpecjaxError(f"{cw.count} compilation(s) inside timed repetition {rep} of {p.key} "
                          f"({dict(cw.names)}): shapes changed between runs")
-    base_s = sum(r.eval_s for r in b) / sum(r.n_eval * len(r.tokens) for r in b)
+    base_s = sum(r.eval_s for r in b) / sum(r.n_decoded for r in b)
     spec_s = sum(r.eval_s for r in res) / sum(r.stats.n_kept for r in res)
     reps.append({"base_s": base_s, "spec_s": spec_s, "speedup": base_s / spec_s,
                  **({} if n is None else rep_costs(bench, p, gamma_max, n))})

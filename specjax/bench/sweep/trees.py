@@ -158,7 +158,7 @@ def timed_reps(bench: TreeBench, p: TreePoint, spec) -> tuple[list, list[dict]]:
     if cw.count:
       raise SpecjaxError(f"{cw.count} compilation(s) inside timed repetition {rep} of {p.key} "
                          f"({dict(cw.names)}): shapes changed between runs")
-    base_s = sum(r.eval_s for r in b) / sum(r.n_eval * len(r.tokens) for r in b)
+    base_s = sum(r.eval_s for r in b) / sum(r.n_decoded for r in b)
     spec_s = sum(r.eval_s for r in res) / sum(r.stats.n_kept for r in res)
     reps.append({"speedup": base_s / spec_s, "base_s": base_s, "spec_s": spec_s})
   return res, reps
