@@ -7,9 +7,13 @@ last step and what its drafter proposed at every step of the chunk, gives
 each candidate its allocation and expected tokens under the per-row
 geometric model, averaged over the chunk's proposals, with the drafted part
 scaled by the run's own accepted over expected drafts (`factor`: the model
-at the running alphas over-predicts), and picks the most expected tokens
-per second, E(N) / T(N). docs/packed_verify.md (budget=auto, the budget's
-calibration).
+at the running alphas over-predicts), and picks the candidate that finishes
+the live rows soonest: T(N) x max_b need_b / E_b(N), each row's tokens
+still needed over its expected tokens a step. The batch runs until its last
+row is done, so drafts given to rows that finish early anyway buy nothing;
+at batch 1 this is the most tokens per second, E(N) / T(N).
+docs/packed_verify.md (budget=auto, the budget's calibration, the batch's
+last row).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from specjax.decode import allocation
 from specjax.decode import plan as plans
 from specjax.decode import rows_step
 from specjax.decode import rows_theory
+from specjax.metrics import theory
 from specjax.errors import ConfigError
 
 
@@ -34,15 +39,33 @@ allocate_jit = jax.jit(allocation.allocate, static_argnames=("budget", "gamma_ma
 FACTOR_PRIOR = 2.0  # predicted drafts of pseudo-evidence that the model is right (factor 1)
 
 
-def expected_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 1.0) -> float:
-  """One step's expected tokens at budget N: the live rows' allocation for
-  their alpha and proposals (limit) under the geometric model, its accepted
-  drafts scaled by `factor` (a tail token per live row is certain)."""
+def row_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 1.0
+               ) -> np.ndarray:
+  """[B] each row's expected tokens a step at budget N: the live rows'
+  allocation for their alpha and proposals (limit) under the geometric
+  model, its accepted drafts scaled by `factor` (a live row's tail token is
+  certain; a finished row emits nothing)."""
   alpha, live = np.asarray(alpha, np.float32), np.asarray(live, bool)
   limit = np.where(live, np.asarray(limit, np.int32), 0)
   lengths = np.asarray(allocate_jit(alpha, budget, gamma_max, limit=limit))
-  tails = float(live.sum())
-  return tails + factor * (rows_theory.expected_tokens(alpha[live], lengths[live]) - tails)
+  drafts = theory.expected_tokens_per_step(alpha.astype(float), lengths) - 1.0
+  return np.where(live, 1.0 + factor * drafts, 0.0)
+
+
+def expected_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 1.0) -> float:
+  """One step's expected tokens at budget N, all rows together (row_tokens)."""
+  return float(row_tokens(alpha, limit, live, budget, gamma_max, factor).sum())
+
+
+def finish_rate(need, tokens, step_s: float) -> float:
+  """Tokens per second until the last live row is done: the live rows'
+  tokens still needed (need [B], 0 for a finished row) over T(N) x the
+  steps of the slowest, max_b need_b / E_b (tokens [B]: row_tokens)."""
+  need, tokens = np.asarray(need, float), np.asarray(tokens, float)
+  live = need > 0
+  if not live.any():
+    return 0.0
+  return float(need[live].sum() / (step_s * np.max(need[live] / tokens[live])))
 
 
 def predicted_drafts(records) -> float:
@@ -77,6 +100,7 @@ class BudgetChooser:
   accepted: float = 0.0            # drafts accepted in the chunks so far ..
   expected: float = 0.0            # .. and what the model expected of them
   factors: list = dataclasses.field(default_factory=list)  # `factor` at each choice
+  emitted: np.ndarray | None = None  # [B] tokens each row has so far (its first included)
 
   def __post_init__(self):
     missing = sorted(set(self.plan.configs) - set(self.times))
@@ -89,6 +113,7 @@ class BudgetChooser:
     self.limits = np.full((1, rows), self.plan.first.gamma, np.int32)
     self.weights = np.ones(1)
     self.live = np.ones(rows, bool)
+    self.emitted = np.ones(rows)
     self.predicted()  # compiles each budget's allocation now, not inside the timed loop
 
   def observe(self, name, records):
@@ -101,6 +126,7 @@ class BudgetChooser:
     self.live[rows] = True
     self.alpha[rows] = records["alpha"][last]  # the estimate that step read (one step old)
     self.limits, self.weights = chunk_proposals(records, self.live.size)
+    np.add.at(self.emitted, records["row"], records["kept"])
     self.accepted += float(np.sum(records["n_acc"]))
     self.expected += predicted_drafts(records)
 
@@ -108,16 +134,29 @@ class BudgetChooser:
     """Accepted over expected drafts so far, shrunk to 1 by FACTOR_PRIOR."""
     return (self.accepted + FACTOR_PRIOR) / (self.expected + FACTOR_PRIOR)
 
-  def predicted(self) -> dict[str, float]:
-    """Each candidate's expected tokens per second for the rows as last seen."""
-    f = self.factor()
-    return {k: sum(w * expected_tokens(self.alpha, limit, self.live, sc.budget, sc.gamma, f)
-                   for limit, w in zip(self.limits, self.weights)) / self.times[k]
-            for k, sc in self.plan.configs.items()}
+  def need(self, remaining: int) -> np.ndarray:
+    """[B] the tokens each live row still needs (0 for a finished row), from
+    `remaining`, the most any live row needs (adaptive.generate's), and the
+    tokens each has emitted."""
+    if not self.live.any():
+      return np.zeros(self.live.size)
+    most = self.emitted[self.live].min()  # the live row furthest behind needs `remaining`
+    return np.where(self.live, np.maximum(1.0, remaining - (self.emitted - most)), 0.0)
+
+  def predicted(self, remaining: int = 1) -> dict[str, float]:
+    """Each candidate's tokens per second until the live rows as last seen
+    are done (finish_rate), each needing `remaining` less what it is ahead."""
+    f, need = self.factor(), self.need(remaining)
+    out = {}
+    for k, sc in self.plan.configs.items():
+      tokens = sum(w * row_tokens(self.alpha, limit, self.live, sc.budget, sc.gamma, f)
+                   for limit, w in zip(self.limits, self.weights))
+      out[k] = finish_rate(need, tokens, self.times[k])
+    return out
 
   def choose(self, remaining, live):
-    del remaining, live
-    pred = self.predicted()
+    del live
+    pred = self.predicted(remaining)
     self.estimates.append(pred)
     self.factors.append(self.factor())
     return max(pred, key=lambda k: (pred[k], -self.plan.configs[k].budget))

@@ -379,50 +379,66 @@ def test_each_deliberate_bug_fails(pair, tiny, greedy, head, chain, monkeypatch,
 # ---------------------------------------------------------------- budget=auto
 
 
-def chunk(rows, proposed, alpha) -> dict[str, np.ndarray]:
+def chunk(rows, proposed, alpha, kept=(1, 1, 1)) -> dict[str, np.ndarray]:
   """A chunk of two steps as adaptive.generate hands it to a chooser: the
   last (step 7) as given, the one before with every row at alpha 0.5; no row
-  was given a draft, so the chunk says nothing of the model's calibration."""
+  was given a draft, so the chunk says nothing of the model's calibration;
+  row r kept kept[r] tokens at each step."""
   n = len(rows)
   cat = lambda before, last: np.concatenate([np.asarray(before), np.asarray(last)])
+  each = np.asarray(kept)[np.asarray(rows)]
   return {"step": np.repeat([6, 7], n), "row": cat(rows, rows),
           "proposed": cat(proposed, proposed),
           "alpha": cat(np.full(n, 0.5), alpha).astype(np.float32), "n_acc": np.zeros(2 * n, int),
-          "n_drafted": np.zeros(2 * n, int)}
+          "n_drafted": np.zeros(2 * n, int), "kept": cat(each, each)}
 
 
 def budget_choices() -> list[int]:
-  """The budgets chosen after four chunks of 3 rows, T(N) = 1 + 0.05 N."""
+  """The budgets chosen after a chunk of 3 rows, T(N) = 1 + 0.05 N, the
+  furthest row behind needing 10 more tokens."""
   pl = plan.parse_flags(drafter="ngram", gamma="auto:rows,max=4,budget=auto").resolve(
       config.get_preset("tiny"), None, batch=3)
   times = {k: 1.0 + 0.05 * c.budget for k, c in pl.configs.items()}
   out = []
-  for rows, proposed, alpha in [
-      ([0, 1, 2], [4, 4, 4], [0.95] * 3),        # every row accepts: verify everything
-      ([0, 1, 2], [4, 4, 4], [0.05] * 3),        # none does: tails only
-      ([2, 0, 1], [4, 4, 4], [0.05, 0.95, 0.05]),  # row 0 does: its drafts and a few
-      ([2, 0, 1], [4, 0, 4], [0.05, 0.95, 0.05])]:  # .. but proposed nothing
+  for rows, proposed, alpha, kept in [
+      ([0, 1, 2], [4, 4, 4], [0.95] * 3, (1, 1, 1)),         # every row accepts: verify everything
+      ([0, 1, 2], [4, 4, 4], [0.05] * 3, (1, 1, 1)),         # none does: tails only
+      ([2, 0, 1], [4, 4, 4], [0.05, 0.95, 0.05], (1, 4, 4)),  # row 0 does and is behind
+      ([2, 0, 1], [4, 4, 4], [0.05, 0.95, 0.05], (1, 1, 1)),  # .. level: the others decide
+      ([2, 0, 1], [4, 0, 4], [0.05, 0.95, 0.05], (1, 4, 4))]:  # .. behind, but proposed nothing
     chooser = autorows.BudgetChooser(times, pl)
     chooser.start(3)
-    chooser.observe("any", chunk(rows, proposed, alpha))
+    chooser.observe("any", chunk(rows, proposed, alpha, kept))
     out.append(pl.configs[chooser.choose(10, 3)].budget)
   return out
 
 
-def test_the_budget_chooser_weighs_tokens_against_the_measured_step_time():
+def test_the_budget_chooser_finishes_the_rows_soonest_at_the_measured_step_time():
   pl = plan.parse_flags(drafter="ngram", gamma="auto:rows,max=4,budget=auto").resolve(
       config.get_preset("tiny"), None, batch=3)
   assert pl.auto == plan.ROWS and [c.budget for c in pl.configs.values()] == [3, 5, 6, 9, 15]
-  # by hand, E(N) / T(N) for the third batch: N 3: 3 / 1.15 = 2.61, 5: 4.85 / 1.25 =
-  # 3.88, 6: 5.71 / 1.3 = 4.39, 9: 6.62 / 1.45 = 4.57 (row 0's 4 drafts, one each
-  # for the others), 15: 6.63 / 1.75 = 3.79
-  assert budget_choices() == [15, 3, 9, 3]
+  # by hand, the third chunk: row 0 needs 10 tokens, rows 1 and 2 need 10 - 6 = 4; the
+  # rate is 18 needed / (T(N) x the slowest row's steps). N 3: 18 / (1.15 x 10) = 1.57;
+  # 5 (row 0 2 drafts, E 2.85): 18 / (1.25 x 4) = 3.60; 6 (3, E 3.71): 18 / (1.3 x
+  # 4) = 3.46; 9 (row 0 4, the others 1 each, E 1.05): 18 / (1.45 x 3.81) = 3.26; 15:
+  # 18 / (1.75 x 3.80) = 2.71. The fourth, every row needing 10: rows 1 and 2 (E 1 at
+  # N 3, 1.05 at most) are the last done, so N 3: 30 / (1.15 x 10) = 2.61 against N 5:
+  # 30 / (1.25 x 10) = 2.40.
+  assert budget_choices() == [15, 3, 5, 3, 3]
+
+
+def _needs_ignored(orig):
+  """Every row taken to need the same: the most tokens a second, not the
+  soonest end (the chooser before the batch's last row counted)."""
+  def need(self, remaining):
+    return np.where(self.live, float(remaining), 0.0)
+  return need
 
 
 def _times_ignored(orig):
-  """The chooser maximises expected tokens, not tokens per second."""
-  def predicted(self):
-    return {k: v * self.times[k] for k, v in orig(self).items()}
+  """The chooser weighs the rows' steps, not the seconds they take."""
+  def predicted(self, remaining=1):
+    return {k: v * self.times[k] for k, v in orig(self, remaining).items()}
   return predicted
 
 
@@ -444,7 +460,7 @@ def intermittent_choice() -> int:
   step = np.repeat([4, 5, 6, 7], 3)
   records = {"step": step, "row": np.tile([0, 1, 2], 4), "proposed": np.where(step < 7, 4, 0),
              "alpha": np.full(12, 0.95, np.float32), "n_acc": np.zeros(12, int),
-             "n_drafted": np.zeros(12, int)}
+             "n_drafted": np.zeros(12, int), "kept": np.ones(12, int)}
   chooser = autorows.BudgetChooser(times, pl)
   chooser.start(3)
   chooser.observe("any", records)
@@ -498,7 +514,8 @@ def calibrated_choice(accepted: int) -> tuple[int, float]:
   for s in range(4):
     chooser.observe("any", {"step": np.full(3, s), "row": np.arange(3),
                             "proposed": np.full(3, 4), "alpha": np.full(3, 0.95, np.float32),
-                            "n_acc": np.full(3, accepted), "n_drafted": np.full(3, 4)})
+                            "n_acc": np.full(3, accepted), "n_drafted": np.full(3, 4),
+                            "kept": np.full(3, accepted + 1)})
   return pl.configs[chooser.choose(10, 3)].budget, chooser.factors[-1]
 
 
@@ -517,10 +534,11 @@ def test_the_model_taken_as_calibrated_fails(monkeypatch):
   assert calibrated_choice(0)[0] != 3
 
 
-@pytest.mark.parametrize("bug", ["times ignored", "the chunk's first step"])
+@pytest.mark.parametrize("bug", ["times ignored", "the chunk's first step", "needs ignored"])
 def test_each_deliberate_chooser_bug_fails(monkeypatch, bug):
   name, make = {"times ignored": ("predicted", _times_ignored),
-                "the chunk's first step": ("observe", _first_step_of_the_chunk)}[bug]
+                "the chunk's first step": ("observe", _first_step_of_the_chunk),
+                "needs ignored": ("need", _needs_ignored)}[bug]
   monkeypatch.setattr(autorows.BudgetChooser, name,
                       make(getattr(autorows.BudgetChooser, name)))
-  assert budget_choices() != [15, 3, 9, 3]
+  assert budget_choices() != [15, 3, 5, 3, 3]
