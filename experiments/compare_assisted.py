@@ -3,12 +3,18 @@
   python experiments/compare_assisted.py --model=cpu-target --model_draft=cpu-draft \
       --gamma=4 --n_predict=64 --reps=3
   python experiments/compare_assisted.py --model=llama-160m --model_draft=llama-160m
+  python experiments/compare_assisted.py --model=smollm2-135m --model_draft=smollm2-draft \
+      --chat --prompt_file=PROMPTS.jsonl --hf_schedule=default \
+      --specjax_gamma=auto:rows,max=4,budget=auto --noself_pair
 
 Two pairs per run: the given (target, draft), and draft = target (the target's
 own weights as draft: every draft accepted, which compares the two engines'
-overheads). For each pair and engine: target-only baseline and speculative
-(greedy; HF with a constant num_assistant_tokens = gamma, specjax with
---accept=real), all four token lists compared exactly. tokens/s = generated
+overheads; --noself_pair leaves it out). For each pair and engine:
+target-only baseline and speculative (greedy; HF with a constant
+num_assistant_tokens = gamma, or with --hf_schedule=default HF's own
+schedule, what a user who sets nothing gets; specjax with --accept=real at
+gamma, or --specjax_gamma, e.g. per-row lengths), all four token lists
+compared exactly. --prompt_file: each prompt in turn, at batch 1. tokens/s = generated
 tokens (the first, from the prompt evaluation, included) / wall time of the
 whole generate call, prefill included; specjax's decode-only tokens/s is shown
 too. --json_out keeps every number and, per (pair, engine), a row with the
@@ -35,7 +41,14 @@ _MODEL_DRAFT = flags.DEFINE_string("model_draft", "cpu-draft", "Draft: preset na
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft tokens per step (HF num_assistant_tokens, constant).",
                               lower_bound=1, upper_bound=64)
 _N_PREDICT = flags.DEFINE_integer("n_predict", 64, "Tokens to generate (the first included).", lower_bound=1)
-_PROMPT = cli.PromptFlags(file=False)  # --prompt, --prompt_tokens, --chat, --system
+_PROMPT = cli.PromptFlags(file=True)  # --prompt(_file), --prompt_tokens, --chat, --system
+_HF_SCHEDULE = flags.DEFINE_enum("hf_schedule", "constant", list(assisted.SCHEDULES),
+                                 "HF's assistant: gamma tokens every step, or HF's default "
+                                 "schedule (shrinks the draft after rejections).")
+_SPECJAX_GAMMA = flags.DEFINE_string("specjax_gamma", None, "specjax's draft length when not "
+                                     "--gamma: an integer, or auto:rows,max=G,budget=auto.")
+_SELF_PAIR = flags.DEFINE_bool("self_pair", True, "Also run draft = target (the engines' "
+                               "overheads, every draft accepted).")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions of each generate call (after one warm-up).",
                              lower_bound=1)
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16", "float16", "f32", "bf16", "f16"],
@@ -68,24 +81,31 @@ def main(argv):
                                               role="draft")
   plan.check_vocabularies(tcfg, dcfg)
   tokenizer.check_same_tokens(tok, dtok)
-  prompt = _PROMPT.prompt(tok, tcfg.vocab_size)
+  prompts = _PROMPT.prompts(tok, tcfg.vocab_size)
+  sj_gamma = None if _SPECJAX_GAMMA.value is None else cli.parse_gamma(_SPECJAX_GAMMA.value)
+  if sj_gamma == cli.AUTO:
+    raise ConfigError("--specjax_gamma: an integer or auto:rows,max=G,budget=auto")
   target, draft = steps.Runner(tcfg, tparams), steps.Runner(dcfg, dparams)
   pt_target, pt_draft = assisted.torch_models(target, draft, _HF_ATTN.value)
-  pt_self = assisted.torch_models(target, target, _HF_ATTN.value)[1]
-  pairs = [(f"{_MODEL.value} / {_MODEL_DRAFT.value}", draft, pt_draft),
-           (f"{_MODEL.value} / itself (draft = target)", target, pt_self)]
+  pairs = [(f"{_MODEL.value} / {_MODEL_DRAFT.value}", draft, pt_draft)]
+  if _SELF_PAIR.value:
+    pt_self = assisted.torch_models(target, target, _HF_ATTN.value)[1]
+    pairs.append((f"{_MODEL.value} / itself (draft = target)", target, pt_self))
   env = {**wd.environment(), "torch": torch.__version__,
          "transformers": __import__("transformers").__version__,
          "torch_threads": torch.get_num_threads()}
   results, loads = [], []
-  for label, d, pt_d in pairs:
-    results.append(assisted.compare(target, d, prompt, _N_PREDICT.value, _GAMMA.value,
-                                    _REPS.value, label, (pt_target, pt_d)))
-    loads.append(os.getloadavg()[0])
-  _report(results, env, loads, prompt)
+  for i, prompt in enumerate(prompts):
+    for label, d, pt_d in pairs:
+      label = label if len(prompts) == 1 else f"prompt {i}: {label}"
+      results.append(assisted.compare(target, d, prompt, _N_PREDICT.value, _GAMMA.value,
+                                      _REPS.value, label, (pt_target, pt_d),
+                                      hf_schedule=_HF_SCHEDULE.value, specjax_gamma=sj_gamma))
+      loads.append(os.getloadavg()[0])
+  _report(results, env, loads, prompts)
 
 
-def _report(results, env, loads, prompt):
+def _report(results, env, loads, prompts):
   print(tables.markdown_table(assisted.TABLE_COLUMNS, assisted.table_rows(results),
                              right=[False, False] + [True] * 4 + [False, True, True]))
   print()
@@ -93,7 +113,11 @@ def _report(results, env, loads, prompt):
         f"median wall time of the whole generate call ({_REPS.value} reps, prefill included); "
         f"decode-only = specjax's (n_predict - 1) / eval_s, prefill excluded. "
         f"speedup = speculative t/s / same-engine baseline t/s. accept rate = n_accept / n_drafted.")
-  print(f"prompt {len(prompt)} tokens, gamma {_GAMMA.value}, {results[0].capacity} specjax cache "
+  print(f"prompts {', '.join(str(len(p)) for p in prompts)} tokens; HF: "
+        + (f"gamma {_GAMMA.value} every step" if _HF_SCHEDULE.value == "constant"
+           else "its default schedule")
+        + f"; specjax: {_SPECJAX_GAMMA.value or f'gamma {_GAMMA.value}'}; "
+        f"{results[0].capacity} specjax cache "
         f"slots; torch {env['torch']} ({env['torch_threads']} threads, attn "
         f"{results[0].hf_attn}), transformers {env['transformers']}, jax {env['jax']} "
         f"({env['backend']}, {env['cpu_count']} cores); 1-min load after each pair: "
@@ -105,19 +129,23 @@ def _report(results, env, loads, prompt):
           f"speculative {sj['spec_compile_s']:.2f} s")
     for key, d in r.divergences.items():
       print(f"[{r.pair}] {key}: {'identical' if d is None else d}")
-  g = assisted.goal(results[-1])
-  print(f"performance goal (draft = target, gamma {g['gamma']}): specjax speedup "
-        f"{g['specjax_speedup']:.3f}x {'>=' if g['holds'] else '<'} HF speedup "
-        f"{g['hf_speedup']:.3f}x: {'holds' if g['holds'] else 'FAILS'}")
+  g = None
+  if _SELF_PAIR.value:
+    g = assisted.goal(results[-1])
+    print(f"performance goal (draft = target, gamma {g['gamma']}): specjax speedup "
+          f"{g['specjax_speedup']:.3f}x {'>=' if g['holds'] else '<'} HF speedup "
+          f"{g['hf_speedup']:.3f}x: {'holds' if g['holds'] else 'FAILS'}")
   if _JSON_OUT.value:
     wd.write_json(_JSON_OUT.value, {
         "flags": {"model": _MODEL.value, "model_draft": _MODEL_DRAFT.value, "gamma": _GAMMA.value,
+                  "hf_schedule": _HF_SCHEDULE.value, "specjax_gamma": _SPECJAX_GAMMA.value,
+                  "self_pair": _SELF_PAIR.value,
                   "n_predict": _N_PREDICT.value, "reps": _REPS.value, "dtype": _DTYPE.value,
                   "threads": _THREADS.value, "hf_attn": _HF_ATTN.value, "seed": _SEED.value},
         "environment": env, "load_avg_1m_after_each_pair": loads,
         "pairs": [r.to_dict() for r in results], "goal": g,
         "rows": [{"pair": r.pair, "engine": name, **cli.row_records(
-            [prompt], [e.spec_tokens], [e.baseline_tokens])[0]}
+            [r.prompt], [e.spec_tokens], [e.baseline_tokens])[0]}
                  for r in results for name, e in r.engines.items()]})
 
 

@@ -142,6 +142,53 @@ def test_script_runs_both_pairs(tmp_path):
     assert r["tokens"] == r["baseline_tokens"], r
 
 
+def test_default_schedule_is_what_hf_gives_a_user_who_sets_nothing(tiny_models):
+  target, _ = tiny_models
+  from transformers import GenerationConfig
+  _, pt_self = assisted.torch_models(target, target)
+  gc, fresh = pt_self.generation_config, GenerationConfig()
+  assisted.configure_assistant(pt_self, 3)
+  constant = [getattr(gc, f) for f in assisted.ASSISTANT_FIELDS]
+  assisted.configure_assistant(pt_self, 3, "default")  # after the constant one: undone
+  got = [getattr(gc, f) for f in assisted.ASSISTANT_FIELDS]
+  assert got == [getattr(fresh, f) for f in assisted.ASSISTANT_FIELDS] and got != constant
+  with pytest.raises(assisted.ConfigError, match="schedule"):
+    assisted.configure_assistant(pt_self, 3, "heuristic")
+
+
+def test_hfs_default_schedule_against_per_row_lengths(tiny_models):
+  """HF's own schedule and specjax's per-row lengths (budget=auto) emit the
+  target's tokens; the schedule is not the constant one (the draft = target
+  pair accepts every draft, so HF's default drafts other widths than 3)."""
+  target, draft = tiny_models
+  for d in (draft, target):
+    r = assisted.compare(target, d, PROMPT, 20, gamma=3, reps=1, hf_schedule="default",
+                         specjax_gamma="auto:rows,max=3,budget=auto")
+    assert r.identical, {k: str(x) for k, x in r.divergences.items()}
+    assert r.hf_schedule == "default" and r.to_dict()["specjax_gamma"] == "auto:rows,max=3,budget=auto"
+  hf = r.engines["hf"]
+  assert hf.accept_rate == 1.0 and (hf.n_steps, hf.n_drafted) != (5, 15)
+
+
+def test_script_runs_each_prompt_of_a_file(tmp_path):
+  _needs_torch()
+  out, prompts = tmp_path / "cmp.json", tmp_path / "p.txt"
+  prompts.write_text("4,5,6\n7,8,9,10\n")
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "compare_assisted.py"),
+       "--model=tiny", "--model_draft=tiny-draft", "--gamma=2", "--n_predict=8", "--reps=1",
+       f"--prompt_file={prompts}", "--noself_pair", "--hf_schedule=default",
+       f"--json_out={out}"],
+      capture_output=True, text=True, timeout=300, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr
+  assert "its default schedule" in proc.stdout and "performance goal" not in proc.stdout
+  rec = json.loads(out.read_text())
+  assert [p["prompt_tokens"] for p in rec["pairs"]] == [[4, 5, 6], [7, 8, 9, 10]]
+  assert [p["pair"].split(":")[0] for p in rec["pairs"]] == ["prompt 0", "prompt 1"]
+  assert all(p["tokens_identical"] and p["hf_schedule"] == "default" for p in rec["pairs"])
+  assert [r["prompt_ids"] for r in rec["rows"]] == [[4, 5, 6]] * 2 + [[7, 8, 9, 10]] * 2
+
+
 def test_script_bad_input_is_one_line():
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "experiments", "compare_assisted.py"),

@@ -2,8 +2,9 @@
 
 For one pair and one prompt, greedy, no EOS stop, `compare` runs HF's
 target.generate without and with assistant_model=draft (num_assistant_tokens
-= gamma, the confidence early stop off) and specjax's generation.generate
-and speculative.generate (rule real), on `hf.to_torch_model` of the very
+= gamma, the confidence early stop off; or HF's default schedule) and
+specjax's generation.generate and speculative.generate (rule real; or
+per-row lengths, budget=auto), on `hf.to_torch_model` of the very
 params specjax runs: the four token lists should be identical, and every
 divergence is reported with its first index. Each call is warmed up once
 (compile time apart), then the four are timed `reps` times interleaved;
@@ -20,6 +21,8 @@ import dataclasses
 import statistics
 from typing import Any, Callable
 
+from specjax.decode import adaptive
+from specjax.decode import autorows
 from specjax.decode import generation
 from specjax.formats import hf
 from specjax.decode import plan, speculative
@@ -58,10 +61,27 @@ def first_divergence(a, b) -> Divergence | None:
 # ---------------------------------------------------------------- HF side
 
 
-def configure_assistant(draft_pt, gamma: int) -> None:
-  """Makes HF's assistant propose exactly gamma tokens every step: a constant
-  schedule and no confidence-based early stop (transformers >= 4.45)."""
+SCHEDULES = ("constant", "default")  # HF's assistant: gamma every step, or HF's own schedule
+ASSISTANT_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                    "assistant_confidence_threshold")
+
+
+def configure_assistant(draft_pt, gamma: int, schedule: str = "constant") -> None:
+  """'constant': HF's assistant proposes exactly gamma tokens every step (a
+  constant schedule, no confidence-based early stop; transformers >= 4.45).
+  'default': what a user gets who sets nothing, a fresh GenerationConfig's
+  values (the schedule that shrinks the draft after rejections, and the
+  confidence stop)."""
+  if schedule not in SCHEDULES:
+    raise ConfigError(f"the HF assistant schedule must be one of {', '.join(SCHEDULES)}, "
+                      f"got {schedule!r}")
   gc = draft_pt.generation_config
+  if schedule == "default":
+    from transformers import GenerationConfig  # pylint: disable=import-outside-toplevel
+    fresh = GenerationConfig()
+    for name in ASSISTANT_FIELDS:
+      setattr(gc, name, getattr(fresh, name))
+    return
   gc.num_assistant_tokens = int(gamma)
   gc.num_assistant_tokens_schedule = "constant"
   gc.assistant_confidence_threshold = 0.0
@@ -224,6 +244,8 @@ class PairResult:
   hf_attn: str
   engines: dict[str, EngineResult]
   divergences: dict[str, Divergence | None]
+  hf_schedule: str = "constant"    # SCHEDULES
+  specjax_gamma: str = ""          # specjax's, where not gamma (per-row: auto:rows,..)
 
   @property
   def identical(self) -> bool:
@@ -231,7 +253,8 @@ class PairResult:
 
   def to_dict(self) -> dict[str, Any]:
     return {"pair": self.pair, "target": self.target, "draft": self.draft,
-            "gamma": self.gamma, "prompt_tokens": self.prompt,
+            "gamma": self.gamma, "hf_schedule": self.hf_schedule,
+            "specjax_gamma": self.specjax_gamma or str(self.gamma), "prompt_tokens": self.prompt,
             "n_predict": self.engines["hf"].n_predict, "capacity": self.capacity,
             "torch_threads": self.torch_threads, "hf_attn": self.hf_attn,
             "tokens_identical": self.identical,
@@ -277,32 +300,58 @@ def _specjax_result(m: dict[str, Measured], n: int) -> EngineResult:
                       spec.timing, st.n_steps, st.n_drafted, st.n_accept, decode)
 
 
+def rows_call(target: steps.Runner, draft: steps.Runner, prompt: list[int], n_predict: int,
+              gamma: str, capacity: int) -> Callable[[], Any]:
+  """specjax's per-row call (gamma 'auto:rows,..,budget=auto', the model
+  drafter): its candidates compiled and their loop steps timed now
+  (adaptive.warm_up, autorows.calibrate), then one adaptive run per call."""
+  pl = plan.parse_flags(drafter="model", gamma=gamma).resolve(target.cfg, draft.cfg, batch=1)
+  if pl.auto != plan.ROWS:
+    raise ConfigError(f"specjax's per-row run needs budget=auto (auto:rows,max=G,budget=auto), "
+                      f"got {gamma!r}")
+  adaptive.warm_up(target, draft, [prompt], n_predict, pl, capacity=capacity)
+  times = autorows.calibrate(target, draft, [prompt], n_predict, pl, capacity=capacity)
+  return lambda: adaptive.generate(target, draft, [prompt], n_predict, pl,
+                                   autorows.BudgetChooser(times, pl), capacity=capacity)
+
+
 def compare(target: steps.Runner, draft: steps.Runner, prompt: list[int], n_predict: int,
             gamma: int = 4, reps: int = 3, pair: str = "", hf_models=None,
-            hf_attn: str = "sdpa") -> PairResult:
+            hf_attn: str = "sdpa", hf_schedule: str = "constant",
+            specjax_gamma: int | str | None = None) -> PairResult:
   """Both engines, baseline and speculative, on one pair (greedy, no EOS).
 
   Args:
     target, draft: specjax models; HF gets the same weights.
     prompt: token ids (batch 1: HF assisted generation supports no more).
     n_predict: tokens to generate, the first (from the prompt) included.
-    gamma: draft tokens per step, constant on both sides.
+    gamma: draft tokens per step (HF's constant schedule; specjax's default).
     reps: timed repetitions of each call, after one untimed warm-up.
     pair: a label for the pair.
     hf_models: (target, draft) torch models to reuse; default: built with
       `torch_models(target, draft, hf_attn)`. The torch draft's
-      generation_config is set by `configure_assistant(draft, gamma)`.
+      generation_config is set by `configure_assistant(draft, gamma, hf_schedule)`.
+    hf_schedule: SCHEDULES: gamma every step, or HF's own default schedule.
+    specjax_gamma: specjax's draft length, when not `gamma`: an int, or
+      per-row lengths 'auto:rows,max=G,budget=auto' (rows_call).
   Returns:
     a PairResult; check `.identical` / `.divergences`.
   """
   import torch  # pylint: disable=import-outside-toplevel
-  plan.SpecConfig(target.cfg, draft.cfg, gamma)  # vocab and gamma checks
+  sj_gamma = gamma if specjax_gamma is None else specjax_gamma
+  rows = isinstance(sj_gamma, str)
+  width = plan.parse_rows(sj_gamma)[0] if rows else sj_gamma
+  plan.SpecConfig(target.cfg, draft.cfg, width)  # vocab and gamma checks
   pt_target, pt_draft = hf_models or torch_models(target, draft, hf_attn)
-  configure_assistant(pt_draft, gamma)
+  configure_assistant(pt_draft, gamma, hf_schedule)
   # Tight: specjax attends over every cache slot, HF's cache holds the sequence.
-  capacity = generation.plan_capacity(target.cfg, len(prompt), n_predict, extra=gamma,
+  capacity = generation.plan_capacity(target.cfg, len(prompt), n_predict,
+                                      extra=max(gamma, width),
                                       ctx_size=len(prompt) + n_predict)
   counter = StepCounter(pt_target)
+  spec = (rows_call(target, draft, prompt, n_predict, sj_gamma, capacity) if rows else
+          lambda: speculative.generate(target, draft, [prompt], n_predict, sj_gamma,
+                                       sp=SamplingParams(), rule="real", capacity=capacity))
 
   def hf_spec():
     with counter:
@@ -314,9 +363,7 @@ def compare(target: steps.Runner, draft: steps.Runner, prompt: list[int], n_pred
       "hf/speculative": hf_spec,
       "specjax/baseline": lambda: generation.generate(target, [prompt], n_predict,
                                                       capacity=capacity),
-      "specjax/speculative": lambda: speculative.generate(
-          target, draft, [prompt], n_predict, gamma, sp=SamplingParams(), rule="real",
-          capacity=capacity),
+      "specjax/speculative": spec,
   }
   m = time_interleaved(calls, reps)
   engines = {"hf": _hf_result(m, n_predict),
@@ -327,7 +374,8 @@ def compare(target: steps.Runner, draft: steps.Runner, prompt: list[int], n_pred
   return PairResult(pair or f"{target.cfg.name}/{draft.cfg.name}", target.cfg.name,
                     draft.cfg.name, gamma, list(prompt), capacity, torch.get_num_threads(),
                     pt_target.config._attn_implementation,  # pylint: disable=protected-access
-                    engines, divergences(engines))
+                    engines, divergences(engines), hf_schedule,
+                    "" if specjax_gamma is None else str(specjax_gamma))
 
 # ---------------------------------------------------------------- report
 
