@@ -80,7 +80,8 @@ def replayed_alpha(res, before=None) -> np.ndarray:
       if before is not None:
         before.append((b, (acc + rows_step.PRIOR_ALPHA * rows_step.PRIOR_WEIGHT)
                        / (acc + rej + rows_step.PRIOR_WEIGHT)))
-      acc, rej = rows_step.DECAY * acc + k, rows_step.DECAY * rej + float(k < given)
+      if given > 0:  # a step that gave the row nothing leaves its counts
+        acc, rej = rows_step.DECAY * acc + k, rows_step.DECAY * rej + float(k < given)
     out.append((acc, rej))
   return np.asarray(out)
 
@@ -89,6 +90,36 @@ def alpha_error(res) -> float:
   """The largest gap between the loop's RowAlpha and the replayed counts."""
   got = np.stack([np.asarray(res.state.rows.n_accept), np.asarray(res.state.rows.n_reject)], 1)
   return float(np.max(np.abs(got - replayed_alpha(res))))
+
+
+def untested_steps_alpha(observe=rows_step.RowAlpha.observe) -> list[float]:
+  """Row 0's alpha after a step given 4 drafts that kept none, then after
+  three steps given nothing (row 1 live throughout, given 2 and keeping 2)."""
+  rows, out = rows_step.RowAlpha.start(2), []
+  live = jnp.ones(2, bool)
+  for given in (4, 0, 0, 0):
+    rows = observe(rows, jnp.asarray([0, 2]), jnp.asarray([given, 2]), live)
+    out.append(float(rows.alpha()[0]))
+  return out
+
+
+def test_a_row_given_nothing_keeps_its_alpha():
+  got = untested_steps_alpha()
+  # by hand: (0 + 0.7 x 2) / (0 + 1 + 2) = 0.467, and so it stays
+  assert got == pytest.approx([1.4 / 3] * 4)
+
+
+def _drifting_observe(self, n_acc, given, live):
+  """Every live step decays the counts (the rule before): an untested row
+  drifts back to the prior."""
+  acc = rows_step.DECAY * self.n_accept + n_acc.astype(jnp.float32)
+  rej = rows_step.DECAY * self.n_reject + (n_acc < given).astype(jnp.float32)
+  return rows_step.RowAlpha(n_accept=jnp.where(live, acc, self.n_accept),
+                            n_reject=jnp.where(live, rej, self.n_reject))
+
+
+def test_an_untested_row_drifting_to_the_prior_fails():
+  assert untested_steps_alpha(_drifting_observe) != pytest.approx([1.4 / 3] * 4)
 
 
 def test_greedy_rows_equal_target_only_per_row(greedy):
