@@ -52,11 +52,6 @@ def row_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 
   return np.where(live, 1.0 + factor * drafts, 0.0)
 
 
-def expected_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 1.0) -> float:
-  """One step's expected tokens at budget N, all rows together (row_tokens)."""
-  return float(row_tokens(alpha, limit, live, budget, gamma_max, factor).sum())
-
-
 def finish_rate(need, tokens, step_s: float) -> float:
   """Tokens per second until the last live row is done: the live rows'
   tokens still needed (need [B], 0 for a finished row) over T(N) x the
