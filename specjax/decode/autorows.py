@@ -3,17 +3,14 @@
 
 T(N) is measured in the loop itself (`calibrate`, made monotone). Between
 chunks `BudgetChooser` reads each live row's running alpha at the chunk's
-last step and what its drafter proposed at every step of the chunk, gives
-each candidate its allocation and expected tokens under the per-row
-geometric model, averaged over the chunk's proposals, with the drafted part
-scaled by the run's own accepted over expected drafts (`factor`: the model
-at the running alphas over-predicts), and picks the candidate that finishes
-the live rows soonest: T(N) x max_b need_b / E_b(N), each row's tokens
-still needed over its expected tokens a step. The batch runs until its last
-row is done, so drafts given to rows that finish early anyway buy nothing;
-at batch 1 this is the most tokens per second, E(N) / T(N).
-docs/packed_verify.md (budget=auto, the budget's calibration, the batch's
-last row).
+last step and what it proposed at every step of the chunk, gives each
+candidate its allocation and each row's expected tokens under the per-row
+geometric model, the drafted part scaled by the run's accepted over
+expected drafts (`factor`), and picks the candidate that finishes the live
+rows soonest, T(N) x max_b need_b / E_b(N): the batch runs until its last
+row is done, so drafts for rows that finish early buy nothing (at batch 1,
+the most tokens per second, E(N) / T(N)). docs/packed_verify.md (budget=auto,
+the budget's calibration, the batch's last row).
 """
 
 from __future__ import annotations

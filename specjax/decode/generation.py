@@ -112,7 +112,7 @@ class GenerationResult:
   def n_decoded(self) -> int:
     """Tokens the decode steps emitted, summed over rows, each row up to its
     EOS (its first token, the prefill's, excluded): what a speculative run's
-    stats.n_kept counts, so the two speeds compare like with like. With EOS
+    stats.SpecStats.n_kept counts, so the two speeds compare like with like. With EOS
     it is less than n_eval x rows: a row that stopped early is not credited
     with the steps it ran idle."""
     return sum(max(len(r) - 1, 0) for r in self.tokens)
