@@ -248,7 +248,7 @@ def _report(tcfg, pl, tok, prompts, res, base, spec_tps, base_tps, capacity, com
   if len(prompts) > 1 or getattr(res, "chosen", None):
     print("\n".join(row_lines(res, pl.auto)))
     print()
-  theory = None
+  theory = budget = None
   if pl.first.per_row:  # --gamma=auto:rows: the tokens per step against the model's
     budget = ([pl.configs[k].budget for k in res.chosen] if getattr(res, "chosen", None)
               else rows_step.budget_of(pl.first, len(prompts)))
@@ -298,7 +298,9 @@ def _report(tcfg, pl, tok, prompts, res, base, spec_tps, base_tps, capacity, com
     rows = cli.row_records(prompts, res.tokens, base.tokens if base is not None else None,
                            equality_claimed=claimed)
     wd.write_json(_JSON_OUT.value, {**out, "rows": rows, **(
-        {"per_row": dataclasses.asdict(theory)} if theory is not None else {})})
+        {"per_row": dataclasses.asdict(theory),
+         "per_row_steps": rows_theory.step_table(res.records, budget)}
+        if theory is not None else {})})
 
 
 if __name__ == "__main__":

@@ -178,6 +178,23 @@ def test_the_theory_beside_the_measurement(greedy):
   assert th.predicted == pytest.approx(1 + 0.7 + 0.49 + 1) and th.measured == 3
 
 
+def test_the_step_table_is_the_records_step_by_step(greedy):
+  rec = greedy[2].records
+  table = rows_theory.step_table(rec, 6)
+  assert [t["step"] for t in table] == list(range(int(rec.step.max()) + 1))
+  assert all(t["budget"] == 6 for t in table)
+  for t in table:
+    at = rec.step == t["step"]
+    assert [r["row"] for r in t["rows"]] == rec.row[at].tolist()
+    for key, field in (("given", "n_drafted"), ("accepted", "n_acc"), ("kept", "kept"),
+                       ("proposed", "proposed")):
+      assert [r[key] for r in t["rows"]] == getattr(rec, field)[at].tolist()
+  assert sum(r["given"] for t in table for r in t["rows"]) == rec.n_drafted.sum()
+  # budget=auto: each step its own N
+  per_step = rows_theory.step_table(rec, np.arange(len(table)) + 3)
+  assert [t["budget"] for t in per_step] == [s + 3 for s in range(len(table))]
+
+
 def sampled(pair_):
   """(p-values of the first 4 token pairs against the target's law, the run)."""
   target, draft = pair_

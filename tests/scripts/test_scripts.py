@@ -150,10 +150,11 @@ def test_speculative_eagle3_tree_auto(tmp_path):
   assert "eagle3[:PATH]" in run("speculative.py", "--helpfull").stdout
 
 
-@pytest.mark.parametrize("gamma", ["3", "auto"])
+@pytest.mark.parametrize("gamma", ["3", "auto", "auto:rows,max=2,budget=auto"])
 def test_speculative_prompt_file_json_keeps_every_row(tmp_path, prompt_file, gamma):
   """A batched run's record holds every row's prompt ids, tokens and
-  target-only tokens; greedy in float32 they are the same tokens."""
+  target-only tokens; greedy in float32 they are the same tokens. Per-row
+  lengths also keep the run step by step (rows_theory.step_table)."""
   out = tmp_path / "spec.json"
   proc = run("speculative.py", "--model=tiny", "--model_draft=tiny-draft", "--dtype=float32",
              f"--prompt_file={prompt_file}", "--n_parallel=2", f"--gamma={gamma}",
@@ -164,6 +165,13 @@ def test_speculative_prompt_file_json_keeps_every_row(tmp_path, prompt_file, gam
   _rows_hold_every_prompt(rec["rows"], 10, baseline=True)
   for r in rec["rows"]:
     assert r["tokens"] == r["baseline_tokens"], r
+  steps = rec.get("per_row_steps")
+  assert (steps is not None) == gamma.startswith("auto:rows")
+  if steps:
+    assert [s["step"] for s in steps] == list(range(rec["per_row"]["steps"]))
+    assert sum(r["kept"] for s in steps for r in s["rows"]) == rec["n_kept"]
+    assert all(s["budget"] >= 4 and sum(r["given"] for r in s["rows"]) <= s["budget"] - 4
+               for s in steps)
 
 
 def test_generate_prompt_file_json_keeps_every_row(tmp_path, prompt_file):
