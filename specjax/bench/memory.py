@@ -29,14 +29,7 @@ def available_bytes() -> int | None:
   stats = device_memory()
   if "bytes_limit" in stats:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    return None
-  return None
+  return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def release_memory() -> None:
@@ -48,10 +41,10 @@ def release_memory() -> None:
     pass
 
 
-def _status(key: str) -> int | None:
-  """A /proc/self/status figure in bytes (None where there is none)."""
+def _proc_bytes(path: str, key: str) -> int | None:
+  """A `key: N kB` figure of a /proc file in bytes (None where there is none)."""
   try:
-    with open("/proc/self/status") as f:
+    with open(path) as f:
       for line in f:
         if line.startswith(key + ":"):
           return int(line.split()[1]) * 1024
@@ -62,12 +55,12 @@ def _status(key: str) -> int | None:
 
 def rss() -> int | None:
   """The process's resident memory now (VmRSS), bytes."""
-  return _status("VmRSS")
+  return _proc_bytes("/proc/self/status", "VmRSS")
 
 
 def peak_rss() -> int | None:
   """The process's peak resident memory so far (VmHWM), bytes."""
-  return _status("VmHWM")
+  return _proc_bytes("/proc/self/status", "VmHWM")
 
 
 def reset_peak() -> bool:
