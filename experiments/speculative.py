@@ -163,13 +163,10 @@ def main(argv):
   kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)
   n = _N_PREDICT.value
   if auto == plan.ROWS:  # each budget's loop step timed, then N chosen between chunks
-    akw = dict(every=_AUTO_EVERY.value, **kw)
-    compile_s = adaptive.warm_up(target, draft, prompts, n, pl, **akw)
-    times = autorows.calibrate(target, draft, prompts, n, pl, **akw)
+    compile_s, times, spec = autorows.prepare(target, draft, prompts, n, pl,
+                                              every=_AUTO_EVERY.value, **kw)
     print("T(N), seconds per loop step (never falling with N): " + ", ".join(
         f"N={c.budget}: {1e3 * times[k]:.2f} ms" for k, c in pl.configs.items()))
-    spec = lambda: adaptive.generate(target, draft, prompts, n, pl,
-                                     autorows.BudgetChooser(times, pl), **akw)
   elif auto:
     cost = auto_costs(target, draft, len(prompts), capacity, depth, pl, sp)
     tune = autogamma if auto == "gamma" else autotree

@@ -154,6 +154,16 @@ class BudgetChooser:
     return max(pred, key=lambda k: (pred[k], -self.plan.configs[k].budget))
 
 
+def prepare(target, draft, prompts, n_predict: int, plan: plans.Plan, **kw):
+  """budget=auto ready to run: every candidate compiled (adaptive.warm_up)
+  and its loop step timed (`calibrate`). Returns (compile seconds, T(N) by
+  candidate, run: one adaptive run with a fresh BudgetChooser per call)."""
+  compile_s = adaptive.warm_up(target, draft, prompts, n_predict, plan, **kw)
+  times = calibrate(target, draft, prompts, n_predict, plan, **kw)
+  return compile_s, times, lambda: adaptive.generate(
+      target, draft, prompts, n_predict, plan, BudgetChooser(times, plan), **kw)
+
+
 def calibrate(target, draft, prompts, n_predict: int, plan: plans.Plan, **kw) -> dict[str, float]:
   """Each candidate's seconds per loop step, timed in the loop (call after
   adaptive.warm_up): the measured T(N) curve, made monotone."""

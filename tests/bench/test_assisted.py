@@ -156,11 +156,16 @@ def test_default_schedule_is_what_hf_gives_a_user_who_sets_nothing(tiny_models):
     assisted.configure_assistant(pt_self, 3, "heuristic")
 
 
-def test_hfs_default_schedule_against_per_row_lengths(tiny_models):
+def test_hfs_default_schedule_against_per_row_lengths(tiny_models, monkeypatch):
   """HF's own schedule and specjax's per-row lengths (budget=auto) emit the
   target's tokens; the schedule is not the constant one (the draft = target
-  pair accepts every draft, so HF's default drafts other widths than 3)."""
+  pair accepts every draft, so HF's default drafts other widths than 3), and
+  specjax's speculative call is the per-row one (a constant gamma 3 would
+  emit the same tokens)."""
   target, draft = tiny_models
+  calls, rows_call = [], assisted.rows_call
+  monkeypatch.setattr(assisted, "rows_call",
+                      lambda *a, **k: calls.append(a[4]) or rows_call(*a, **k))
   for d in (draft, target):
     r = assisted.compare(target, d, PROMPT, 20, gamma=3, reps=1, hf_schedule="default",
                          specjax_gamma="auto:rows,max=3,budget=auto")
@@ -168,6 +173,7 @@ def test_hfs_default_schedule_against_per_row_lengths(tiny_models):
     assert r.hf_schedule == "default" and r.to_dict()["specjax_gamma"] == "auto:rows,max=3,budget=auto"
   hf = r.engines["hf"]
   assert hf.accept_rate == 1.0 and (hf.n_steps, hf.n_drafted) != (5, 15)
+  assert calls == ["auto:rows,max=3,budget=auto"] * 2
 
 
 def test_script_runs_each_prompt_of_a_file(tmp_path):

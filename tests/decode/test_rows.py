@@ -189,6 +189,7 @@ def test_the_step_table_is_the_records_step_by_step(greedy):
     for key, field in (("given", "n_drafted"), ("accepted", "n_acc"), ("kept", "kept"),
                        ("proposed", "proposed")):
       assert [r[key] for r in t["rows"]] == getattr(rec, field)[at].tolist()
+    assert [r["alpha"] for r in t["rows"]] == pytest.approx(rec.alpha[at].tolist(), abs=1e-4)
   assert sum(r["given"] for t in table for r in t["rows"]) == rec.n_drafted.sum()
   # budget=auto: each step its own N
   per_step = rows_theory.step_table(rec, np.arange(len(table)) + 3)

@@ -21,7 +21,6 @@ import dataclasses
 import statistics
 from typing import Any, Callable
 
-from specjax.decode import adaptive
 from specjax.decode import autorows
 from specjax.decode import generation
 from specjax.formats import hf
@@ -304,15 +303,12 @@ def rows_call(target: steps.Runner, draft: steps.Runner, prompt: list[int], n_pr
               gamma: str, capacity: int) -> Callable[[], Any]:
   """specjax's per-row call (gamma 'auto:rows,..,budget=auto', the model
   drafter): its candidates compiled and their loop steps timed now
-  (adaptive.warm_up, autorows.calibrate), then one adaptive run per call."""
+  (autorows.prepare), then one adaptive run per call."""
   pl = plan.parse_flags(drafter="model", gamma=gamma).resolve(target.cfg, draft.cfg, batch=1)
   if pl.auto != plan.ROWS:
     raise ConfigError(f"specjax's per-row run needs budget=auto (auto:rows,max=G,budget=auto), "
                       f"got {gamma!r}")
-  adaptive.warm_up(target, draft, [prompt], n_predict, pl, capacity=capacity)
-  times = autorows.calibrate(target, draft, [prompt], n_predict, pl, capacity=capacity)
-  return lambda: adaptive.generate(target, draft, [prompt], n_predict, pl,
-                                   autorows.BudgetChooser(times, pl), capacity=capacity)
+  return autorows.prepare(target, draft, [prompt], n_predict, pl, capacity=capacity)[2]
 
 
 def compare(target: steps.Runner, draft: steps.Runner, prompt: list[int], n_predict: int,
