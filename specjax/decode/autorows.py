@@ -2,15 +2,16 @@
 (adaptive.py's loop, one chunk program per candidate N: plan.candidate_budgets).
 
 T(N) is measured in the loop itself (`calibrate`, made monotone). Between
-chunks `BudgetChooser` reads each live row's running alpha at the chunk's
-last step and what it proposed at every step of the chunk, gives each
-candidate its allocation and each row's expected tokens under the per-row
-geometric model, the drafted part scaled by the run's accepted over
-expected drafts (`factor`), and picks the candidate that finishes the live
-rows soonest, T(N) x max_b need_b / E_b(N): the batch runs until its last
-row is done, so drafts for rows that finish early buy nothing (at batch 1,
-the most tokens per second, E(N) / T(N)). docs/packed_verify.md (budget=auto,
-the budget's calibration, the batch's last row).
+chunks `BudgetChooser` reads each live row's running alpha (and its
+evidence) at the chunk's last step and what it proposed at every step of
+the chunk, gives each candidate its allocation and each row's expected
+tokens under the per-row geometric model, the drafted part scaled by the
+run's accepted over expected drafts (`factor`), and picks the candidate that
+finishes the live rows soonest, T(N) x max_b need_b / E_b(N): the batch runs
+until its last row is done. Where a row's acceptance is seen at no cost
+(rows_step.free_test), that time is averaged over each row's posterior of
+alpha (`cautious`). docs/packed_verify.md (budget=auto, the batch's last row,
+what a row has not shown).
 """
 
 from __future__ import annotations
@@ -34,30 +35,45 @@ from specjax.errors import ConfigError
 allocate_jit = jax.jit(allocation.allocate, static_argnames=("budget", "gamma_max"))
 
 FACTOR_PRIOR = 2.0  # predicted drafts of pseudo-evidence that the model is right (factor 1)
+DRAWS = 256         # posterior draws of the rows' alphas a cautious choice averages over
 
 
-def row_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 1.0
-               ) -> np.ndarray:
+def row_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 1.0,
+               true_alpha=None) -> np.ndarray:
   """[B] each row's expected tokens a step at budget N: the live rows'
   allocation for their alpha and proposals (limit) under the geometric
   model, its accepted drafts scaled by `factor` (a live row's tail token is
-  certain; a finished row emits nothing)."""
+  certain; a finished row emits nothing). `true_alpha` [..., B]: the rows'
+  acceptance if not the alpha they were allotted by ([..., B] out)."""
   alpha, live = np.asarray(alpha, np.float32), np.asarray(live, bool)
   limit = np.where(live, np.asarray(limit, np.int32), 0)
   lengths = np.asarray(allocate_jit(alpha, budget, gamma_max, limit=limit))
-  drafts = theory.expected_tokens_per_step(alpha.astype(float), lengths) - 1.0
+  a = alpha if true_alpha is None else np.asarray(true_alpha)
+  drafts = theory.expected_tokens_per_step(a.astype(float), lengths) - 1.0
   return np.where(live, 1.0 + factor * drafts, 0.0)
 
 
 def finish_rate(need, tokens, step_s: float) -> float:
   """Tokens per second until the last live row is done: the live rows'
   tokens still needed (need [B], 0 for a finished row) over T(N) x the
-  steps of the slowest, max_b need_b / E_b (tokens [B]: row_tokens)."""
+  steps of the slowest, max_b need_b / E_b (tokens [B]: row_tokens;
+  [S, B]: the steps averaged over S draws of the rows' acceptance)."""
   need, tokens = np.asarray(need, float), np.asarray(tokens, float)
   live = need > 0
   if not live.any():
     return 0.0
-  return float(need[live].sum() / (step_s * np.max(need[live] / tokens[live])))
+  steps = np.max(need[live] / tokens[..., live], axis=-1)
+  return float(need[live].sum() / (step_s * np.mean(steps)))
+
+
+def posterior_draws(alpha, weight, draws: int, seed: int = 0) -> np.ndarray:
+  """[draws, B] the rows' acceptance drawn from their posteriors: Beta with
+  the accepts and rejections behind each running alpha (weight, decayed)
+  plus rows_step's prior pseudo-counts (alpha (weight + PRIOR_WEIGHT),
+  (1 - alpha) (weight + PRIOR_WEIGHT))."""
+  alpha = np.clip(np.asarray(alpha, float), 1e-6, 1 - 1e-6)
+  n = np.asarray(weight, float) + rows_step.PRIOR_WEIGHT
+  return np.random.default_rng(seed).beta(alpha * n, (1 - alpha) * n, (draws, alpha.size))
 
 
 def predicted_drafts(records) -> float:
@@ -81,11 +97,16 @@ def chunk_proposals(records, batch: int) -> tuple[np.ndarray, np.ndarray]:
 @dataclasses.dataclass
 class BudgetChooser:
   """adaptive.Chooser for budget=auto (module docstring). `times`: each
-  candidate's seconds per loop step (calibrate)."""
+  candidate's seconds per loop step (calibrate). `cautious`: the finish
+  time averaged over the rows' posteriors (posterior_draws), where seeing a
+  row's acceptance costs nothing (rows_step.point_mass); otherwise at the
+  running alpha, which bets on the prior until a row is given drafts."""
   times: Mapping[str, float]
   plan: plans.Plan
+  cautious: bool = False
   estimates: list = dataclasses.field(default_factory=list)  # {name: tokens/s} per choice
-  alpha: np.ndarray | None = None  # [B] the rows' running alpha at the last step seen
+  alpha: np.ndarray | None = None  # [B] the rows' running alpha at the last step seen ..
+  weight: np.ndarray | None = None  # [B] .. and the evidence behind it
   limits: np.ndarray | None = None  # [P, B] the distinct proposals [B] of the last chunk's steps
   weights: np.ndarray | None = None  # [P] the share of the chunk's steps with each
   live: np.ndarray | None = None   # [B] the rows live at its last step
@@ -102,6 +123,7 @@ class BudgetChooser:
 
   def start(self, rows):
     self.alpha = np.full(rows, rows_step.PRIOR_ALPHA, np.float32)
+    self.weight = np.zeros(rows, np.float32)
     self.limits = np.full((1, rows), self.plan.first.gamma, np.int32)
     self.weights = np.ones(1)
     self.live = np.ones(rows, bool)
@@ -117,6 +139,7 @@ class BudgetChooser:
     self.live = np.zeros_like(self.live)
     self.live[rows] = True
     self.alpha[rows] = records["alpha"][last]  # the estimate that step read (one step old)
+    self.weight[rows] = records["weight"][last]
     self.limits, self.weights = chunk_proposals(records, self.live.size)
     np.add.at(self.emitted, records["row"], records["kept"])
     self.accepted += float(np.sum(records["n_acc"]))
@@ -137,11 +160,14 @@ class BudgetChooser:
 
   def predicted(self, remaining: int = 1) -> dict[str, float]:
     """Each candidate's tokens per second until the live rows as last seen
-    are done (finish_rate), each needing `remaining` less what it is ahead."""
+    are done (finish_rate), each needing `remaining` less what it is ahead;
+    cautious: over the rows' posterior draws (the same draws for each)."""
     f, need = self.factor(), self.need(remaining)
+    true = (posterior_draws(self.alpha, self.weight, DRAWS, seed=len(self.estimates))
+            if self.cautious else None)
     out = {}
     for k, sc in self.plan.configs.items():
-      tokens = sum(w * row_tokens(self.alpha, limit, self.live, sc.budget, sc.gamma, f)
+      tokens = sum(w * row_tokens(self.alpha, limit, self.live, sc.budget, sc.gamma, f, true)
                    for limit, w in zip(self.limits, self.weights))
       out[k] = finish_rate(need, tokens, self.times[k])
     return out
@@ -161,7 +187,13 @@ def prepare(target, draft, prompts, n_predict: int, plan: plans.Plan, **kw):
   compile_s = adaptive.warm_up(target, draft, prompts, n_predict, plan, **kw)
   times = calibrate(target, draft, prompts, n_predict, plan, **kw)
   return compile_s, times, lambda: adaptive.generate(
-      target, draft, prompts, n_predict, plan, BudgetChooser(times, plan), **kw)
+      target, draft, prompts, n_predict, plan, chooser(times, plan), **kw)
+
+
+def chooser(times: Mapping[str, float], plan: plans.Plan) -> BudgetChooser:
+  """A fresh BudgetChooser for a run of `plan`, cautious where its drafts
+  are point masses judged for real (rows_step.point_mass)."""
+  return BudgetChooser(times, plan, cautious=rows_step.point_mass(plan.first))
 
 
 def calibrate(target, draft, prompts, n_predict: int, plan: plans.Plan, **kw) -> dict[str, float]:

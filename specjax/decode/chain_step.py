@@ -48,9 +48,10 @@ class Judged:
 
   def row_record(self, drafted) -> dict[str, jax.Array]:
     """The step's per-row lengths records (stats.ROW_FIELDS): what was proposed
-    (all of it was verified), and no alpha (0)."""
-    return {"proposed": drafted.n_drafted.astype(jnp.int32),
-            "alpha": jnp.zeros(drafted.n_drafted.shape, jnp.float32)}
+    (all of it was verified), no alpha nor weight (0), no free test (-1)."""
+    zero = jnp.zeros(drafted.n_drafted.shape, jnp.float32)
+    return {"proposed": drafted.n_drafted.astype(jnp.int32), "alpha": zero, "weight": zero,
+            "free": jnp.full(drafted.n_drafted.shape, -1, jnp.int32)}
 
   def observe(self, rows, live):
     """The loop's per-row state after the step (rows_step.RowAlpha; () unused)."""

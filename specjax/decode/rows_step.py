@@ -9,7 +9,8 @@ gamma_max, is allotted first and drafts only as deep as the longest l_b
 (steps.packed_verify) and brings the logits (and an EAGLE head's features)
 back to [B, gamma_max + 1]; the judge is the chain's, stopped at l_b.
 alpha_b is a running estimate (`RowAlpha`, in the loop state) from the
-row's own past accepted counts. Exactness: a length depends on past
+row's own past accepted counts, and, where a proposal is a point mass, from
+rows given nothing too (`free_test`). Exactness: a length depends on past
 acceptances and on how many tokens were proposed, never on their values.
 docs/packed_verify.md (per-row lengths).
 """
@@ -53,6 +54,10 @@ class RowAlpha:
     return cls(n_accept=jnp.zeros((batch,), jnp.float32),
                n_reject=jnp.zeros((batch,), jnp.float32))
 
+  def weight(self) -> jax.Array:
+    """[B] the evidence behind alpha: decayed accepts and rejections."""
+    return self.n_accept + self.n_reject
+
   def alpha(self) -> jax.Array:
     """[B] (accepted + prior) / (accepted + rejections + prior weight):
     autogamma.estimate_alpha per row."""
@@ -62,7 +67,8 @@ class RowAlpha:
   def observe(self, n_acc, given, live) -> "RowAlpha":
     """After a step: row b (live) was given `given[b]` drafts and accepted
     n_acc[b]. A finished row's counts stay, and so do those of a row given
-    nothing: a step that tested nothing says nothing of its acceptance. (When
+    nothing: a step that tested nothing says nothing of its acceptance
+    (RowsJudged.observe passes a free test as a step given one draft). (When
     such steps decayed the counts, a row that had shown it accepts little
     drifted back to the prior in a few steps and budget=auto gave it a large
     block again: 0.86x against 0.90x at batch 8 on the mixed rows.)"""
@@ -77,7 +83,8 @@ class RowAlpha:
 class RowsDrafted(Drafted):
   """A chain's drafts with each row's length allotted (n_drafted)."""
   proposed: jax.Array = None  # [B] what the drafter proposed
-  alpha: jax.Array = None     # [B] the running estimate the lengths came from
+  alpha: jax.Array = None     # [B] the running estimate the lengths came from ..
+  weight: jax.Array = None    # [B] .. and its evidence (RowAlpha.weight)
   depth: jax.Array = None     # [] how deep it drafted (gamma_max, or the longest length)
 
 
@@ -87,13 +94,37 @@ class RowsJudged(chain_step.Judged):
   given: jax.Array = None     # [B]
   proposed: jax.Array = None  # [B]
   alpha: jax.Array = None     # [B]
+  weight: jax.Array = None    # [B]
+  free: jax.Array = None      # [B] a row given nothing whose first draft was tested anyway ..
+  hit: jax.Array = None       # [B] .. and it was the target's token (free_test)
 
   def observe(self, rows: RowAlpha, live) -> RowAlpha:
-    return rows.observe(self.n_acc, self.given, live)
+    """A free test counts as a step given one draft (accepted if a hit)."""
+    given = jnp.where(self.free, 1, self.given)
+    n_acc = jnp.where(self.free, self.hit.astype(self.n_acc.dtype), self.n_acc)
+    return rows.observe(n_acc, given, live)
 
   def row_record(self, drafted) -> dict[str, jax.Array]:
     del drafted
-    return {"proposed": self.proposed, "alpha": self.alpha}
+    return {"proposed": self.proposed, "alpha": self.alpha, "weight": self.weight,
+            "free": jnp.where(self.free, self.hit.astype(jnp.int32), -1)}
+
+
+def point_mass(sc) -> bool:
+  """The drafts are a function of the context (an n-gram lookup, or any
+  drafter at T = 0) and judged for real: accepting d_1 then happens with the
+  probability that the target's own token is d_1 (free_test)."""
+  return not sc.simulated and (sc.drafter.deterministic or sc.sp.greedy)
+
+
+def free_test(drafted, emitted, given, sc):
+  """([B] free, [B] hit): rows given no draft whose first draft was proposed
+  (d_1 is always drafted: a lookup's, or a network's root feed), and whether
+  the target's token is d_1. For a point-mass proposal (point_mass) a hit has
+  probability p(d_1), what accepting d_1 has (q(d_1) = 1): an unbiased test
+  of the row's acceptance at no cost, so rows at the N = B step still learn."""
+  free = (given == 0) & (drafted.proposed > 0) & point_mass(sc)
+  return free, emitted[:, 0] == drafted.tokens[:, 0]
 
 
 def budget_of(sc, batch: int) -> int:
@@ -179,7 +210,7 @@ class RowsStep(chain_step.ChainStep):
   @staticmethod
   def allot(drafted: Drafted, rows: RowAlpha, live, sc) -> RowsDrafted:
     return RowsDrafted(**fields_of(drafted), proposed=drafted.n_drafted, alpha=rows.alpha(),
-                       depth=jnp.int32(sc.gamma)
+                       weight=rows.weight(), depth=jnp.int32(sc.gamma)
                        ).replace(n_drafted=lengths(rows, drafted.n_drafted, live, sc))
 
   @staticmethod
@@ -191,8 +222,10 @@ class RowsStep(chain_step.ChainStep):
     j = chain_step.accept_phase(key, accept_probs, p, drafted, tail, n, live, sc)
     # a draft cache holds the root and the drafts fed: d_1 .. d_{depth-1}
     fed = n - 1 + jnp.maximum(drafted.depth, 1)
+    free, hit = free_test(drafted, j.emitted, drafted.n_drafted, sc)
     return RowsJudged(**fields_of(j), given=drafted.n_drafted, proposed=drafted.proposed,
-                      alpha=drafted.alpha).replace(d_len=jnp.minimum(j.d_len, fed))
+                      alpha=drafted.alpha, weight=drafted.weight, free=free, hit=hit
+                      ).replace(d_len=jnp.minimum(j.d_len, fed))
 
 
 ROWS = RowsStep()

@@ -88,8 +88,10 @@ def best_lengths(alpha, proposed, budgets, gamma_max: int) -> np.ndarray:
 def step_table(rec: Records, budget) -> list[dict]:
   """The run step by step, for a reader asking why budget=auto chose what it
   did: per loop step its budget N and, per live row, the running alpha its
-  length came from, what it proposed, the length given, the drafts accepted
-  and the tokens kept. budget: N, or each loop step's (budget=auto)."""
+  length came from and the evidence behind it, what it proposed, the length
+  given, the drafts accepted, the tokens kept and its free test (1 hit, 0
+  miss, -1 none; rows_step.free_test). budget: N, or each loop step's
+  (budget=auto)."""
   steps = int(rec.step.max()) + 1 if rec.step.size else 0
   budgets = np.broadcast_to(np.asarray(budget, np.int64), (steps,)) if np.ndim(budget) == 0 \
       else np.asarray(budget, np.int64)[:steps]
@@ -97,8 +99,9 @@ def step_table(rec: Records, budget) -> list[dict]:
   for i in np.argsort(rec.step, kind="stable"):
     out[int(rec.step[i])]["rows"].append({
         "row": int(rec.row[i]), "alpha": round(float(rec.alpha[i]), 4),
-        "proposed": int(rec.proposed[i]), "given": int(rec.n_drafted[i]),
-        "accepted": int(rec.n_acc[i]), "kept": int(rec.kept[i])})
+        "weight": round(float(rec.weight[i]), 4), "proposed": int(rec.proposed[i]),
+        "given": int(rec.n_drafted[i]), "accepted": int(rec.n_acc[i]),
+        "kept": int(rec.kept[i]), "free": int(rec.free[i])})
   return out
 
 

@@ -33,7 +33,7 @@ from specjax.decode.chain_step import Judged
 from specjax.decode.plan import Plan, SpecConfig
 from specjax.drafters.base import Drafted, Drafter
 from specjax.errors import ConfigError
-from specjax.metrics.stats import Records, SpecStats
+from specjax.metrics.stats import ROW_FIELDS, Records, SpecStats
 from specjax.metrics.timing import CompileWatch, block
 from specjax.model import kv_cache as kvc
 from specjax.model import sharding
@@ -97,8 +97,9 @@ def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter,
 # stats.Records + live + leaf (the block index of the last accepted node, 0: none; a
 # chain's n_acc): a static tree's accepted path, hence its per-rank tries and
 # accepts (tree_theory.rank_counts), for --tree=auto's estimate of p
-# + proposed and alpha (stats.ROW_FIELDS: per-row lengths' records; Judged.row_record)
-REC_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up", "live", "leaf", "proposed", "alpha")
+# + proposed, alpha and weight (stats.ROW_FIELDS: per-row lengths' records; Judged.row_record)
+REC_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up", "live", "leaf", *ROW_FIELDS)
+FLOAT_FIELDS = ("alpha", "weight")
 
 
 def _record_row(j: Judged, d: Drafted, kept, live) -> dict[str, jax.Array]:
@@ -155,7 +156,7 @@ def loop_start(out, eos_id: int, n_predict: int):
   b = out.shape[0]
   count = jnp.ones((b,), jnp.int32)
   done = (out[:, 0] == eos_id) | (n_predict <= 1)
-  return count, done, {k: jnp.zeros((n_predict, b), jnp.float32 if k == "alpha" else jnp.int32)
+  return count, done, {k: jnp.zeros((n_predict, b), jnp.float32 if k in FLOAT_FIELDS else jnp.int32)
                        for k in REC_FIELDS}
 
 

@@ -115,8 +115,9 @@ FIELDS: dict[str, str] = {
                    "geometric model's (decode/rows_theory.py: measured, kept, predicted = the "
                    "allocator's, oracle = each row's fitted alpha known, uniform = the same "
                    "budget split evenly; budget, rows, drafts per step, each row's alpha)",
-    "predicted_rows": "a fixed budget: the speedup each theory's tokens per step gives at the "
-                      "measured step cost (predicted, oracle, uniform)",
+    "predicted_rows": "the speedup each theory's tokens per step gives at the measured step "
+                      "cost (predicted, oracle, uniform); budget=auto: at each step's "
+                      "calibrated T(N) against target-only's seconds a token",
     "row_given": "per row (of each run in turn): mean draft length given per step",
     "row_proposed": "per row: mean drafts the drafter proposed per step",
     "row_accepted": "per row: mean drafts accepted per step",

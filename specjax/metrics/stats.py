@@ -22,7 +22,7 @@ import numpy as np
 from specjax.metrics import theory
 
 RECORD_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up")
-ROW_FIELDS = ("proposed", "alpha")  # recorded where the loop records them (Records)
+ROW_FIELDS = ("proposed", "alpha", "weight", "free")  # recorded where the loop records them (Records)
 
 
 @dataclasses.dataclass
@@ -40,9 +40,14 @@ class Records:
   gamma: np.ndarray | None = None
   # what the drafter proposed (n_drafted: what the step verified; they differ
   # under per-row lengths) and the row's running alpha the lengths were
-  # allotted from (0 without per-row lengths); None: not recorded
+  # allotted from (0 without per-row lengths) with its evidence (decayed
+  # accepts and rejections, rows_step.RowAlpha.weight); None: not recorded
   proposed: np.ndarray | None = None
   alpha: np.ndarray | None = None
+  weight: np.ndarray | None = None
+  # a row given nothing whose d_1 was tested anyway (rows_step.free_test): 1
+  # the target's token was d_1, 0 it was not, -1 no such test
+  free: np.ndarray | None = None
 
   @classmethod
   def concat(cls, parts: list["Records"]) -> "Records":

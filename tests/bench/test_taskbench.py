@@ -472,9 +472,16 @@ def test_mixed_quick_runs_per_row_points_with_their_theory(mixed_run):
       fixed["n_kept"] / (fixed["loop_steps"] * 2) * fixed["t_target_s"]
       / fixed["predicted_step_s"])
   assert set(fixed["predicted_rows"]) == {"predicted", "oracle", "uniform"}
-  assert auto["budget"] == "auto" and "predicted_measured_cost" not in auto
+  assert auto["budget"] == "auto"
   assert sorted(auto["rows_step_s"], key=int) == ["2", "3", "4"]  # candidate_budgets(2, 1)
   assert sum(auto["budgets_used"].values()) == auto["loop_steps"]
+  # budget=auto's prediction: each step at its budget's calibrated T(N), against
+  # target-only's seconds a token
+  spent = sum(n * auto["rows_step_s"][b] for b, n in auto["budgets_used"].items())
+  assert auto["predicted_step_s"] == pytest.approx(spent / auto["loop_steps"])
+  assert auto["predicted_measured_cost"] == pytest.approx(
+      auto["n_kept"] / spent / auto["baseline_tps"])
+  assert set(auto["predicted_rows"]) == {"predicted", "oracle", "uniform"}
   text = (workdir / taskbench_report.REPORT).read_text()
   assert "## Mixed batches" in text and "Per-row lengths on the mixed batches" in text
   line = next(ln for ln in text.splitlines() if ln.startswith("| ngram:1-4 | 2 | real | 0 | multi"))

@@ -7,6 +7,7 @@ is its own acceptance (replayed from the records). MUTATIONS are deliberate
 bugs, each of which must fail (test_each_deliberate_bug_fails)."""
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -71,15 +72,19 @@ def greedy(tiny):
 
 def replayed_alpha(res, before=None) -> np.ndarray:
   """Each row's RowAlpha counts replayed from its own records (n_drafted: the
-  length given), as rows_step.RowAlpha.observe accumulates them; `before`
-  (a list) gets the alpha each entry's lengths were allotted from."""
+  length given; free: a free test, counted as one draft given), as
+  rows_step.RowAlpha.observe accumulates them; `before` (a list) gets the
+  alpha each entry's lengths were allotted from."""
   rec, out = res.records, []
   for b in range(len(res.tokens)):
     acc = rej = 0.0
-    for k, given in zip(rec.n_acc[rec.row == b], rec.n_drafted[rec.row == b]):
+    at = rec.row == b
+    for k, given, free in zip(rec.n_acc[at], rec.n_drafted[at], rec.free[at]):
       if before is not None:
         before.append((b, (acc + rows_step.PRIOR_ALPHA * rows_step.PRIOR_WEIGHT)
                        / (acc + rej + rows_step.PRIOR_WEIGHT)))
+      if free >= 0:
+        k, given = free, 1
       if given > 0:  # a step that gave the row nothing leaves its counts
         acc, rej = rows_step.DECAY * acc + k, rows_step.DECAY * rej + float(k < given)
     out.append((acc, rej))
@@ -141,6 +146,59 @@ def test_each_row_alpha_is_its_own_acceptance(greedy):
   res = greedy[2]
   assert alpha_error(res) < 1e-4
   assert np.ptp(np.asarray(res.state.rows.alpha())) > 0.1  # the rows' estimates differ
+  free = res.records.free
+  assert set(free.tolist()) == {-1, 0, 1}  # rows given nothing were tested for free, both ways
+  assert (res.records.n_drafted[free >= 0] == 0).all()
+
+
+def _free_tests_ignored(self, rows, live):
+  """The estimate counts the drafts given only (the rule before free tests)."""
+  return rows.observe(self.n_acc, self.given, live)
+
+
+def test_free_tests_left_out_of_the_estimate_fail(tiny, greedy, monkeypatch):
+  monkeypatch.setattr(rows_step.RowsJudged, "observe", _free_tests_ignored)
+  jax.clear_caches()
+  try:
+    assert alpha_error(greedy_spec(tiny, greedy[0])) > 0.1
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def free_tests(sc, test=rows_step.free_test):
+  """rows_step.free_test on 4 rows: given 0 of 2 proposed (the target's token
+  d_1; d_2), given 0 of 0, given 1 of 3: (free, hit where free)."""
+  drafted = types.SimpleNamespace(proposed=jnp.array([2, 2, 0, 3]),
+                                  tokens=jnp.array([[5, 6], [5, 6], [5, 6], [7, 8]]))
+  emitted = jnp.array([[5, 0, 0], [6, 0, 0], [5, 0, 0], [7, 1, 1]])
+  free, hit = test(drafted, emitted, jnp.array([0, 0, 0, 1]), sc)
+  return free.tolist(), (hit & free).tolist()
+
+
+def _second_draft_tested(drafted, emitted, given, sc):
+  """The target's token held against d_2."""
+  free = (given == 0) & (drafted.proposed > 0) & rows_step.point_mass(sc)
+  return free, emitted[:, 0] == drafted.tokens[:, 1]
+
+
+def point_mass_sc(deterministic: bool, greedy: bool, simulated: bool = False):
+  return types.SimpleNamespace(simulated=simulated, sp=types.SimpleNamespace(greedy=greedy),
+                               drafter=types.SimpleNamespace(deterministic=deterministic))
+
+
+def test_a_free_test_is_the_targets_token_against_d1_of_a_point_mass():
+  want = ([True, True, False, False], [True, False, False, False])
+  assert free_tests(point_mass_sc(True, False)) == want   # a lookup at any temperature
+  assert free_tests(point_mass_sc(False, True)) == want   # a network at T = 0
+  nothing = ([False] * 4, [False] * 4)
+  assert free_tests(point_mass_sc(False, False)) == nothing  # a sampled draft: P(hit) is not
+  assert free_tests(point_mass_sc(True, True, simulated=True)) == nothing  # its acceptance
+
+
+def test_a_free_test_of_the_second_draft_fails():
+  got = free_tests(point_mass_sc(True, False), _second_draft_tested)
+  assert got != ([True, True, False, False], [True, False, False, False])
 
 
 def test_records_keep_the_lengths_and_the_alpha_they_came_from(greedy):
@@ -187,9 +245,10 @@ def test_the_step_table_is_the_records_step_by_step(greedy):
     at = rec.step == t["step"]
     assert [r["row"] for r in t["rows"]] == rec.row[at].tolist()
     for key, field in (("given", "n_drafted"), ("accepted", "n_acc"), ("kept", "kept"),
-                       ("proposed", "proposed")):
+                       ("proposed", "proposed"), ("free", "free")):
       assert [r[key] for r in t["rows"]] == getattr(rec, field)[at].tolist()
     assert [r["alpha"] for r in t["rows"]] == pytest.approx(rec.alpha[at].tolist(), abs=1e-4)
+    assert [r["weight"] for r in t["rows"]] == pytest.approx(rec.weight[at].tolist(), abs=1e-4)
   assert sum(r["given"] for t in table for r in t["rows"]) == rec.n_drafted.sum()
   # budget=auto: each step its own N
   per_step = rows_theory.step_table(rec, np.arange(len(table)) + 3)
@@ -438,7 +497,8 @@ def chunk(rows, proposed, alpha, kept=(1, 1, 1)) -> dict[str, np.ndarray]:
   each = np.asarray(kept)[np.asarray(rows)]
   return {"step": np.repeat([6, 7], n), "row": cat(rows, rows),
           "proposed": cat(proposed, proposed),
-          "alpha": cat(np.full(n, 0.5), alpha).astype(np.float32), "n_acc": np.zeros(2 * n, int),
+          "alpha": cat(np.full(n, 0.5), alpha).astype(np.float32), "weight": np.zeros(2 * n),
+          "n_acc": np.zeros(2 * n, int),
           "n_drafted": np.zeros(2 * n, int), "kept": cat(each, each)}
 
 
@@ -508,7 +568,8 @@ def intermittent_choice() -> int:
   times = {k: 1.0 + 0.05 * c.budget for k, c in pl.configs.items()}
   step = np.repeat([4, 5, 6, 7], 3)
   records = {"step": step, "row": np.tile([0, 1, 2], 4), "proposed": np.where(step < 7, 4, 0),
-             "alpha": np.full(12, 0.95, np.float32), "n_acc": np.zeros(12, int),
+             "alpha": np.full(12, 0.95, np.float32), "weight": np.zeros(12),
+             "n_acc": np.zeros(12, int),
              "n_drafted": np.zeros(12, int), "kept": np.ones(12, int)}
   chooser = autorows.BudgetChooser(times, pl)
   chooser.start(3)
@@ -563,6 +624,7 @@ def calibrated_choice(accepted: int) -> tuple[int, float]:
   for s in range(4):
     chooser.observe("any", {"step": np.full(3, s), "row": np.arange(3),
                             "proposed": np.full(3, 4), "alpha": np.full(3, 0.95, np.float32),
+                            "weight": np.zeros(3),
                             "n_acc": np.full(3, accepted), "n_drafted": np.full(3, 4),
                             "kept": np.full(3, accepted + 1)})
   return pl.configs[chooser.choose(10, 3)].budget, chooser.factors[-1]
@@ -581,6 +643,55 @@ def test_the_budget_chooser_scales_the_drafts_by_what_they_kept():
 def test_the_model_taken_as_calibrated_fails(monkeypatch):
   monkeypatch.setattr(autorows.BudgetChooser, "factor", lambda self: 1.0)
   assert calibrated_choice(0)[0] != 3
+
+
+def cautious_choice(cautious: bool, alpha=None, weight: float = 0.0, batch: int = 16) -> int:
+  """The budget chosen for `batch` rows at T(N) = 1 + 0.05 N, each needing 10
+  tokens: at the prior (alpha None), or after a step where every row read
+  `alpha` with `weight` of evidence behind it."""
+  pl = plan.parse_flags(drafter="ngram", gamma="auto:rows,max=4,budget=auto").resolve(
+      config.get_preset("tiny"), None, batch=batch)
+  times = {k: 1.0 + 0.05 * c.budget for k, c in pl.configs.items()}
+  chooser = autorows.BudgetChooser(times, pl, cautious=cautious)
+  chooser.start(batch)
+  if alpha is not None:
+    n = np.arange(batch)
+    chooser.observe("any", {"step": np.zeros(batch, int), "row": n, "proposed": np.full(batch, 4),
+                            "alpha": np.full(batch, alpha, np.float32),
+                            "weight": np.full(batch, weight, np.float32),
+                            "n_acc": 0 * n, "n_drafted": 0 * n, "kept": 0 * n + 1})
+  return pl.configs[chooser.choose(10, batch)].budget
+
+
+def test_the_cautious_chooser_bets_on_no_row_it_has_not_seen():
+  # 16 rows at the prior (0.7, no evidence): at the mean every row gains from drafts
+  # (N 32); over the posteriors the slowest of 16 rows is likely one that accepts
+  # little, so the tails alone. Seen accepting (0.95 over 20 tests), drafts pay again.
+  assert cautious_choice(False) == 32 and cautious_choice(True) == 16
+  assert cautious_choice(True, 0.95, 20.0) >= 48
+  assert cautious_choice(True, 0.95, 0.0) < cautious_choice(True, 0.95, 20.0)
+  assert cautious_choice(True, 0.95, 20.0, batch=1) == 5  # one row: its mean decides
+
+
+def _no_evidence(orig):
+  """Every row's posterior taken at the prior's weight, whatever it has shown."""
+  def draws(alpha, weight, n, seed=0):
+    return orig(alpha, np.zeros_like(np.asarray(weight)), n, seed)
+  return draws
+
+
+def test_a_posterior_that_ignores_the_evidence_fails(monkeypatch):
+  monkeypatch.setattr(autorows, "posterior_draws", _no_evidence(autorows.posterior_draws))
+  assert cautious_choice(True, 0.95, 20.0) < 48
+
+
+def test_budget_auto_is_cautious_where_a_row_is_seen_for_free():
+  for drafter, sp, want in (("ngram", SamplingParams(temperature=1.0), True),
+                            ("model", SamplingParams(), True),
+                            ("model", SamplingParams(temperature=1.0), False)):
+    pl = plan.parse_flags(drafter=drafter, gamma="auto:rows,max=4,budget=auto", sp=sp).resolve(
+        config.get_preset("tiny"), config.get_preset("tiny-draft"), batch=2)
+    assert autorows.chooser({k: 1.0 for k in pl.configs}, pl).cautious == want
 
 
 @pytest.mark.parametrize("bug", ["times ignored", "the chunk's first step", "needs ignored"])

@@ -216,7 +216,7 @@ class Loop:
       return speculative.run(self.target, self.draft, rows, self.n_predict, p, seed=self.seed,
                              capacity=self.capacity)
     return adaptive.generate(self.target, self.draft, rows, self.n_predict, p,
-                             autorows.BudgetChooser(times, p), **self._kw(every))
+                             autorows.chooser(times, p), **self._kw(every))
 
   def warm_rows(self, rows, spec: str, sp, rule: str, d, every: int) -> float:
     """Compiles budget=auto's every candidate's chunk program (the compile seconds)."""

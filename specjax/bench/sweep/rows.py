@@ -10,9 +10,8 @@ step measured, the allocator's prediction, the oracle bound, the uniform
 split of the same budget). A fixed budget N also gets the measured-cost
 prediction: step = G T_draft(1) + T_packed(B, N) + T_accept(B), the packed
 verify probed after every repetition (engine.PackedProbe), and the speedup
-each theory's tokens per step would give at that step. budget=auto keeps
-its calibrated T(N) and the budgets it ran; like auto gamma, no cost
-prediction. docs/sweep.md.
+each theory's tokens per step would give at that step; budget=auto, from
+its steps' calibrated T(N_t) (`auto_prediction`). docs/sweep.md.
 """
 
 from __future__ import annotations
@@ -130,6 +129,14 @@ def theory_fields(bench, p, res, gamma_max: int) -> dict:
   return {"rows_theory": theory, **per_row}
 
 
+def auto_prediction(tokens: float, used: list[int], step_s: dict, base_s: float) -> float:
+  """budget=auto's speedup had its runs emitted `tokens` (kept, or a theory's)
+  over the loop steps `used` (each step's budget N) at the calibrated T(N)
+  (step_s, by N), against target-only at base_s seconds a token."""
+  spec_s = sum(step_s[b] for b in used) / tokens if tokens else float("inf")
+  return base_s / spec_s
+
+
 def point_record(bench, p, reps: list[dict], res: list, compile_s: float,
                  t_accept: float | None, n: int | None) -> Record:
   """One per-row point's record from its repetitions and its last runs."""
@@ -146,11 +153,19 @@ def point_record(bench, p, reps: list[dict], res: list, compile_s: float,
   if n is None:
     used = [k for r in budgets_run(bench, p, res) for k in r]
     plan = bench.loop.rows_plan(p.gamma, p.sp, p.accept_rule, bench.drafter, p.batch)
+    step_s = {plan.configs[k].budget: t for k, t in bench.auto_costs.get(p.key, {}).items()}
+    for r in reps:
+      r["efficiency"] = r["speedup"] / auto_prediction(st.n_kept, used, step_s, r["base_s"])
+    pred = {k: auto_prediction(common["rows_theory"][k] * len(used), used,
+                               step_s, med("base_s")) for k in THEORIES}
     return schema.run_record(
         st, **common, auto_every=cfg.auto_every,
         budgets_used={str(c.budget): used.count(c.budget) for c in plan.configs.values()},
-        rows_step_s={str(plan.configs[k].budget): t
-                     for k, t in bench.auto_costs.get(p.key, {}).items()})
+        rows_step_s={str(b): t for b, t in step_s.items()},
+        predicted_step_s=sum(step_s[b] for b in used) / max(len(used), 1),
+        predicted_measured_cost=auto_prediction(st.n_kept, used, step_s, med("base_s")),
+        predicted_rows=pred, efficiency=med("efficiency"),
+        efficiency_reps=[r["efficiency"] for r in reps])
   kept = st.n_kept / carried if carried else 0.0  # tokens kept per row-step
 
   def predict(r: dict) -> dict[str, float]:

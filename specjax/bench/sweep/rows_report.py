@@ -66,7 +66,8 @@ def rows_markdown(records) -> list[str]:
   return ["", "### Per-row lengths against the best fixed gamma and auto", "",
           "Each row of the batch its own draft length (--gamma=auto:rows: the top N - B gains "
           "alpha_b^k of a verify budget of N tokens, one packed verify). predicted: the "
-          "measured-cost model at a fixed budget (G T_draft(1) + T_packed(B, N) + T_accept); "
+          "measured-cost model (a fixed budget: G T_draft(1) + T_packed(B, N) + T_accept; "
+          "budget=auto: each loop step at its budget's calibrated T(N)); "
           "tokens per loop step (all rows) measured beside the geometric model's: the "
           "allocator's (its running alphas and the lengths it gave), the oracle (each row's "
           "fitted alpha known, the best lengths within the same budget) and the uniform split "
