@@ -27,30 +27,46 @@ from specjax.decode import allocation
 from specjax.decode import plan as plans
 from specjax.decode import rows_step
 from specjax.decode import rows_theory
-from specjax.metrics import theory
 from specjax.errors import ConfigError
 
 
-# one small program per budget, compiled in BudgetChooser.start (before the run's clock)
-allocate_jit = jax.jit(allocation.allocate, static_argnames=("budget", "gamma_max"))
+# one small program per budget, compiled in BudgetChooser.start (before the run's clock):
+# the allocation of PROPOSALS proposal vectors [P, B] at once (a chunk's, padded)
+allocate_all = jax.jit(jax.vmap(allocation.allocate, in_axes=(None, None, None, 0)),
+                       static_argnums=(1, 2))
+PROPOSALS = adaptive.EVERY  # a chunk's steps at most: one call for most chunks
 
 FACTOR_PRIOR = 2.0  # predicted drafts of pseudo-evidence that the model is right (factor 1)
 DRAWS = 256         # posterior draws of the rows' alphas a cautious choice averages over
 
 
-def row_tokens(alpha, limit, live, budget: int, gamma_max: int, factor: float = 1.0,
-               true_alpha=None) -> np.ndarray:
-  """[B] each row's expected tokens a step at budget N: the live rows'
-  allocation for their alpha and proposals (limit) under the geometric
-  model, its accepted drafts scaled by `factor` (a live row's tail token is
-  certain; a finished row emits nothing). `true_alpha` [..., B]: the rows'
-  acceptance if not the alpha they were allotted by ([..., B] out)."""
-  alpha, live = np.asarray(alpha, np.float32), np.asarray(live, bool)
-  limit = np.where(live, np.asarray(limit, np.int32), 0)
-  lengths = np.asarray(allocate_jit(alpha, budget, gamma_max, limit=limit))
-  a = alpha if true_alpha is None else np.asarray(true_alpha)
-  drafts = theory.expected_tokens_per_step(a.astype(float), lengths) - 1.0
-  return np.where(live, 1.0 + factor * drafts, 0.0)
+def lengths_of(alpha, limits, live, budget: int, gamma_max: int) -> np.ndarray:
+  """[P, B] the lengths the allocation gives the live rows at budget N, for
+  their alpha [B] and each proposal vector limits [P, B] (a finished row: 0)."""
+  limits = np.where(np.asarray(live, bool), np.asarray(limits, np.int32), 0)
+  p = limits.shape[0]
+  padded = np.zeros((-(-p // PROPOSALS) * PROPOSALS, limits.shape[1]), np.int32)
+  padded[:p] = limits
+  alpha = np.asarray(alpha, np.float32)
+  return np.concatenate([np.asarray(allocate_all(alpha, budget, gamma_max, padded[i:i + PROPOSALS]))
+                         for i in range(0, padded.shape[0], PROPOSALS)])[:p]
+
+
+def tokens_table(alpha, gamma_max: int) -> np.ndarray:
+  """[..., B, gamma_max + 1] expected tokens a step of a row at acceptance
+  alpha [..., B] given l = 0 .. gamma_max drafts: 1 + alpha + .. + alpha^l
+  (metrics.theory.expected_tokens_per_step, for every l at once)."""
+  a = np.clip(np.asarray(alpha, float), 0.0, 1.0)[..., None]
+  return np.cumsum(a ** np.arange(gamma_max + 1), axis=-1)
+
+
+def row_tokens(table, lengths, live, factor: float = 1.0) -> np.ndarray:
+  """[..., B] each row's expected tokens a step at `lengths` [B] (table:
+  tokens_table), its accepted drafts scaled by `factor` (a live row's tail
+  token is certain; a finished row emits nothing)."""
+  idx = np.broadcast_to(np.asarray(lengths)[..., None], table.shape[:-1] + (1,))
+  drafts = np.take_along_axis(table, idx, -1)[..., 0] - 1.0
+  return np.where(np.asarray(live, bool), 1.0 + factor * drafts, 0.0)
 
 
 def finish_rate(need, tokens, step_s: float) -> float:
@@ -164,11 +180,12 @@ class BudgetChooser:
     cautious: over the rows' posterior draws (the same draws for each)."""
     f, need = self.factor(), self.need(remaining)
     true = (posterior_draws(self.alpha, self.weight, DRAWS, seed=len(self.estimates))
-            if self.cautious else None)
+            if self.cautious else self.alpha)
+    table = tokens_table(true, max(sc.gamma for sc in self.plan.configs.values()))
     out = {}
     for k, sc in self.plan.configs.items():
-      tokens = sum(w * row_tokens(self.alpha, limit, self.live, sc.budget, sc.gamma, f, true)
-                   for limit, w in zip(self.limits, self.weights))
+      lengths = lengths_of(self.alpha, self.limits, self.live, sc.budget, sc.gamma)
+      tokens = sum(w * row_tokens(table, l, self.live, f) for l, w in zip(lengths, self.weights))
       out[k] = finish_rate(need, tokens, self.times[k])
     return out
 

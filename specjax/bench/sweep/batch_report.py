@@ -40,8 +40,9 @@ def _settings(records):
 
 def plot_speedup_vs_batch(path: str, records) -> None:
   """Speedup against B, one colour per gamma: measured markers, the tail
-  model's prediction as lines, auto gamma as black stars; one panel per
-  (rule, T)."""
+  model's prediction as lines, auto gamma as black stars, per-row lengths
+  with their allocator's prediction and the oracle bound at the step costs
+  they ran (predicted_rows); one panel per (rule, T)."""
   plt = wd.pyplot()
   settings = _settings(records)
   fig, axes = plt.subplots(1, len(settings), figsize=(6.5 * len(settings), 5), squeeze=False)
@@ -60,8 +61,14 @@ def plot_speedup_vs_batch(path: str, records) -> None:
               label="auto gamma: measured")
     for spec, marker in zip(sorted({r["gamma"] for r in rs if is_rows(r)}), "DPXsp^v<>"):
       pts = sorted((r for r in rs if r["gamma"] == spec), key=lambda r: r["batch"])
-      ax.plot([r["batch"] for r in pts], [r["speedup"] for r in pts], marker, color="C3",
+      b = [r["batch"] for r in pts]
+      ax.plot(b, [r["speedup"] for r in pts], marker, color="C3",
               ms=8, mfc="none", label=f"{rows_report.label(spec)}: measured")
+      if all(r.get("predicted_rows") for r in pts):
+        ax.plot(b, [r["predicted_rows"]["predicted"] for r in pts], "-", color="C3", lw=1.2,
+                label=f"{rows_report.label(spec)}: predicted (allocator)")
+        ax.plot(b, [r["predicted_rows"]["oracle"] for r in pts], ":", color="C3", lw=1.2,
+                label=f"{rows_report.label(spec)}: oracle bound")
     ax.axhline(1.0, color="red", lw=1, ls="--", label="1x (no gain)")
     ax.plot([], [], "k-", label="predicted (measured costs at B, tail model)")
     ax.set_xscale("log", base=2)
