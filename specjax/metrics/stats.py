@@ -22,7 +22,8 @@ import numpy as np
 from specjax.metrics import theory
 
 RECORD_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up")
-ROW_FIELDS = ("proposed", "alpha", "weight", "free")  # recorded where the loop records them (Records)
+# recorded where the loop records them (Records)
+ROW_FIELDS = ("proposed", "alpha", "weight", "free")
 
 
 @dataclasses.dataclass
