@@ -95,19 +95,19 @@ class RowsJudged(chain_step.Judged):
   proposed: jax.Array = None  # [B]
   alpha: jax.Array = None     # [B]
   weight: jax.Array = None    # [B]
-  free: jax.Array = None      # [B] a row given nothing whose first draft was tested anyway ..
-  hit: jax.Array = None       # [B] .. and it was the target's token (free_test)
+  free: jax.Array = None      # [B] int32 the free test of d_1: 1 hit, 0 miss, -1 none (free_test)
 
   def observe(self, rows: RowAlpha, live) -> RowAlpha:
     """A free test counts as a step given one draft (accepted if a hit)."""
-    given = jnp.where(self.free, 1, self.given)
-    n_acc = jnp.where(self.free, self.hit.astype(self.n_acc.dtype), self.n_acc)
+    tested = self.free >= 0
+    given = jnp.where(tested, 1, self.given)
+    n_acc = jnp.where(tested, self.free.astype(self.n_acc.dtype), self.n_acc)
     return rows.observe(n_acc, given, live)
 
   def row_record(self, drafted) -> dict[str, jax.Array]:
     del drafted
     return {"proposed": self.proposed, "alpha": self.alpha, "weight": self.weight,
-            "free": jnp.where(self.free, self.hit.astype(jnp.int32), -1)}
+            "free": self.free}
 
 
 def point_mass(sc) -> bool:
@@ -118,13 +118,14 @@ def point_mass(sc) -> bool:
 
 
 def free_test(drafted, emitted, given, sc):
-  """([B] free, [B] hit): rows given no draft whose first draft was proposed
-  (d_1 is always drafted: a lookup's, or a network's root feed), and whether
-  the target's token is d_1. For a point-mass proposal (point_mass) a hit has
+  """[B] int32: for a row given no draft whose first draft was proposed (d_1
+  is always drafted: a lookup's, or a network's root feed), 1 where the
+  target's token is d_1 and 0 where not; -1 for every other row. For a
+  point-mass proposal (point_mass) a hit has
   probability p(d_1), what accepting d_1 has (q(d_1) = 1): an unbiased test
   of the row's acceptance at no cost, so rows at the N = B step still learn."""
-  free = (given == 0) & (drafted.proposed > 0) & point_mass(sc)
-  return free, emitted[:, 0] == drafted.tokens[:, 0]
+  tested = (given == 0) & (drafted.proposed > 0) & point_mass(sc)
+  return jnp.where(tested, (emitted[:, 0] == drafted.tokens[:, 0]).astype(jnp.int32), -1)
 
 
 def budget_of(sc, batch: int) -> int:
@@ -222,9 +223,9 @@ class RowsStep(chain_step.ChainStep):
     j = chain_step.accept_phase(key, accept_probs, p, drafted, tail, n, live, sc)
     # a draft cache holds the root and the drafts fed: d_1 .. d_{depth-1}
     fed = n - 1 + jnp.maximum(drafted.depth, 1)
-    free, hit = free_test(drafted, j.emitted, drafted.n_drafted, sc)
     return RowsJudged(**fields_of(j), given=drafted.n_drafted, proposed=drafted.proposed,
-                      alpha=drafted.alpha, weight=drafted.weight, free=free, hit=hit
+                      alpha=drafted.alpha, weight=drafted.weight,
+                      free=free_test(drafted, j.emitted, drafted.n_drafted, sc)
                       ).replace(d_len=jnp.minimum(j.d_len, fed))
 
 

@@ -97,7 +97,7 @@ def commit(tcache, dcache, tail, j: Judged, kept, live, drafter: Drafter,
 # stats.Records + live + leaf (the block index of the last accepted node, 0: none; a
 # chain's n_acc): a static tree's accepted path, hence its per-rank tries and
 # accepts (tree_theory.rank_counts), for --tree=auto's estimate of p
-# + proposed, alpha and weight (stats.ROW_FIELDS: per-row lengths' records; Judged.row_record)
+# + stats.ROW_FIELDS (per-row lengths' records; Judged.row_record)
 REC_FIELDS = ("n_acc", "n_drafted", "kept", "caught_up", "live", "leaf", *ROW_FIELDS)
 FLOAT_FIELDS = ("alpha", "weight")
 

@@ -172,14 +172,14 @@ def free_tests(sc, test=rows_step.free_test):
   drafted = types.SimpleNamespace(proposed=jnp.array([2, 2, 0, 3]),
                                   tokens=jnp.array([[5, 6], [5, 6], [5, 6], [7, 8]]))
   emitted = jnp.array([[5, 0, 0], [6, 0, 0], [5, 0, 0], [7, 1, 1]])
-  free, hit = test(drafted, emitted, jnp.array([0, 0, 0, 1]), sc)
-  return free.tolist(), (hit & free).tolist()
+  code = test(drafted, emitted, jnp.array([0, 0, 0, 1]), sc)
+  return (code >= 0).tolist(), (code == 1).tolist()
 
 
 def _second_draft_tested(drafted, emitted, given, sc):
   """The target's token held against d_2."""
-  free = (given == 0) & (drafted.proposed > 0) & rows_step.point_mass(sc)
-  return free, emitted[:, 0] == drafted.tokens[:, 1]
+  tested = (given == 0) & (drafted.proposed > 0) & rows_step.point_mass(sc)
+  return jnp.where(tested, (emitted[:, 0] == drafted.tokens[:, 1]).astype(jnp.int32), -1)
 
 
 def point_mass_sc(deterministic: bool, greedy: bool, simulated: bool = False):
@@ -683,6 +683,28 @@ def _no_evidence(orig):
 def test_a_posterior_that_ignores_the_evidence_fails(monkeypatch):
   monkeypatch.setattr(autorows, "posterior_draws", _no_evidence(autorows.posterior_draws))
   assert cautious_choice(True, 0.95, 20.0) < 48
+
+
+def _at_the_mean(alpha, weight, n, seed=0):
+  """Every draw the running alpha itself: caution that bets on the prior."""
+  del weight, seed
+  return np.broadcast_to(np.asarray(alpha, float), (n, np.size(alpha)))
+
+
+def test_a_cautious_chooser_at_the_mean_fails(monkeypatch):
+  monkeypatch.setattr(autorows, "posterior_draws", _at_the_mean)
+  assert cautious_choice(True) != 16
+
+
+def _lookups_only(sc) -> bool:
+  """Only a lookup's proposal taken as a point mass (a network's at T = 0 left out)."""
+  return not sc.simulated and sc.drafter.deterministic
+
+
+def test_a_network_at_t0_left_untested_fails(monkeypatch):
+  monkeypatch.setattr(rows_step, "point_mass", _lookups_only)
+  assert free_tests(point_mass_sc(False, True)) != ([True, True, False, False],
+                                                    [True, False, False, False])
 
 
 def test_budget_auto_is_cautious_where_a_row_is_seen_for_free():

@@ -104,10 +104,10 @@ def test_sampling_at_t1_follows_the_target(pair):
 
 def _all_fed(key, accept_probs, p, drafted, tail, n, live, sc):
   j = chain_step.accept_phase(key, accept_probs, p, drafted, tail, n, live, sc)
-  free, hit = rows_step.free_test(drafted, j.emitted, drafted.n_drafted, sc)
   return rows_step.RowsJudged(**rows_step.fields_of(j), given=drafted.n_drafted,
                               proposed=drafted.proposed, alpha=drafted.alpha,
-                              weight=drafted.weight, free=free, hit=hit)
+                              weight=drafted.weight,
+                              free=rows_step.free_test(drafted, j.emitted, drafted.n_drafted, sc))
 
 
 REAL_PROPOSE = {}

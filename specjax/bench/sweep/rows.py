@@ -129,12 +129,11 @@ def theory_fields(bench, p, res, gamma_max: int) -> dict:
   return {"rows_theory": theory, **per_row}
 
 
-def auto_prediction(tokens: float, used: list[int], step_s: dict, base_s: float) -> float:
+def auto_prediction(tokens: float, spent_s: float, base_s: float) -> float:
   """budget=auto's speedup had its runs emitted `tokens` (kept, or a theory's)
-  over the loop steps `used` (each step's budget N) at the calibrated T(N)
-  (step_s, by N), against target-only at base_s seconds a token."""
-  spec_s = sum(step_s[b] for b in used) / tokens if tokens else float("inf")
-  return base_s / spec_s
+  in spent_s, the sum of its loop steps' calibrated T(N), against
+  target-only at base_s seconds a token."""
+  return base_s * tokens / spent_s if spent_s else 0.0
 
 
 def point_record(bench, p, reps: list[dict], res: list, compile_s: float,
@@ -154,16 +153,17 @@ def point_record(bench, p, reps: list[dict], res: list, compile_s: float,
     used = [k for r in budgets_run(bench, p, res) for k in r]
     plan = bench.loop.rows_plan(p.gamma, p.sp, p.accept_rule, bench.drafter, p.batch)
     step_s = {plan.configs[k].budget: t for k, t in bench.auto_costs.get(p.key, {}).items()}
+    spent = sum(step_s[b] for b in used)
     for r in reps:
-      r["efficiency"] = r["speedup"] / auto_prediction(st.n_kept, used, step_s, r["base_s"])
-    pred = {k: auto_prediction(common["rows_theory"][k] * len(used), used,
-                               step_s, med("base_s")) for k in THEORIES}
+      r["efficiency"] = r["speedup"] / auto_prediction(st.n_kept, spent, r["base_s"])
+    pred = {k: auto_prediction(common["rows_theory"][k] * len(used), spent, med("base_s"))
+            for k in THEORIES}
     return schema.run_record(
         st, **common, auto_every=cfg.auto_every,
         budgets_used={str(c.budget): used.count(c.budget) for c in plan.configs.values()},
         rows_step_s={str(b): t for b, t in step_s.items()},
-        predicted_step_s=sum(step_s[b] for b in used) / max(len(used), 1),
-        predicted_measured_cost=auto_prediction(st.n_kept, used, step_s, med("base_s")),
+        predicted_step_s=spent / max(len(used), 1),
+        predicted_measured_cost=auto_prediction(st.n_kept, spent, med("base_s")),
         predicted_rows=pred, efficiency=med("efficiency"),
         efficiency_reps=[r["efficiency"] for r in reps])
   kept = st.n_kept / carried if carried else 0.0  # tokens kept per row-step
