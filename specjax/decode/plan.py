@@ -114,6 +114,19 @@ class SpecConfig:
     candidate continue one state."""
     return self.carry or self.gamma + 1
 
+  def tails_only(self, batch: int) -> bool:
+    """Every step verifies each row's tail alone (per-row lengths at budget
+    N = B): a step keeps one token a row, so a drafter's state carries one
+    pending pair into the next (`refresh_pairs`)."""
+    return self.per_row and rows_step.budget_of(self, batch) == batch
+
+  def refresh_pairs(self, batch: int) -> int:
+    """The pending pairs a head's step feeds first (eagle.refresh): the
+    `carried` width, or 1 in a tails-only run, whose state enters each chunk
+    with one (Drafter.settle). Feeding the padding costs a head forward 5x
+    the tail's at gamma_max 4. docs/packed_verify.md (the root feed)."""
+    return 1 if self.tails_only(batch) else self.carried
+
   @property
   def block(self) -> int:
     """Slots one step writes past the cache's length: gamma + 1, or the

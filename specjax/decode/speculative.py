@@ -133,7 +133,10 @@ def _steps(key, i, tparams, dparams, st: SpecState, done, accept_probs, sc):
 
 def _run_steps(tparams, dparams, st: SpecState, out, count, done, i, rec, key, accept_probs,
                stop, sc: SpecConfig, n_predict: int, eos_id: int):
-  """Steps i, i+1, .. of the loop until step `stop` or every row is done."""
+  """Steps i, i+1, .. of the loop until step `stop` or every row is done
+  (a tails-only config's from a settled state: Drafter.settle)."""
+  if sc.tails_only(out.shape[0]):
+    st = st.replace(dcache=sc.drafter.settle(dparams, st.dcache, st.n, sc))
 
   def cond(c):
     i, _, _, _, done, _ = c

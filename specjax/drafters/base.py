@@ -164,6 +164,14 @@ class Drafter:
   def commit(self, dstate, c: Committed):
     raise NotImplementedError
 
+  def settle(self, dparams, dstate, n, sc):
+    """The state before a run of tails-only steps (SpecConfig.tails_only),
+    cut to what one such step leaves: an EAGLE head's pending pairs fed and
+    the root's kept (eagle.settled). A drafter that carries no step's output
+    has nothing to cut."""
+    del dparams, n, sc
+    return dstate
+
   def check_tree(self, tree) -> None:
     """Refuses (ConfigError, one line) a token tree this drafter cannot draft;
     checked with the flags (plan.parse_flags), before any model runs. A

@@ -272,16 +272,39 @@ def pad_pairs(a, width: int):
   return jnp.pad(a, [(0, 0), (0, width - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
 
 
-def refresh(tparams, hparams, hcache, pending: Pending, n, sc):
-  """A step's first part: the head over the pending pairs from `start`,
-  rolled back to the real pairs (length n - 1). Returns (hcache, the root's
-  feature g_{n-2} [B, 1, E])."""
+def refresh(tparams, hparams, hcache, pending: Pending, n, sc, pairs: int):
+  """A step's first part: the head over the first `pairs` pending pairs
+  from `start` (SpecConfig.refresh_pairs), rolled back to the real pairs
+  (length n - 1). Returns (hcache, the root's feature g_{n-2} [B, 1, E])."""
   hcache = kvc.rollback(hcache, pending.start)
-  pred, hcache = head_forward(hparams, tparams, pending.feats, pending.tokens, hcache,
-                              sc.draft, sc.target, prev_tokens=pending.prev_tokens())
+  pred, hcache = head_forward(hparams, tparams, pending.feats[:, :pairs],
+                              pending.tokens[:, :pairs], hcache, sc.draft, sc.target,
+                              prev_tokens=pending.prev_tokens()[:, :pairs])
   hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
-  idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
-  return hcache, jnp.take_along_axis(pred, idx[:, None, None], 1)
+  return hcache, root_of(pred, pending, n)
+
+
+def root_index(pending, n):
+  """[B] the root pair's index among the pending pairs (slot n - 2)."""
+  return jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
+
+
+def root_of(out, pending, n):
+  """[B, 1, ...] the root pair's entry of a refresh's output [B, pairs, ...]."""
+  idx = jnp.minimum(root_index(pending, n), out.shape[1] - 1)
+  return jnp.take_along_axis(out, idx.reshape(idx.shape + (1,) * (out.ndim - 1)), 1)
+
+
+def settled(pending, n):
+  """The pending pairs cut to the root's alone, from slot n - 2 (the pairs
+  before it are in the head's cache): what Drafter.settle leaves, so a
+  refresh of one pair continues it (SpecConfig.refresh_pairs)."""
+  width = pending.tokens.shape[1]
+  cut = lambda a: pad_pairs(root_of(a, pending, n), width)
+  out = pending.replace(feats=cut(pending.feats), tokens=cut(pending.tokens), start=n - 2)
+  if isinstance(pending, Pending):  # EAGLE-1 reads the root pair's current token too
+    out = out.replace(prev=root_of(pending.prev_tokens(), pending, n)[:, 0])
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "width"))
@@ -371,7 +394,7 @@ class EagleDrafter(network.NetworkDrafter):
 
   def begin(self, dparams, dstate, tcache, tail, n, live, sc, width):
     hcache, root = refresh(dparams["target"], dparams["head"], dstate.hcache, dstate.pending,
-                           n, sc)
+                           n, sc, sc.refresh_pairs(n.shape[0]))
     b = n.shape[0]
     feats = jnp.zeros((b, width, root.shape[-1]), root.dtype).at[:, :1].set(root)
     tokens = jnp.zeros((b, width), jnp.int32).at[:, 0].set(tail[:, 1])
@@ -393,6 +416,11 @@ class EagleDrafter(network.NetworkDrafter):
 
   def end(self, dparams, fst, dstate, tcache, n, sc):
     return dstate.replace(hcache=kvc.rollback(fst.hcache, n - 1)), tcache
+
+  def settle(self, dparams, dstate, n, sc):
+    hcache, _ = refresh(dparams["target"], dparams["head"], dstate.hcache, dstate.pending, n,
+                        sc, sc.carried)
+    return dstate.replace(hcache=hcache, pending=settled(dstate.pending, n))
 
   def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
     d, dstate, tcache = network.NetworkDrafter.propose_tree(self, dparams, dstate, tcache, tail,

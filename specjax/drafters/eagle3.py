@@ -296,17 +296,17 @@ class Feed3:
   feats: jax.Array  # [B, F, E] (index 0: the root's output at pair n - 2)
 
 
-def refresh3(hparams, tparams, hcache, pending: Pending3, n, sc):
-  """A step's first part: the head over the pending pairs (fused target
-  features) from `start`, rolled back to the real pairs (length n - 1).
-  Returns (hcache, the root's output hidden state [B, 1, E], at pair n - 2)."""
+def refresh3(hparams, tparams, hcache, pending: Pending3, n, sc, pairs: int):
+  """A step's first part: the head over the first `pairs` pending pairs
+  (fused target features) from `start` (SpecConfig.refresh_pairs), rolled
+  back to the real pairs (length n - 1). Returns (hcache, the root's output
+  hidden state [B, 1, E], at pair n - 2)."""
   hcache = kvc.rollback(hcache, pending.start)
-  fused = fuse(hparams, pending.feats)
-  out, hcache = head_forward3(hparams, tparams, fused, pending.tokens, hcache, sc.draft,
-                              sc.target)
+  fused = fuse(hparams, pending.feats[:, :pairs])
+  out, hcache = head_forward3(hparams, tparams, fused, pending.tokens[:, :pairs], hcache,
+                              sc.draft, sc.target)
   hcache = kvc.rollback(hcache, n - 1)  # the real pairs only
-  idx = jnp.clip(n - 2 - pending.start, 0, pending.tokens.shape[1] - 1)
-  return hcache, jnp.take_along_axis(out, idx[:, None, None], 1)
+  return hcache, eagle.root_of(out, pending, n)
 
 
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "width"))
@@ -395,7 +395,7 @@ class Eagle3Drafter(network.NetworkDrafter):
 
   def begin(self, dparams, dstate, tcache, tail, n, live, sc, width):
     hcache, root = refresh3(dparams["head"], dparams["target"], dstate.hcache, dstate.pending,
-                            n, sc)
+                            n, sc, sc.refresh_pairs(n.shape[0]))
     b = n.shape[0]
     feats = jnp.zeros((b, width, root.shape[-1]), root.dtype).at[:, :1].set(root)
     return Feed3(hcache=hcache, base=n - 2, feats=feats), jnp.zeros((b,), bool)
@@ -413,6 +413,11 @@ class Eagle3Drafter(network.NetworkDrafter):
 
   def end(self, dparams, fst, dstate, tcache, n, sc):
     return dstate.replace(hcache=kvc.rollback(fst.hcache, n - 1)), tcache
+
+  def settle(self, dparams, dstate, n, sc):
+    hcache, _ = refresh3(dparams["head"], dparams["target"], dstate.hcache, dstate.pending, n,
+                         sc, sc.carried)
+    return dstate.replace(hcache=hcache, pending=eagle.settled(dstate.pending, n))
 
   def commit(self, dstate, c):
     # As EAGLE-1's (docs/eagle.md): the verified features with the kept

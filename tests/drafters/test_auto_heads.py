@@ -83,13 +83,17 @@ def _propose(dparams, dcache, tail, n, key, sc):
   return sc.drafter.propose(dparams, dcache, None, tail, n, jnp.ones(n.shape, bool), key, sc)[0]
 
 
-def eagle3_mismatches(v, fixed_carry: int = 0) -> list[str]:
+def eagle3_mismatches(v, fixed_carry: int = 0, rows: bool = False) -> list[str]:
   """After a greedy auto run over SCHEDULE (or, with fixed_carry, a fixed
-  gamma-2 run carrying that width), one sampled gamma-4 draft phase from
-  the final state: the rows whose q differ from the teacher-forced head's."""
+  gamma-2 run carrying that width; with rows, rows_run), one sampled
+  gamma-4 draft phase from the final state: the rows whose q differ from
+  the teacher-forced head's."""
   target, drafter = v
   prompts = test_eagle3.PROMPTS64
-  if fixed_carry:
+  if rows:
+    p, res = rows_run(target, prompts, drafter, n_predict=12, keep_state=True)
+    sc = dataclasses.replace(p.configs[rows_names(len(prompts))[0]], sp=SamplingParams(1.0))
+  elif fixed_carry:
     sc = plan.SpecConfig(target.cfg, None, 2, drafter=drafter, carry=fixed_carry)
     res = speculative.run(target, None, prompts, 12, plan.Plan({"chain:2": sc}, REAL),
                           keep_state=True)
@@ -162,14 +166,16 @@ def test_eagle_fixed_run_unchanged_by_a_wider_pending(shipped):
   np.testing.assert_array_equal(runs[0].records.n_acc, runs[1].records.n_acc)
 
 
-def eagle_mismatches(shipped_pair) -> list[str]:
-  """After a greedy auto run over SCHEDULE, one sampled gamma-4 draft phase
-  from its final state: the rows whose first two q differ from a
-  teacher-forced head pass over the sequence (test_eagle's check)."""
+def eagle_mismatches(shipped_pair, rows: bool = False) -> list[str]:
+  """After a greedy auto run over SCHEDULE (with rows, rows_run), one
+  sampled gamma-4 draft phase from its final state: the rows whose first
+  two q differ from a teacher-forced head pass over the sequence
+  (test_eagle's check)."""
   target, prompts = shipped_pair
-  p, res = auto_run(target, prompts, "eagle", keep_state=True)
+  p, res = (rows_run if rows else auto_run)(target, prompts, "eagle", keep_state=True)
   st = res.state
-  sc = dataclasses.replace(p.configs["chain:4"], sp=SamplingParams(1.0))
+  name = rows_names(len(prompts))[0] if rows else "chain:4"
+  sc = dataclasses.replace(p.configs[name], sp=SamplingParams(1.0))
   dparams = sc.drafter.draft_params(target.params, None)
   d = _propose(dparams, st.dcache, st.tail, st.n, jax.random.PRNGKey(5), sc=sc)
   pad = lambda x: jnp.asarray([list(x) + [0] * (TF_LEN - len(x))], jnp.int32)
@@ -200,7 +206,80 @@ def test_eagle_drafts_after_switching_widths_are_the_teacher_forced_heads(shippe
   assert eagle_mismatches(shipped) == []
 
 
-# ---------------------------------------------------------------- the deliberate bug
+# ---------------------------------------------------------------- per-row lengths' tails alone
+
+
+def rows_names(batch: int) -> tuple[str, str]:
+  """budget=auto's largest candidate (every row's 4 drafts) and its tails alone (N = B)."""
+  return f"rows:4,N={5 * batch}", f"rows:4,N={batch}"
+
+
+def rows_run(target, prompts, drafter, n_predict=N, **kw):
+  """A greedy budget=auto run forced through chunks that draft (the largest
+  budget) and chunks of the tails alone, whose steps refresh one pending
+  pair (SpecConfig.refresh_pairs) from a settled state (Drafter.settle)."""
+  p = plan.parse_flags(drafter=drafter, gamma="auto:rows,max=4,budget=auto").resolve(
+      target.cfg, None, batch=len(prompts))
+  full, tails = rows_names(len(prompts))
+  return p, adaptive.generate(target, None, prompts, n_predict, p,
+                              adaptive.Fixed([full, full, tails]), every=2, **kw)
+
+
+def settles(res, batch: int) -> int:
+  """Row-steps that start a tails-only chunk live, after a step where the
+  row kept drafts: where a settle matters."""
+  r, (_, tails) = res.records, rows_names(batch)
+  kept = {(int(s), int(b)) for s, b, a in zip(r.step, r.row, r.n_acc) if a > 0}
+  return sum(res.chosen[s] == tails and res.chosen[s - 1] != tails and (s - 1, b) in kept
+             for s, b in zip(r.step.tolist(), r.row.tolist()) if s > 0)
+
+
+def rows_records(target, prompts, drafter) -> tuple[list, list, list]:
+  _, res = rows_run(target, prompts, drafter)
+  assert res.tokens == generation.generate(target, prompts, N).tokens
+  assert settles(res, len(prompts)) > 0
+  return res.records.n_acc.tolist(), res.records.free.tolist(), res.chosen
+
+
+def every_pair_refreshed(self, batch):
+  """The refresh as it was: every step feeds the whole carried width."""
+  del batch
+  return self.carried
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_tails_alone_refresh_one_pair_and_draft_as_the_whole_width(shipped, v64,
+                                                                   monkeypatch, head):
+  """Greedy per-row runs that switch between drafting and the tails alone
+  equal target-only, and the tails-only steps' free tests (each row's d_1
+  against the target's token) are those of the run refreshing every pair."""
+  target, prompts, drafter = ((*shipped, "eagle") if head == "eagle"
+                              else (v64[0], test_eagle3.PROMPTS64, v64[1]))
+  n_acc, free, chosen = rows_records(target, prompts, drafter)
+  assert plan.SpecConfig.refresh_pairs is not every_pair_refreshed
+  assert len(set(chosen)) == 2 and sum(f >= 0 for f in np.ravel(free)) >= 6
+  monkeypatch.setattr(plan.SpecConfig, "refresh_pairs", every_pair_refreshed)
+  jax.clear_caches()
+  try:
+    assert rows_records(target, prompts, drafter) == (n_acc, free, chosen)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_drafts_after_the_tails_alone_are_the_teacher_forced_heads(shipped, v64, head):
+  """v64's early-exit head keeps drafts (sharp64's random one keeps none),
+  so the tails-only chunks start after pending pairs to settle."""
+  assert tails_mismatches(head, shipped, v64) == []
+
+
+def tails_mismatches(head, shipped_pair, v) -> list[str]:
+  return eagle_mismatches(shipped_pair, rows=True) if head == "eagle" else \
+      eagle3_mismatches(v, rows=True)
+
+
+# ---------------------------------------------------------------- the deliberate bugs
 
 WRONG_END = ("(0, width - a.shape[1])", "(width - a.shape[1], 0)")
 
@@ -217,4 +296,26 @@ def test_padding_at_the_wrong_end_fails(shipped, sharp64, monkeypatch, head):
     monkeypatch.undo()
     jax.clear_caches()
   print(f"MUTATION | {head}: padding at the wrong end | {len(bad)} mismatches: {bad[:1]}")
+  assert bad
+
+
+def unsettled(self, dparams, dstate, n, sc):
+  """The deliberate bug: a tails-only chunk entered with the last drafting
+  step's pending pairs, of which its one-pair refresh feeds only the first."""
+  del self, dparams, n, sc
+  return dstate
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_a_tails_only_chunk_entered_unsettled_fails(shipped, v64, monkeypatch, head):
+  jax.clear_caches()
+  for cls in (eagle.EagleDrafter, test_eagle3.eagle3.Eagle3Drafter):
+    monkeypatch.setattr(cls, "settle", unsettled)
+  try:
+    bad = tails_mismatches(head, shipped, v64)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  worst = max(bad, key=lambda x: float(x.split()[-1]), default=None)
+  print(f"MUTATION | {head}: tails-only chunk unsettled | {len(bad)} mismatches, worst: {worst}")
   assert bad

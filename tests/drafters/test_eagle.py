@@ -331,8 +331,7 @@ HEAD_MUTATIONS = {
         eagle.EagleDrafter, "commit", "Pending(feats=pad_pairs(c.features, width),",
         "Pending(feats=dstate.pending.feats,"),
     "the wrong output index taken (k + 1)": (
-        eagle, "refresh", "idx = jnp.clip(n - 2 - pending.start",
-        "idx = jnp.clip(n - 1 - pending.start"),
+        eagle, "root_index", "jnp.clip(n - 2 - pending.start", "jnp.clip(n - 1 - pending.start"),
     "pending tokens not shifted (pair (f_i, x_i), not (f_i, x_{i+1}))": (
         eagle.EagleDrafter, "commit", "tokens=pad_pairs(c.emitted, width),",
         "tokens=pad_pairs(jnp.roll(c.emitted, 1, 1), width),"),

@@ -341,7 +341,7 @@ def _as_property(mutated):
 # law below, failed it too: adjusted p 1.9e-92, at f1ed9f1+).
 MUTATIONS = {
     "a child fed the fused target feature, not the head's own output": (
-        eagle3, "refresh3", "jnp.take_along_axis(out, idx", "jnp.take_along_axis(fused, idx"),
+        eagle3, "refresh3", "eagle.root_of(out, pending", "eagle.root_of(fused, pending"),
     "the wrong layers' features (each one layer up)": (
         eagle3.Eagle3Drafter, "feature_layers", "return tuple(self.head().layers)",
         "return tuple(i + 1 for i in self.head().layers)"),
