@@ -202,11 +202,12 @@ class RowsStep(chain_step.ChainStep):
     if not allotted_first(sc):
       return super().draft(dparams, st, live, key, sc)
     proposed = jnp.full(st.n.shape, sc.gamma, jnp.int32)
-    depth = jnp.max(lengths(st.rows, proposed, live, sc))
+    depth = (0 if sc.tails_only(live.shape[0])  # known when traced: the root alone
+             else jnp.max(lengths(st.rows, proposed, live, sc)))
     d, dcache, tcache = sc.drafter.propose(dparams, st.dcache, st.tcache, st.tail, st.n, live,
                                            key, sc, depth=depth)
     d = cls.allot(d.replace(n_drafted=proposed), st.rows, live, sc)  # the same lengths
-    return d.replace(depth=depth), dcache, tcache
+    return d.replace(depth=jnp.asarray(depth, jnp.int32)), dcache, tcache
 
   @staticmethod
   def allot(drafted: Drafted, rows: RowAlpha, live, sc) -> RowsDrafted:

@@ -48,6 +48,8 @@ def chain(feeder, dparams, fst, root, key, sc, depth=None):
   logits, fst = feeder.feed(dparams, fst, root[:, None], 0, None, None, sc)
   tok, q, top = _draw(logits[:, 0], keys[0], sc)
   active = top >= sc.p_min if sc.p_min > 0 else jnp.ones(root.shape, bool)
+  if isinstance(depth, int) and depth == 0:  # the root alone, known when traced: no scan
+    return root_alone(tok, q, active, fst, sc)
 
   def draft(carry, xs):
     tok, fst, active = carry
@@ -72,6 +74,17 @@ def chain(feeder, dparams, fst, root, key, sc, depth=None):
   q = jnp.concatenate([q[:, None], jnp.swapaxes(qs, 0, 1)], 1)
   n_drafted = active.astype(jnp.int32) + jnp.sum(actives, 0).astype(jnp.int32)
   return tokens, q, n_drafted, fst
+
+
+def root_alone(tok, q, active, fst, sc):
+  """chain's outputs at a depth of 0 known when traced (a tails-only step,
+  SpecConfig.tails_only): d_1 and zeros past it. The scan of skipped draws
+  it replaces copied the feeding state (the head's cache) at each draw's
+  conditional."""
+  junk = sc.gamma - 1
+  tokens = jnp.pad(tok[:, None], ((0, 0), (0, junk)))
+  q = jnp.pad(q[:, None], ((0, 0), (0, junk), (0, 0)))
+  return tokens, q, active.astype(jnp.int32), fst
 
 
 def static_tree(feeder, dparams, fst, root, key, sc):

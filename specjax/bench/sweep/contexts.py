@@ -28,11 +28,11 @@ from specjax.workdir import Record
 
 RECORDS, REPORT, PLOT = "contexts.jsonl", "contexts.md", "contexts.png"
 MEMORY_MARGIN = 0.8  # of the memory available once the models are loaded
-# Resident memory over the caches and rows counted by estimate_bytes, measured:
-# 22.2 GB at 4 K, batch 8 (SmolLM2, four drafters) against 6.9 GB counted, mostly
-# each drafter's own target probes (about 9 GB; shared since 3f832e9, not remeasured,
-# so conservative).
-OVERHEAD = 3.25
+# Peak resident memory over the caches and rows counted by estimate_bytes, measured:
+# 15.1 GiB at 4 K, batch 8 (SmolLM2, the streaming draft alone, ec2f558) against 5.3 GiB
+# counted. (22.2 GB against 6.9 before 3f832e9 shared the target's probes among the
+# drafters; each drafter's own probes still add to it.)
+OVERHEAD = 2.9
 
 
 def context_config(cfg: SweepConfig, context: int) -> SweepConfig:
