@@ -167,7 +167,7 @@ class Drafter:
   def settle(self, dparams, dstate, n, sc):
     """The state before a run of tails-only steps (SpecConfig.tails_only),
     cut to what one such step leaves: an EAGLE head's pending pairs fed and
-    the root's kept (eagle.settled). A drafter that carries no step's output
+    the root's kept (Pending.settled). A drafter that carries no step's output
     has nothing to cut."""
     del dparams, n, sc
     return dstate

@@ -242,6 +242,10 @@ class Pending:
     tokens of the pairs before it)."""
     return jnp.concatenate([self.prev[:, None], self.tokens[:, :-1]], 1)
 
+  def settled(self, n) -> "Pending":
+    """cut_to_root, with the root pair's current token as x_start."""
+    return cut_to_root(self, n).replace(prev=root_of(self.prev_tokens(), self, n)[:, 0])
+
 
 @struct.dataclass
 class HeadState:
@@ -295,16 +299,13 @@ def root_of(out, pending, n):
   return jnp.take_along_axis(out, idx.reshape(idx.shape + (1,) * (out.ndim - 1)), 1)
 
 
-def settled(pending, n):
-  """The pending pairs cut to the root's alone, from slot n - 2 (the pairs
-  before it are in the head's cache): what Drafter.settle leaves, so a
-  refresh of one pair continues it (SpecConfig.refresh_pairs)."""
+def cut_to_root(pending, n):
+  """Pending pairs (either head's) cut to the root's alone, from slot n - 2
+  (the pairs before it are in the head's cache): what Drafter.settle leaves,
+  so a refresh of one pair continues it (SpecConfig.refresh_pairs)."""
   width = pending.tokens.shape[1]
   cut = lambda a: pad_pairs(root_of(a, pending, n), width)
-  out = pending.replace(feats=cut(pending.feats), tokens=cut(pending.tokens), start=n - 2)
-  if isinstance(pending, Pending):  # EAGLE-1 reads the root pair's current token too
-    out = out.replace(prev=root_of(pending.prev_tokens(), pending, n)[:, 0])
-  return out
+  return pending.replace(feats=cut(pending.feats), tokens=cut(pending.tokens), start=n - 2)
 
 
 @functools.partial(jax.jit, static_argnames=("hcfg", "tcfg", "width"))
@@ -420,7 +421,7 @@ class EagleDrafter(network.NetworkDrafter):
   def settle(self, dparams, dstate, n, sc):
     hcache, _ = refresh(dparams["target"], dparams["head"], dstate.hcache, dstate.pending, n,
                         sc, sc.carried)
-    return dstate.replace(hcache=hcache, pending=settled(dstate.pending, n))
+    return dstate.replace(hcache=hcache, pending=dstate.pending.settled(n))
 
   def propose_tree(self, dparams, dstate, tcache, tail, n, live, key, sc):
     d, dstate, tcache = network.NetworkDrafter.propose_tree(self, dparams, dstate, tcache, tail,

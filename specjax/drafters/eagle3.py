@@ -285,6 +285,10 @@ class Pending3:
   tokens: jax.Array  # [B, W] (real up to k+1)
   start: jax.Array   # [B]
 
+  def settled(self, n) -> "Pending3":
+    """eagle.cut_to_root (no current token to carry)."""
+    return eagle.cut_to_root(self, n)
+
 
 @struct.dataclass
 class Feed3:
@@ -417,7 +421,7 @@ class Eagle3Drafter(network.NetworkDrafter):
   def settle(self, dparams, dstate, n, sc):
     hcache, _ = refresh3(dparams["head"], dparams["target"], dstate.hcache, dstate.pending, n,
                          sc, sc.carried)
-    return dstate.replace(hcache=hcache, pending=eagle.settled(dstate.pending, n))
+    return dstate.replace(hcache=hcache, pending=dstate.pending.settled(n))
 
   def commit(self, dstate, c):
     # As EAGLE-1's (docs/eagle.md): the verified features with the kept

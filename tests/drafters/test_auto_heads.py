@@ -20,6 +20,7 @@ from specjax.decode import generation
 from specjax.decode import plan
 from specjax.decode import speculative
 from specjax.drafters import eagle
+from specjax.drafters import walkers
 from specjax.model import llama as model
 from specjax.model import tree as trees
 from specjax.model.sampling import SamplingParams
@@ -241,10 +242,33 @@ def rows_records(target, prompts, drafter) -> tuple[list, list, list]:
   return res.records.n_acc.tolist(), res.records.free.tolist(), res.chosen
 
 
-def every_pair_refreshed(self, batch):
-  """The refresh as it was: every step feeds the whole carried width."""
-  del batch
-  return self.carried
+def never_tails_only(self, batch):
+  """The step as it was: none known tails-only when traced, so every step
+  refreshes the whole carried width and scans the skipped draws."""
+  del self, batch
+  return False
+
+
+def root_after_the_junk(tok, q, active, fst, sc):
+  """The deliberate bug: walkers.root_alone with d_1 laid after the padding."""
+  junk = sc.gamma - 1
+  return (jnp.pad(tok[:, None], ((0, 0), (junk, 0))),
+          jnp.pad(q[:, None], ((0, 0), (junk, 0), (0, 0))), active.astype(jnp.int32), fst)
+
+
+def as_it_was(target, prompts, drafter, monkeypatch):
+  """rows_records with no step known tails-only (never_tails_only)."""
+  monkeypatch.setattr(plan.SpecConfig, "tails_only", never_tails_only)
+  jax.clear_caches()
+  try:
+    return rows_records(target, prompts, drafter)
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def head_case(head, shipped_pair, v):
+  return (*shipped_pair, "eagle") if head == "eagle" else (v[0], test_eagle3.PROMPTS64, v[1])
 
 
 @pytest.mark.parametrize("head", ["eagle", "eagle3"])
@@ -252,19 +276,28 @@ def test_tails_alone_refresh_one_pair_and_draft_as_the_whole_width(shipped, v64,
                                                                    monkeypatch, head):
   """Greedy per-row runs that switch between drafting and the tails alone
   equal target-only, and the tails-only steps' free tests (each row's d_1
-  against the target's token) are those of the run refreshing every pair."""
-  target, prompts, drafter = ((*shipped, "eagle") if head == "eagle"
-                              else (v64[0], test_eagle3.PROMPTS64, v64[1]))
+  against the target's token) are those of the step as it was (every pair
+  refreshed, the skipped draws scanned)."""
+  target, prompts, drafter = head_case(head, shipped, v64)
   n_acc, free, chosen = rows_records(target, prompts, drafter)
-  assert plan.SpecConfig.refresh_pairs is not every_pair_refreshed
+  assert plan.SpecConfig.tails_only is not never_tails_only
   assert len(set(chosen)) == 2 and sum(f >= 0 for f in np.ravel(free)) >= 6
-  monkeypatch.setattr(plan.SpecConfig, "refresh_pairs", every_pair_refreshed)
+  assert as_it_was(target, prompts, drafter, monkeypatch) == (n_acc, free, chosen)
+
+
+def test_the_root_laid_after_the_junk_fails(v64, monkeypatch):
+  """A tails-only step's d_1 out of place (root_after_the_junk) changes its
+  free tests; greedy output stays exact, so only this comparison sees it."""
+  target, prompts, drafter = head_case("eagle3", None, v64)
+  want = as_it_was(target, prompts, drafter, monkeypatch)
+  monkeypatch.setattr(walkers, "root_alone", root_after_the_junk)
   jax.clear_caches()
   try:
-    assert rows_records(target, prompts, drafter) == (n_acc, free, chosen)
+    got = rows_records(target, prompts, drafter)
   finally:
     monkeypatch.undo()
     jax.clear_caches()
+  assert got[1] != want[1]
 
 
 @pytest.mark.parametrize("head", ["eagle", "eagle3"])
