@@ -300,9 +300,8 @@ def root_of(out, pending, n):
 
 
 def cut_to_root(pending, n):
-  """Pending pairs (either head's) cut to the root's alone, from slot n - 2
-  (the pairs before it are in the head's cache): what Drafter.settle leaves,
-  so a refresh of one pair continues it (SpecConfig.refresh_pairs)."""
+  """Pending pairs (either head's) cut to the root's alone, from slot n - 2 (the
+  rest is cached): Drafter.settle's result, continued by a one-pair refresh."""
   width = pending.tokens.shape[1]
   cut = lambda a: pad_pairs(root_of(a, pending, n), width)
   return pending.replace(feats=cut(pending.feats), tokens=cut(pending.tokens), start=n - 2)
