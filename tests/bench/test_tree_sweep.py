@@ -2,8 +2,9 @@
 and the best tree/chain/auto per batch on synthetic records; the rule's p;
 the sweep on tiny models, interrupted and resumed without losing or redoing
 a finished point; a dynamic tree drafted on the target's own cache
-(layerskip) measured, one the n-gram drafter cannot draft skipped with one
-line. MUTATIONS are deliberate bugs, each failing a check."""
+(layerskip) measured, each tree a drafter cannot draft skipped with one
+line and its other trees still run. MUTATIONS are deliberate bugs, each
+failing a check."""
 
 import functools
 import json
@@ -137,20 +138,37 @@ def test_tree_sweep_resumes_after_an_interruption(tmp_path):
   assert (tmp_path / "trees.png").stat().st_size > 0
 
 
+GRAFT = "dynamic:2,2,3+ngram:2"
+
+
+def check_skips(tmp_path):
+  """layerskip:1's plain dynamic tree measured at both temperatures, the
+  trees it and n-gram cannot draft skipped."""
+  c = _micro().replace(target="tiny", drafters=("ngram", "layerskip:1"),
+                       trees=("dynamic:2,2,3", GRAFT), batches=(1,), temps=(0.0, 1.0),
+                       accepts=("real",), n_predict=8)
+  records = run(c, tmp_path)
+  assert sorted((r["drafter"], r["tree"], r["temperature"]) for r in records) == [
+      ("layerskip:1", "dynamic:2,2,3", 0.0), ("layerskip:1", "dynamic:2,2,3", 1.0)]
+  assert all(r["t_draft_s"] > 0 and r["tokens_per_step"] >= 1 for r in records)
+
+
 def test_dynamic_trees_of_a_shared_cache_drafter_and_of_ngram(tmp_path, capsys):
   """layerskip:1 drafts on the target's cache: its dynamic tree's cost probe
-  (DynamicCostProbe) runs on a prefilled one and the point is measured; the
-  n-gram drafter has no draft distribution to rank a dynamic tree with, so
-  its point is skipped with one line and the sweep goes on."""
-  c = _micro().replace(target="tiny", drafters=("ngram", "layerskip:1"),
-                       trees=("dynamic:2,2,3",), batches=(1,), temps=(0.0,), accepts=("real",),
-                       n_predict=8)
-  records = run(c, tmp_path)
-  assert [(r["drafter"], r["tree"]) for r in records] == [("layerskip:1", "dynamic:2,2,3")]
-  assert records[0]["t_draft_s"] > 0 and records[0]["tokens_per_step"] >= 1
-  line = "drafter ngram:1-4, dynamic points: skipped (drafter ngram:1-4 drafts static trees only"
-  assert line in capsys.readouterr().out
-  assert line in (tmp_path / "summary.md").read_text()
+  (DynamicCostProbe) runs on a prefilled one and the point is measured at
+  both temperatures; the n-gram drafter has no draft distribution to rank a
+  dynamic tree with, and layerskip cannot graft a lookup chain (an EAGLE
+  head's): each such tree is skipped with one line, and the drafter's other
+  trees of the same kind still run (the skip once keyed by kind dropped the
+  plain tree's T = 1 point after the graft's T = 0 one failed)."""
+  check_skips(tmp_path)
+  graft = GRAFT
+  out, summary = capsys.readouterr().out, (tmp_path / "summary.md").read_text()
+  for line in ("drafter ngram:1-4, dynamic tree dynamic:2,2,3: skipped (drafter ngram:1-4 "
+               "drafts static trees only",
+               f"drafter layerskip:1, dynamic tree {graft}: skipped (--tree={graft} grafts"):
+    assert line in out and line in summary
+  assert out.count("skipped (") == 3  # each tree that cannot run once, not once per temperature
 
 
 def _cache_copies(fn, probe) -> int:
@@ -202,6 +220,8 @@ MUTATIONS = {
                                          lambda tmp: check_crossover()),
     "finished points forgotten on resume": (points, "tree_point_key", _resume_forgets,
                                             check_resume),
+    "a tree that cannot run skips its whole kind": (
+        tree_sweep, "skip_key", lambda _: lambda p: (p.drafter, p.kind), check_skips),
 }
 
 

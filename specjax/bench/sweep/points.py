@@ -73,8 +73,8 @@ class TreePoint:
 
   @property
   def kind(self) -> str:
-    """auto, chain, dynamic or tree: a drafter that cannot run one kind
-    skips all its points of that kind."""
+    """auto, chain, dynamic or tree: named in the line that skips a tree a
+    drafter cannot run (trees.TreesRunner.measure)."""
     return (AUTO if self.auto else "chain" if self.tree.startswith("chain")
             else "dynamic" if self.tree.startswith("dynamic") else "tree")
 

@@ -249,6 +249,12 @@ def point_record(bench: TreeBench, p: TreePoint, cost: engine.TreeCosts, res: li
   return schema.run_record(st, **rec)
 
 
+def skip_key(p) -> tuple:
+  """What a ConfigError skips: this drafter's points of this tree, not its
+  other trees of the same kind."""
+  return (p.drafter, p.tree)
+
+
 class TreesRunner:
   """The trees sweep's part of the harness (harness.Runner)."""
   csv_columns = ("tree", "tree_nodes", "tokens_per_step_predicted", *schema.CSV_COLUMNS)
@@ -276,20 +282,22 @@ class TreesRunner:
     return max(max(t.block_size, t.fed_slots) for t in cands) - 1
 
   def measure(self, setup: Setup, todo: list[TreePoint], emit: Emit) -> tuple[dict, list[str]]:
-    """The points not done, in order; a drafter that cannot run a kind of
-    point (ConfigError) skips every point of that kind with one line."""
+    """The points not done, in order; a drafter that cannot run a tree
+    (ConfigError) skips every point of that tree with one line: the
+    drafter's other trees of the same kind still run (EAGLE-3 drafts
+    dynamic trees but cannot graft a lookup chain onto them)."""
     cands = fixed_trees(setup.cfg)
     benches = {d.spec: TreeBench(setup, d, cands) for d in setup.drafters}
     skipped: dict[tuple, str] = {}
     for p in todo:
-      kind = (p.drafter, p.kind)
-      if kind in skipped:
+      which = skip_key(p)
+      if which in skipped:
         continue
       try:
         rec = run_point(benches[p.drafter], p)
-      except ConfigError as e:  # a drafter that cannot draft trees (yet): one line, go on
-        skipped[kind] = f"drafter {p.drafter}, {p.kind} points: skipped ({e})"
-        print(skipped[kind], flush=True)
+      except ConfigError as e:  # a drafter that cannot draft this tree (yet): one line, go on
+        skipped[which] = f"drafter {p.drafter}, {p.kind} tree {p.tree}: skipped ({e})"
+        print(skipped[which], flush=True)
         continue
       emit(p, rec)
     costs = {d: {f"{b},{sp.temperature:g}": c.to_dict() for (b, sp), c in bench.costs.items()}
