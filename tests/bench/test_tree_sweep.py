@@ -162,11 +162,10 @@ def test_dynamic_trees_of_a_shared_cache_drafter_and_of_ngram(tmp_path, capsys):
   trees of the same kind still run (the skip once keyed by kind dropped the
   plain tree's T = 1 point after the graft's T = 0 one failed)."""
   check_skips(tmp_path)
-  graft = GRAFT
   out, summary = capsys.readouterr().out, (tmp_path / "summary.md").read_text()
   for line in ("drafter ngram:1-4, dynamic tree dynamic:2,2,3: skipped (drafter ngram:1-4 "
                "drafts static trees only",
-               f"drafter layerskip:1, dynamic tree {graft}: skipped (--tree={graft} grafts"):
+               f"drafter layerskip:1, dynamic tree {GRAFT}: skipped (--tree={GRAFT} grafts"):
     assert line in out and line in summary
   assert out.count("skipped (") == 3  # each tree that cannot run once, not once per temperature
 
