@@ -227,3 +227,44 @@ def test_mixed_mode_greedy_speculative_equals_target_only(mixed_pair):
   for gamma in (1, 4):
     spec = speculative.generate(m, d, [prompt], 24, gamma, rule="real", ctx_size=64)
     assert spec.tokens == base.tokens
+
+
+def _uncut_chunks(params, tokens, lens, cache, chunk, cfg, **kw):
+  """A deliberate bug: every chunk `chunk` wide, the last not cut to the block,
+  so it writes past the cache's end (clamped by XLA, over earlier slots)."""
+  width = -(-tokens.shape[1] // chunk) * chunk
+  padded = np.zeros((tokens.shape[0], width), np.int32)
+  padded[:, :tokens.shape[1]] = tokens
+  return GOOD_CHUNKS(params, padded, lens, cache, chunk, cfg, **kw)
+
+
+GOOD_CHUNKS = steps.prefill_chunks
+
+
+@pytest.mark.parametrize("bug", [None, "uncut last chunk"])
+def test_prefill_in_chunks_equals_one_shot(tiny, monkeypatch, bug):
+  """Ragged rows, a second prefill at the lengths the first left, and a cache
+  with no room for a whole chunk of padding: chunks of 8 equal one pass."""
+  if bug:
+    monkeypatch.setattr(steps, "prefill_chunks", _uncut_chunks)
+  rng = np.random.RandomState(11)
+  first = [rng.randint(0, tiny.cfg.vocab_size, n).tolist() for n in (21, 3, 12)]
+  second = [rng.randint(0, tiny.cfg.vocab_size, n).tolist() for n in (17, 4, 9)]
+  cap = 21 + 17 + 4  # the longest rows' sum, plus room for the decode below
+  outs = []
+  for chunk in (8, 64):  # 64: one shot
+    cache = tiny.new_cache(3, cap)
+    _, cache, h1 = tiny.prefill(first, cache, return_hidden=True, chunk=chunk)
+    logits, cache = tiny.prefill(second, cache, chunk=chunk)
+    nxt, cache = tiny.forward(jnp.asarray([[1], [2], [3]]), cache)
+    outs.append((logits, nxt[:, 0], h1, np.asarray(cache.lengths)))
+  (l8, n8, h8, len8), (l1, n1, h1, len1) = outs
+  assert len8.tolist() == len1.tolist() == [39, 8, 22]
+  for b, p in enumerate(first):
+    np.testing.assert_allclose(h8[b, :len(p)], h1[b, :len(p)], atol=ATOL)
+  if bug:
+    with pytest.raises(AssertionError):
+      np.testing.assert_allclose(n8, n1, atol=ATOL)
+    return
+  np.testing.assert_allclose(l8, l1, atol=ATOL)
+  np.testing.assert_allclose(n8, n1, atol=ATOL)
