@@ -35,7 +35,8 @@ _CONTEXTS = flags.DEFINE_list("contexts", "512,2048,4096", "Tokens in each row's
 _BATCHES = flags.DEFINE_list("batches", "1,4,8", "Batch sizes.")
 _NS = flags.DEFINE_list("ns", "1,5", "Tokens per row of the target's forward (N).")
 _DRAFTERS = flags.DEFINE_multi_string("drafter", ["streaming:256,4"],
-                                      "A drafter whose step is timed (repeat the flag).")
+                                      "A drafter whose step is timed (repeat the flag); "
+                                      "+layerskip:K and :vocab=N ones with --engines=xla.")
 _ENGINES = flags.DEFINE_list("engines", "xla,torch", "xla and/or torch.")
 _GAMMA = flags.DEFINE_integer("gamma", 4, "Draft length of a proposal.", lower_bound=1)
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions (alternating).", lower_bound=1)

@@ -126,6 +126,9 @@ def by_hand_records(target):
   return {(r["engine"], r["role"]): r["kv_slots"] for r in recs}
 
 
+SKIP = "streaming:8,2+layerskip:1"
+
+
 def test_the_bytes_each_step_reads_by_hand(models):
   slots = by_hand_records(models[0])
   cap = cs.capacity_of(40, SETTINGS)
@@ -133,6 +136,20 @@ def test_the_bytes_each_step_reads_by_hand(models):
   assert slots == {("xla", "target"): 48,  # 41 slots in whole 8-slot blocks
                    ("torch", "target"): cap,  # the masked pass reads the capacity
                    ("xla", "streaming:8,2"): 2 + 8 + 2, ("torch", "streaming:8,2"): 12}
+  # a +layerskip:1 window reads its slots over the one layer it runs (XLA only)
+  cfg = models[0].cfg
+  dcfg = cs.registry.parse(SKIP).draft_config(cfg, None)
+  s = cs.Settings(model="tiny", dtype="float32", contexts=(40,), batches=(2,), ns=(1,),
+                  drafters=(SKIP,), engines=("xla",), gamma=2)
+  (rec,) = cs.point_records(cfg, {SKIP: dcfg}, {SKIP: 7}, s, 40, 2, {("xla", SKIP, 1): [0.5]})
+  assert dcfg.n_layers == 1 and rec["kv_slots"] == 12
+  assert rec["kv_bytes"] == 2 * 12 * cs.slot_bytes(cfg) // cfg.n_layers
+
+
+def test_a_shortened_draft_is_timed_in_xla_alone():
+  with pytest.raises(ConfigError, match="--engines=xla"):
+    cs.Settings(model="tiny", dtype="float32", contexts=(16,), batches=(2,), ns=(1,),
+                drafters=(SKIP,))
 
 
 BUGS = {  # name: (module, attribute, mutant)
@@ -140,6 +157,9 @@ BUGS = {  # name: (module, attribute, mutant)
         cs.roofline, "attended_slots", lambda f: lambda cfg, cap, n: min(cap, n)),
     "the streaming draft's reads not cut at its window": (
         cs, "draft_reads", lambda f: lambda d, cfg, dcfg, c, g: (c + g, cs.slot_bytes(cfg))),
+    "a +layerskip:K window's reads counted over every layer": (
+        cs, "draft_reads", lambda f: lambda d, cfg, dcfg, c, g: (f(d, cfg, dcfg, c, g)[0],
+                                                                 cs.slot_bytes(cfg))),
 }
 
 

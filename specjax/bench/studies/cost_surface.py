@@ -69,9 +69,11 @@ class Settings:
       raise ConfigError(f"engines {list(self.engines)}: choose among xla, torch")
     for spec in self.drafters:
       d = registry.parse(spec)
-      if d.kind not in DRAFT_KINDS or getattr(d, "vocab", None) or getattr(d, "layers", 0):
-        raise ConfigError(f"drafter {spec}: the surface times {', '.join(DRAFT_KINDS)} "
-                          "(full vocabulary, every layer)")
+      if d.kind not in DRAFT_KINDS:
+        raise ConfigError(f"drafter {spec}: the surface times {', '.join(DRAFT_KINDS)}")
+      if (getattr(d, "vocab", None) or getattr(d, "layers", 0)) and "torch" in self.engines:
+        raise ConfigError(f"drafter {spec}: PyTorch's drafts run every layer over the full "
+                          "vocabulary; time this one with --engines=xla")
       if d.needs_draft_model and not self.model_draft:
         raise ConfigError(f"drafter {spec} needs --model_draft")
     if min(self.ns) < 1 or min(self.batches) < 1 or min(self.contexts) < 2:
@@ -176,11 +178,13 @@ def xla_draft_probe(drafter, target: steps.Runner, draft: steps.Runner | None, s
 
 def draft_reads(drafter, cfg, dcfg, context: int, gamma: int) -> tuple[int, int]:
   """(slots per row, bytes per slot) one draft step reads: a streaming
-  draft its sinks, window and fed slots over every layer; a head or a
-  draft model its own cache over its layers."""
-  if isinstance(drafter, streaming.StreamingDrafter):
-    return min(context, drafter.sinks + drafter.window) + gamma, slot_bytes(cfg)
-  return context + gamma, slot_bytes(dcfg)
+  draft its sinks, window and fed slots over the layers it runs (dcfg's:
+  every layer, or its +layerskip:K prefix); a head or a draft model its own
+  cache over its layers."""
+  del cfg
+  window = isinstance(drafter, streaming.StreamingDrafter)
+  slots = min(context, drafter.sinks + drafter.window) if window else context
+  return slots + gamma, slot_bytes(dcfg)
 
 
 class Point:
