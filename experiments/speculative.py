@@ -24,6 +24,7 @@ in full: docs/scripts.md.
 import dataclasses
 import json
 import statistics
+import sys
 
 import numpy as np
 from absl import flags
@@ -162,6 +163,8 @@ def main(argv):
   capacity = pl.capacity(depth, _N_PREDICT.value, ctx_size=_CTX.value)
   kw = dict(seed=_GEN.seed, eos_id=eos, capacity=capacity)
   n = _N_PREDICT.value
+  progress(f"{len(prompts)} rows, {sum(map(len, prompts))} prompt tokens, cache capacity "
+           f"{capacity}: a first run of each side compiles (excluded from the timings)")
   if auto == plan.ROWS:  # each budget's loop step timed, then N chosen between chunks
     compile_s, times, spec = autorows.prepare(target, draft, prompts, n, pl,
                                               every=_AUTO_EVERY.value, **kw)
@@ -183,15 +186,23 @@ def main(argv):
   base = lambda: generation.generate(target, prompts, n, sp, loop=_LOOP.value, **kw)
   compile_s += base().compile_s if _BASELINE.value else 0.0  # warm-up
   spec_tps, base_tps = [], []
-  for _ in range(_REPS.value):  # alternating, so both sides see the same machine state
+  for i in range(_REPS.value):  # alternating, so both sides see the same machine state
     if _BASELINE.value:
       b = base()
       base_tps.append(b.n_decoded / b.eval_s)
     res = spec()
     spec_tps.append(res.stats.tokens_per_s)
+    progress(f"repetition {i + 1}/{_REPS.value}: speculative {spec_tps[-1]:.2f} tokens/s"
+             + (f", target-only {base_tps[-1]:.2f}" if base_tps else ""))
   _report(tcfg, pl, tok, prompts, res, b if _BASELINE.value else None,
           statistics.median(spec_tps), statistics.median(base_tps) if base_tps else None,
           capacity, compile_s, dparams=pl.drafter.draft_params(tparams, draft))
+
+
+def progress(line: str) -> None:
+  """A progress line on stderr (stdout keeps the report): long-context runs
+  spend minutes in prefill and compiles before the first figure."""
+  print(line, file=sys.stderr, flush=True)
 
 
 def row_lines(res, auto: str = "") -> list[str]:
