@@ -1,7 +1,7 @@
 """The :long_context sweep's report from its contexts run apart (the 1 K
 sweep at 42e9a24, whose process was then killed at 4 K; the 4 K sweep of
 the streaming draft rerun alone at ec2f558, ctx-4096/; the four drafters
-at 4 K, batches 1 and 4, at 87c1806, ctx-4096-all/, which take the place of
+at 4 K, batches 1 and 4, at 332ae5d, ctx-4096-all/, which take the place of
 ctx-4096/'s same points; the first 4 K points are in ctx-4096-first/):
 contexts.md and contexts.png here, as run_contexts writes them.
   PYTHONPATH=. python docs/results/long_context_sweep/combine.py
