@@ -25,7 +25,7 @@ from specjax.errors import CacheOverflowError, ConfigError
 
 MIN_BUCKET = 16
 # Prompts longer than this are prefilled in chunks of it: a one-shot prefill's
-# attention scores grow with T^2 (a batch of six 4 K prompts held over 21 GB on
+# attention scores grow with T^2 (a batch of 36 rows of 4 K held over 21 GB on
 # the CPU); chunks bound them at T x chunk and ran a 4 K row 2x faster.
 PREFILL_CHUNK = 512
 
