@@ -150,6 +150,10 @@ def test_a_shortened_draft_is_timed_in_xla_alone():
   with pytest.raises(ConfigError, match="--engines=xla"):
     cs.Settings(model="tiny", dtype="float32", contexts=(16,), batches=(2,), ns=(1,),
                 drafters=(SKIP,))
+  # a draft model's probe is its own forward, full head: a reduced one would be mislabelled
+  with pytest.raises(ConfigError, match="drop :vocab="):
+    cs.Settings(model="tiny", dtype="float32", contexts=(16,), batches=(2,), ns=(1,),
+                drafters=("model:vocab=8",), engines=("xla",), model_draft="tiny")
 
 
 BUGS = {  # name: (module, attribute, mutant)

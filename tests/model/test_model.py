@@ -238,15 +238,23 @@ def _uncut_chunks(params, tokens, lens, cache, chunk, cfg, **kw):
   return GOOD_CHUNKS(params, padded, lens, cache, chunk, cfg, **kw)
 
 
+def _last_chunks_logits(params, tokens, lens, cache, chunk, cfg, **kw):
+  """A deliberate bug: every row's logits from the last chunk, not its own."""
+  out = GOOD_CHUNKS(params, tokens, lens, cache, chunk, cfg, **kw)
+  longest = int(np.argmax(lens))
+  return (jnp.broadcast_to(out[0][longest], out[0].shape),) + tuple(out[1:])
+
+
 GOOD_CHUNKS = steps.prefill_chunks
+CHUNK_BUGS = {"uncut last chunk": _uncut_chunks, "the last chunk's logits": _last_chunks_logits}
 
 
-@pytest.mark.parametrize("bug", [None, "uncut last chunk"])
+@pytest.mark.parametrize("bug", [None, *CHUNK_BUGS])
 def test_prefill_in_chunks_equals_one_shot(tiny, monkeypatch, bug):
   """Ragged rows, a second prefill at the lengths the first left, and a cache
   with no room for a whole chunk of padding: chunks of 8 equal one pass."""
   if bug:
-    monkeypatch.setattr(steps, "prefill_chunks", _uncut_chunks)
+    monkeypatch.setattr(steps, "prefill_chunks", CHUNK_BUGS[bug])
   rng = np.random.RandomState(11)
   first = [rng.randint(0, tiny.cfg.vocab_size, n).tolist() for n in (21, 3, 12)]
   second = [rng.randint(0, tiny.cfg.vocab_size, n).tolist() for n in (17, 4, 9)]
@@ -264,7 +272,7 @@ def test_prefill_in_chunks_equals_one_shot(tiny, monkeypatch, bug):
     np.testing.assert_allclose(h8[b, :len(p)], h1[b, :len(p)], atol=ATOL)
   if bug:
     with pytest.raises(AssertionError):
-      np.testing.assert_allclose(n8, n1, atol=ATOL)
+      np.testing.assert_allclose(np.stack([l8, n8]), np.stack([l1, n1]), atol=ATOL)
     return
   np.testing.assert_allclose(l8, l1, atol=ATOL)
   np.testing.assert_allclose(n8, n1, atol=ATOL)

@@ -71,7 +71,11 @@ class Settings:
       d = registry.parse(spec)
       if d.kind not in DRAFT_KINDS:
         raise ConfigError(f"drafter {spec}: the surface times {', '.join(DRAFT_KINDS)}")
-      if (getattr(d, "vocab", None) or getattr(d, "layers", 0)) and "torch" in self.engines:
+      shortened = getattr(d, "vocab", None) or getattr(d, "layers", 0)
+      if shortened and d.needs_draft_model:  # CostProbe times the model's own full head
+        raise ConfigError(f"drafter {spec}: the surface times a draft model's forward over "
+                          "its full vocabulary; drop :vocab=")
+      if shortened and "torch" in self.engines:
         raise ConfigError(f"drafter {spec}: PyTorch's drafts run every layer over the full "
                           "vocabulary; time this one with --engines=xla")
       if d.needs_draft_model and not self.model_draft:

@@ -5,10 +5,10 @@ prefill of an empty cache looks each of the sweep's prompts up, alone, by
 Every point of a sweep runs the same prompts, several times (warm-up,
 repetitions, target-only beside each drafter, every batch and gamma), and
 each run used to prefill its rows again. A 3.9 K row's prefill on 2 CPU
-cores takes about 20 s (in chunks; 41 s in one pass), more than
-the decode the sweep measures, so the `:long_context` sweep was mostly
-prefill (86 prefills of a 3.8 K row at one context). Decoding reads only the slots below each row's length, so a
-row's cache prefilled alone is the batch's row (its padding past the length
+cores takes about 20 s (in chunks; 41 s in one pass), more than the decode
+the sweep measures, so the `:long_context` sweep was mostly prefill (86
+prefills of a 3.8 K row at one context). Decoding reads only the slots below
+each row's length, so a row's cache prefilled alone is the batch's row (its padding past the length
 differs, and is overwritten before it is read). Every run of a sweep starts
 from the same rows, target-only and speculative alike.
 """
