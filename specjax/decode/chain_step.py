@@ -87,19 +87,38 @@ def padded(x, width: int):
 
 
 def skipping_verify(full, n_drafted, tparams, tcache, tail, width: int, sc):
-  """full() (a verify: p [B, width, V], the cache, features) when any row
-  drafted, else the target's decode of the last token alone, padded to
+  """full(tcache) (a verify: p [B, width, V], the cache, features) when any
+  row drafted, else the target's decode of the last token alone, padded to
   width: a step with nothing to verify costs one decode step, not a verify
   of width tokens (issue 40). The judge never reads past a row's drafts, and
-  both roll the cache back to the same length, so the verdict is the same;
-  `lax.cond` runs one branch. Only for drafters that can propose nothing
+  both roll the cache back to the same length, so the verdict is the same.
+  One of the two runs (`either`). Only for drafters that can propose nothing
   (Drafter.may_draft_nothing): the decode branch is one more program."""
-  def decode():
-    p, cache, feats = verify_phase(tparams, tcache, tail, tail[:, :0], sc)
+  def decode(cache):
+    p, cache, feats = verify_phase(tparams, cache, tail, tail[:, :0], sc)
     return padded(p, width), cache, padded(feats, width)
   if not sc.drafter.may_draft_nothing or sc.simulated:
-    return full()
-  return jax.lax.cond(ChainStep.worth_verifying(n_drafted), full, decode)
+    return full(tcache)
+  return either(ChainStep.worth_verifying(n_drafted), full, decode, tcache)
+
+
+def either(pred, yes, no, cache):
+  """yes(cache) if pred else no(cache), each -> (p, cache, extra): two
+  while loops of zero or one trip, not a `lax.cond`. Both branches write
+  the cache, and XLA:CPU copies a conditional's cache-sized operands three
+  times (at 4 K, 1.4x the decode's time); a while loop updates its carry in
+  place. docs/packed_verify.md (the cost of the conditional)."""
+  p, _, extra = jax.eval_shape(yes, cache)
+  zero = lambda s: None if s is None else jnp.zeros(s.shape, s.dtype)
+  def once(fn):
+    def body(c):
+      p, cache, extra = fn(c[2])
+      return jnp.zeros((), bool), (p, extra), cache
+    return body
+  carry = (pred, (zero(p), zero(extra)), cache)
+  carry = jax.lax.while_loop(lambda c: c[0], once(yes), carry)
+  _, (p, extra), cache = jax.lax.while_loop(lambda c: c[0], once(no), (~pred,) + carry[1:])
+  return p, cache, extra
 
 
 def accept_phase(key, accept_probs, p, drafted: Drafted, tail, n, live, sc) -> Judged:
@@ -158,7 +177,7 @@ class ChainStep:
   @staticmethod
   def verify(tparams, tcache, tail, drafted: Drafted, sc):
     """The verify of [last, drafts], or a decode step when no row drafted."""
-    return skipping_verify(lambda: verify_phase(tparams, tcache, tail, drafted.tokens, sc),
+    return skipping_verify(lambda cache: verify_phase(tparams, cache, tail, drafted.tokens, sc),
                            drafted.n_drafted, tparams, tcache, tail, sc.gamma + 1, sc)
 
   @staticmethod

@@ -360,11 +360,12 @@ def test_a_step_with_nothing_drafted_is_a_decode_step(tiny, gamma):
   np.testing.assert_allclose(p_none, p_some, atol=1e-5)
 
 
-def cache_copies(tiny) -> int:
-  """Cache-sized copies in the per-row step's compiled verify (budget 6,
-  the cache donated as the loop donates it)."""
-  sc = plan.SpecConfig(target=tiny.cfg, draft=None, gamma=4, drafter="ngram", per_row=True,
-                       budget=6)
+def cache_copies(tiny, per_row: bool) -> int:
+  """Cache-sized copies in a compiled verify, the cache donated as the loop
+  donates it: the per-row step's (budget 6) or the n-gram chain's, whose
+  step with no draft is a decode (chain_step.skipping_verify)."""
+  sc = plan.SpecConfig(target=tiny.cfg, draft=None, gamma=4, drafter="ngram", per_row=per_row,
+                       budget=6 if per_row else 0)
   _, cache = tiny.prefill([[5, 17, 42], [7, 7, 7, 7, 7]], tiny.new_cache(2, 32))
   tail = jnp.asarray([[42, 9], [7, 7]], jnp.int32)
   drafted = rows_step.Drafted(tokens=jnp.full((2, 4), 3, jnp.int32), q=jnp.zeros((2, 4, 0)),
@@ -376,28 +377,38 @@ def cache_copies(tiny) -> int:
   return len(re.findall(re.escape(shape) + r"\S* copy\(", text))
 
 
-def test_the_per_row_verify_never_copies_the_cache(tiny):
-  assert cache_copies(tiny) == 0
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "chain"])
+def test_no_verify_copies_the_cache(tiny, per_row):
+  assert cache_copies(tiny, per_row) == 0
+
+
+def _as_cond(pred, yes, no, cache):
+  """The decode-or-verify choice as a lax.cond (chain_step.either's bug):
+  XLA:CPU then copies the cache three times a step."""
+  return jax.lax.cond(pred, yes, no, cache)
 
 
 def _decode_branch(orig):
-  """A step with no draft taken through the chains' lax.cond to the decode
-  program: XLA:CPU then copies the cache three times a step."""
+  """The per-row verify put back inside the chains' choice of a decode."""
   del orig
   def verify_phase(tparams, tcache, tail, drafted, sc):
-    full = lambda: rows_step.packed_phase(tparams, tcache, tail, drafted, sc)
+    full = lambda cache: rows_step.packed_phase(tparams, cache, tail, drafted, sc)
     return chain_step.skipping_verify(full, drafted.n_drafted, tparams, tcache, tail,
                                       sc.gamma + 1, sc)
   return verify_phase
 
 
-def test_a_conditional_around_the_verify_fails(tiny, monkeypatch):
-  monkeypatch.setattr(rows_step, "verify_phase", _decode_branch(rows_step.verify_phase))
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "chain"])
+def test_a_conditional_around_the_verify_fails(tiny, monkeypatch, per_row):
+  monkeypatch.setattr(chain_step, "either", _as_cond)
+  if per_row:
+    monkeypatch.setattr(rows_step, "verify_phase", _decode_branch(rows_step.verify_phase))
   jax.clear_caches()  # the step's trace without the bug may be cached
   try:
-    assert cache_copies(tiny) > 0
+    assert cache_copies(tiny, per_row) > 0
   finally:
     monkeypatch.undo()
+    jax.clear_caches()
     jax.clear_caches()
 
 
