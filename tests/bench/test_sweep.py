@@ -14,7 +14,7 @@ import pytest
 
 import lawcheck
 from configs import sweep_gamma
-from specjax.bench.sweep import engine, gamma, harness, outputs
+from specjax.bench.sweep import engine, gamma, harness, outputs, points
 from specjax.bench.sweep.config import SweepConfig
 from specjax.errors import OutputError, SpecjaxError
 from specjax.formats import checkpoint
@@ -346,3 +346,24 @@ def test_a_noisy_timer_flags_the_points_and_the_run(tmp_path, tiny_dir, monkeypa
   assert len(flagged) == 1 and "target-only speed" in flagged[0]
   found = json.loads((tmp_path / "noise.json").read_text())
   assert found["noisy"] and found["workloads"][0]["baseline_tps"]["spread"] > 0.5
+
+
+def _prompts_only(prompts, batches):
+  """points.distinct_rows's bug: the prompts alone, not a large batch's cut rows."""
+  del batches
+  return prompts
+
+
+@pytest.mark.parametrize("bug", [False, True], ids=["as built", "the cut rows left out"])
+def test_every_row_a_point_runs_is_memoised(tmp_path, tiny_dir, monkeypatch, bug):
+  """A batch larger than the prompts runs cut rows (points.batch_prompts).
+  The memo must hold them too, or every run prefills its whole batch again:
+  an 8 K batch of 8 from 4 prompts re-prefilled 8 rows at each run."""
+  if bug:
+    monkeypatch.setattr(points, "distinct_rows", _prompts_only)
+  cfg = _tiny_config(tiny_dir, batches=(1, 5))
+  p = harness.prepare(gamma.RUNNER, cfg, str(tmp_path))
+  rows = {tuple(r) for b in cfg.batches for g in points.batch_prompts(p.setup.prompts, b)
+          for r in g}
+  assert len(rows) > len(p.setup.prompts)  # the premise: some rows are cut
+  assert (rows <= p.setup.loop.target.prompts) != bug

@@ -73,14 +73,15 @@ def cache_bytes(cfg, batch: int, capacity: int) -> int:
 def estimate_bytes(p: harness.Plan) -> int:
   """What a context's largest batch holds at once besides the weights: the
   target's cache three times (a run's, the copy it starts from, a cost
-  probe's), the draft model's twice, and the prompts' prefilled rows once per
-  hidden-state choice (target-only's and each feature-reading drafter's),
-  x OVERHEAD (measured)."""
+  probe's), the draft model's twice, and the rows prefilled once each
+  (MemoRunner's: the prompts and a large batch's cut rows) per hidden-state
+  choice (target-only's and each feature-reading drafter's), x OVERHEAD
+  (measured)."""
   loop, batch = p.setup.loop, max(p.setup.cfg.batches)
   target = cache_bytes(loop.target.cfg, batch, loop.capacity)
   draft = 0 if loop.draft is None else cache_bytes(loop.draft.cfg, batch, loop.capacity)
   choices = 1 + len({d.feature_layers for d in p.setup.drafters if d.needs_features})
-  rows = len(p.setup.prompts) * choices * cache_bytes(loop.target.cfg, 1, loop.capacity)
+  rows = len(loop.target.prompts) * choices * cache_bytes(loop.target.cfg, 1, loop.capacity)
   return int(OVERHEAD * (3 * target + 2 * draft + rows))
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 from specjax import workdir as wd
 from specjax.bench import memory
 from specjax.bench.sweep import engine, noise, outputs, prefills
+from specjax.bench.sweep import points as points_mod
 from specjax.bench.sweep.config import SweepConfig
 from specjax.bench.sweep.prompts import sweep_prompts
 from specjax.formats import checkpoint
@@ -95,7 +96,8 @@ def prepare(runner: Runner, cfg: SweepConfig, workdir: str, resume: bool = False
     engine.check_vocabularies(tcfg, dcfg)
     draft = steps.Runner(dcfg, dparams)
   prompts = sweep_prompts(cfg, tok, tcfg.vocab_size)
-  target, draft = prefills.wrap(target, prompts), prefills.wrap(draft, prompts)
+  rows = points_mod.distinct_rows(prompts, cfg.batches)
+  target, draft = prefills.wrap(target, rows), prefills.wrap(draft, rows)
   capacity = engine.plan_capacity(tcfg, max(len(p) for p in prompts), cfg.n_predict,
                                   extra=runner.extra_slots(cfg), ctx_size=cfg.ctx_size)
   loop = engine.Loop(target, draft, capacity, cfg.n_predict, cfg.seed)

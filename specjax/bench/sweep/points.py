@@ -124,3 +124,10 @@ def batch_prompts(prompts: list[list[int]], batch: int) -> list[list[list[int]]]
     p = prompts[r % n]
     rows.append(p[:len(p) - (r // n) % max(1, (len(p) + 1) // 2)])
   return [rows]
+
+
+def distinct_rows(prompts: list[list[int]], batches) -> list[list[int]]:
+  """Every row that the points at `batches` run (batch_prompts), each once:
+  what prefills.MemoRunner prefills, the cut rows of a large batch included."""
+  seen = {tuple(r): r for b in batches for g in batch_prompts(prompts, b) for r in g}
+  return list(seen.values())
