@@ -28,11 +28,14 @@ from specjax.workdir import Record
 
 RECORDS, REPORT, PLOT = "contexts.jsonl", "contexts.md", "contexts.png"
 MEMORY_MARGIN = 0.8  # of the memory available once the models are loaded
-# Peak resident memory over the caches and rows counted by estimate_bytes, measured:
-# 15.1 GiB at 4 K, batch 8 (SmolLM2, the streaming draft alone, ec2f558) against 5.3 GiB
-# counted. (22.2 GB against 6.9 before 3f832e9 shared the target's probes among the
-# drafters; each drafter's own probes still add to it.)
-OVERHEAD = 2.9
+# Peak resident memory less what was resident once the models were loaded (0.8 GB), against
+# the bytes estimate_bytes counts, measured with SmolLM2 after chunked prefill and the
+# memoised cut rows: 17.1 GB at 8 K, batch 8 (the streaming draft, 2ad184b) counting 12.1;
+# 10.6 at 8 K, batch 4 (0a7675d) counting 6.0; 10.8 at 4 K, batch 4, four drafters (332ae5d)
+# counting 4.6. What is counted, plus BASE_BYTES (the runtime, the compiled programs and
+# their temporaries, most with the four drafters), bounds all three. (A factor on the count
+# alone, 2.9 before, refused 8 K at batch 8, which fits.)
+BASE_BYTES = 6_500_000_000
 
 
 def context_config(cfg: SweepConfig, context: int) -> SweepConfig:
@@ -75,14 +78,14 @@ def estimate_bytes(p: harness.Plan) -> int:
   target's cache three times (a run's, the copy it starts from, a cost
   probe's), the draft model's twice, and the rows prefilled once each
   (MemoRunner's: the prompts and a large batch's cut rows) per hidden-state
-  choice (target-only's and each feature-reading drafter's), x OVERHEAD
+  choice (target-only's and each feature-reading drafter's), + BASE_BYTES
   (measured)."""
   loop, batch = p.setup.loop, max(p.setup.cfg.batches)
   target = cache_bytes(loop.target.cfg, batch, loop.capacity)
   draft = 0 if loop.draft is None else cache_bytes(loop.draft.cfg, batch, loop.capacity)
   choices = 1 + len({d.feature_layers for d in p.setup.drafters if d.needs_features})
   rows = len(loop.target.prompts) * choices * cache_bytes(loop.target.cfg, 1, loop.capacity)
-  return int(OVERHEAD * (3 * target + 2 * draft + rows))
+  return int(BASE_BYTES + 3 * target + 2 * draft + rows)
 
 
 def check_memory(context: int, p: harness.Plan) -> None:
