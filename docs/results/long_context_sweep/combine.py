@@ -1,9 +1,10 @@
-"""The :long_context sweep's report from its contexts run apart (the 1 K
-sweep at 42e9a24, whose process was then killed at 4 K; the 4 K sweep of
-the streaming draft rerun alone at ec2f558, ctx-4096/; the four drafters
-at 4 K, batches 1 and 4, at 332ae5d, ctx-4096-all/, which take the place of
-ctx-4096/'s same points; the first 4 K points are in ctx-4096-first/):
-contexts.md and contexts.png here, as run_contexts writes them.
+"""The :long_context sweep's report from its contexts run apart, as
+run_contexts writes them (contexts.md and contexts.png here). A point run
+twice keeps the run listed first in RUNS: n-gram at 1 K and 4 K from
+ctx-ngram/ (its chain's conditional no longer copies the cache, 5fc9a19),
+the four drafters at 4 K from ctx-4096-all/ (332ae5d), then the 1 K sweep
+(42e9a24), the streaming draft's 4 K sweep (ec2f558) and its 8 K runs (the
+first 4 K points are in ctx-4096-first/).
   PYTHONPATH=. python docs/results/long_context_sweep/combine.py
 """
 import json
@@ -22,13 +23,17 @@ with open(os.path.join(HERE, "ctx-1024", "config.json")) as f:
 cfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context")).replace(
     n_predict=ran["n_predict"], reps=ran["reps"])
 tcfg, _, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, role="target")
+# (context, the run's directory, its config.taskbench_prompts: 0 for all)
+RUNS = ((1024, "ctx-ngram/ctx-1024", 0), (4096, "ctx-ngram/ctx-4096", 0),
+        (4096, "ctx-4096-all", 0), (1024, "ctx-1024", 0), (4096, "ctx-4096", 0),
+        (8192, "ctx-8192-b1-4", 4), (8192, "ctx-8192-b8", 4))
 records = []
-# 4 K: the four drafters' run (ctx-4096-all) first, then the streaming run's other points
-for c, run in ((1024, "ctx-1024"), (4096, "ctx-4096-all"), (4096, "ctx-4096")):
+for c, run, n_prompts in RUNS:
   path = os.path.join(HERE, run, "results.jsonl")
   if os.path.exists(path):
     rows = [json.loads(x) for x in open(path)]
-    lens = [len(p) for p in sweep_prompts(contexts.context_config(cfg, c), tok, tcfg.vocab_size)]
+    at = contexts.context_config(cfg, c).replace(taskbench_prompts=n_prompts)
+    lens = [len(p) for p in sweep_prompts(at, tok, tcfg.vocab_size)]
     seen = {(r["context"], r["drafter"], r["batch"], r["gamma"]) for r in records}
     records += [dict(r, context=c, prompt_lens=lens) for r in rows
                 if (c, r["drafter"], r["batch"], r["gamma"]) not in seen]

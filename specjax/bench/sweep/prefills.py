@@ -1,16 +1,16 @@
-"""A sweep's prompts prefilled once: `MemoRunner`, a steps.Runner whose
-prefill of an empty cache looks each of the sweep's prompts up, alone, by
-(prompt, capacity, hidden layers), and stacks the rows into the batch.
+"""A sweep's rows prefilled once: `MemoRunner`, a steps.Runner whose
+prefill of an empty cache looks each of the sweep's rows up, alone, by
+(row, capacity, hidden layers), and stacks them into the batch. The rows
+are the prompts and a large batch's cut rows (points.distinct_rows).
 
-Every point of a sweep runs the same prompts, several times (warm-up,
+Every point of a sweep runs the same rows, several times (warm-up,
 repetitions, target-only beside each drafter, every batch and gamma), and
-each run used to prefill its rows again. A 3.9 K row's prefill on 2 CPU
-cores takes about 20 s (in chunks; 41 s in one pass), more than the decode
-the sweep measures, so the `:long_context` sweep was mostly prefill (86
-prefills of a 3.8 K row at one context). Decoding reads only the slots below
-each row's length, so a row's cache prefilled alone is the batch's row (its padding past the length
-differs, and is overwritten before it is read). Every run of a sweep starts
-from the same rows, target-only and speculative alike.
+each run used to prefill them again. A 3.9 K row's prefill on 2 CPU cores
+takes about 20 s (in chunks; 41 s in one pass), more than the decode the
+sweep measures. Decoding reads only the slots below each row's length, so
+a row's cache prefilled alone is the batch's row (its padding past the
+length differs, and is overwritten before it is read). Every run of a
+sweep starts from the same rows, target-only and speculative alike.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def memo_key(row: tuple, capacity: int, layers: tuple) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class MemoRunner(steps.Runner):
-  """steps.Runner with the sweep's `prompts` prefilled once each (module
-  docstring). Other prompts, a cache already holding tokens, and a sharded
+  """steps.Runner with the sweep's rows (`prompts`) prefilled once each
+  (module docstring). Other rows, a cache already holding tokens, and a sharded
   cache take Runner.prefill. The memo keeps one capacity's rows (a sweep of
   contexts moves from one to the next)."""
   prompts: frozenset = frozenset()
