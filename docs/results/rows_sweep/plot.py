@@ -1,6 +1,7 @@
 """Speedup against batch on the mixed category, one plot per drafter, from the
-mixed-batch sweeps' records kept here (n-gram: cautious/, batches 4, 8 and 16 in
-one quiet run at 028a1ec; the EAGLE-3 head: eagle/, eagle16/), drawn by the
+mixed-batch sweeps' records kept here (n-gram: chain_no_copies/, batches 4, 8
+and 16 in one quiet run at 640e775, after its chain stopped copying the cache;
+the EAGLE-3 head: eagle/, eagle16/), drawn by the
 sweep's own batch_report.plot_speedup_vs_batch (fixed gammas with the tail
 model's prediction, auto, the per-row points).
   python docs/results/rows_sweep/plot.py"""
@@ -10,7 +11,7 @@ sys.path.insert(0, os.path.join(here, "..", "..", ".."))
 from specjax import workdir as wd
 from specjax.bench.sweep import batch_report
 
-SOURCES = {"ngram": ("cautious",), "eagle3": ("eagle", "eagle16")}
+SOURCES = {"ngram": ("chain_no_copies",), "eagle3": ("eagle", "eagle16")}
 for name, subs in SOURCES.items():
   records = []
   for sub in subs:
