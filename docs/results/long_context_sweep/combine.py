@@ -1,6 +1,6 @@
 """The :long_context sweep's report from its contexts run apart, as
 run_contexts writes them (contexts.md and contexts.png here). A point run
-twice keeps the run listed first in RUNS: n-gram at 1 K and 4 K from
+twice keeps the run listed first in RUNS: n-gram at 1 K, 4 K and 8 K from
 ctx-ngram/ (its chain's conditional no longer copies the cache, 5fc9a19),
 the four drafters at 4 K from ctx-4096-all/ (332ae5d), then the 1 K sweep
 (42e9a24), the streaming draft's 4 K sweep (ec2f558) and its 8 K runs (the
@@ -24,7 +24,8 @@ cfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context")).replace(
     n_predict=ran["n_predict"], reps=ran["reps"])
 tcfg, _, tok = checkpoint.load_model(cfg.target, dtype=cfg.dtype, role="target")
 # (context, the run's directory, its config.taskbench_prompts: 0 for all)
-RUNS = ((1024, "ctx-ngram/ctx-1024", 0), (4096, "ctx-ngram/ctx-4096", 0),
+RUNS = ((1024, "ctx-ngram/ctx-1024-g4", 0), (1024, "ctx-ngram/ctx-1024", 0),
+        (4096, "ctx-ngram/ctx-4096", 0), (8192, "ctx-ngram/ctx-8192", 4),
         (4096, "ctx-4096-all", 0), (1024, "ctx-1024", 0), (4096, "ctx-4096", 0),
         (8192, "ctx-8192-b1-4", 4), (8192, "ctx-8192-b8", 4))
 records = []
