@@ -81,6 +81,37 @@ def test_parity_refuses_other_weights(models, tmp_path):
     cs.run(tmp_path, SETTINGS, target, other)
 
 
+@pytest.fixture(scope="module")
+def head(models, tmp_path_factory):
+  """'eagle:PATH' of a random head for the tiny target."""
+  cfg = models[0].cfg
+  hcfg = cs.eagle.head_config(cfg)
+  return "eagle:" + str(cs.eagle.save_head(tmp_path_factory.mktemp("head") / "h", hcfg,
+                                           cs.eagle.init_head(hcfg, 3), cfg, "tiny"))
+
+
+def test_an_eagle_head_in_both_engines(models, head, tmp_path, monkeypatch):
+  target, _ = models
+  s = cs.Settings(model="tiny", dtype="float32", contexts=(16,), batches=(2,), ns=(1,),
+                  drafters=(head,), gamma=2, reps=1, k=1)
+  lines = []
+  recs = {(r["engine"], r["role"]): r for r in cs.run(tmp_path / "a", s, *models,
+                                                       log=lines.append)}
+  assert f"{head} " in lines[0]  # its parity, torch against XLA
+  assert set(recs) == {(e, role) for e in ("xla", "torch") for role in ("target", head)}
+  cap, hcfg = cs.capacity_of(16, s), cs.eagle.head_config(target.cfg)
+  assert recs["xla", head]["kv_slots"] == 16 + 2  # its own cache at the context, the drafts
+  assert recs["torch", head]["kv_slots"] == cap  # torch's masked pass: the capacity
+  assert recs["torch", head]["kv_bytes"] == 2 * cap * cs.slot_bytes(hcfg)
+  assert recs["torch", head]["weight_bytes"] == recs["xla", head]["weight_bytes"]
+  assert all(r["seconds"] > 0 for r in recs.values())
+  # a head converted wrong is refused before any point runs
+  logits = cs.torch_eagle.TorchEagleHead.logits
+  monkeypatch.setattr(cs.torch_eagle.TorchEagleHead, "logits", lambda h, g: logits(h, 1.01 * g))
+  with pytest.raises(backends.ParityError, match="'s head"):
+    cs.run(tmp_path / "b", s, *models)
+
+
 def synthetic(engine, slot, contexts=(512, 2048, 4096), batches=(1, 4, 8)):
   """Records of a known surface: T = 10 ms + 2 ms B + 1 ns per byte of KV
   for the target (N = 1, 5; the verify's weights term twice the decode's), a

@@ -75,28 +75,34 @@ def lm_head(x, w: dict[str, Any], eps: float, logits: bool):
   return out if logits else torch.argmax(out, -1)
 
 
-def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: int,
-             n_kv_heads: int, eps: float, logits: bool = False, tree=None, window=None):
-  """T new tokens per row against the cache; the caches are written in place.
+@dataclasses.dataclass
+class Layout:
+  """Where a forward's T new tokens per row go and what they see (the
+  same for every layer): slots [B, T], rows [B, 1], the additive mask
+  bias [B, 1, 1, T, S or n], RoPE's cos and sin [B, T, 1, D], the
+  window's gathered slots (or None)."""
+  slots: Any
+  rows: Any
+  bias: Any
+  cos: Any
+  sin: Any
+  window: Any = None
 
-  w: weights (torch layout, [out, in]); tokens [B, T] int64; lengths [B]
-  int64 (row b is written at slots lengths[b]..); ks, vs: L x [B, K, S, D].
-  tree: None (a chain: causal), or (mask [T, T] bool, depths [T] int64) of a
-  token tree's verify block (model.tree.Tree.mask, block_depths): RoPE at
-  lengths + depth, attention to the cache's slots < lengths and to the
-  block's slots the mask allows (an additive mask over [cache; block]).
-  window: None, or (slots [B, n], real [B, n]) (window_slots): every layer
-  attends to those slots alone, gathered per row (the streaming draft's
-  layers.attend_window), masked by slot <= position and real.
-  Returns the argmax [B, T] of the logits (or the f32 logits [B, T, V]).
-  """
+
+def layout(lengths, t: int, s_cap: int, inv_freq, tree=None, window=None) -> Layout:
+  """The Layout of T tokens per row written from `lengths` [B] int64 into a
+  cache of s_cap slots. tree: None (a chain: causal), or (mask [T, T] bool,
+  depths [T] int64) of a token tree's verify block (model.tree.Tree.mask,
+  block_depths): RoPE at lengths + depth, attention to the cache's slots <
+  lengths and to the block's slots the mask allows. window: None, or
+  (slots [B, n], real [B, n]) (window_slots): attention to those slots
+  alone, gathered per row (layers.attend_window), masked by slot <=
+  position and real."""
   torch = import_torch()
-  b, t = tokens.shape
-  h, k = n_heads, n_kv_heads
-  s_cap = ks[0].shape[2]
-  slots = lengths[:, None] + torch.arange(t, device=tokens.device)[None, :]  # [B, T]
-  rows = torch.arange(b, device=tokens.device)[:, None]  # [B, 1]
-  cols = torch.arange(s_cap, device=tokens.device)[None, None, :]  # [1, 1, S]
+  b, dev = lengths.shape[0], lengths.device
+  slots = lengths[:, None] + torch.arange(t, device=dev)[None, :]  # [B, T]
+  rows = torch.arange(b, device=dev)[:, None]  # [B, 1]
+  cols = torch.arange(s_cap, device=dev)[None, None, :]  # [1, 1, S]
   if tree is None:
     positions, mask = slots, cols <= slots[:, :, None]
   else:
@@ -106,34 +112,54 @@ def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: in
     mask = (j < 0) | ((j < t) & allowed)
   if window is not None:  # a chain over the window's slots
     mask = (window[0][:, None, :] <= slots[:, :, None]) & window[1][:, None, :]  # [B, T, n]
-  bias = torch.zeros(mask.shape, dtype=torch.float32, device=tokens.device)
+  bias = torch.zeros(mask.shape, dtype=torch.float32, device=dev)
   bias = bias.masked_fill(~mask, float("-inf"))[:, None, None]  # [B, 1, 1, T, S]
-  freqs = positions[..., None].float() * w["inv_freq"]  # [B, T, D/2]
+  freqs = positions[..., None].float() * inv_freq  # [B, T, D/2]
   emb = torch.cat([freqs, freqs], -1)[:, :, None, :]    # [B, T, 1, D]
-  cos, sin = emb.cos(), emb.sin()
+  return Layout(slots, rows, bias, emb.cos(), emb.sin(), window)
 
-  rope = lambda x: rotate(x, cos, sin)  # x [B, T, N, D]
+
+def block(x, lw: dict[str, Any], kc, vc, at: Layout, n_heads: int, n_kv_heads: int,
+          eps: float):
+  """One pre-norm decoder layer over x [B, T, E] (layers.Block): its K and
+  V written into kc, vc [B, K, S, D] at at.slots first (the new tokens see
+  themselves), then grouped attention under at.bias and the MLP."""
+  torch = import_torch()
+  b, t = x.shape[:2]
+  h, k, d = n_heads, n_kv_heads, kc.shape[3]
   lin = torch.nn.functional.linear
+  rope = lambda y: rotate(y, at.cos, at.sin)  # y [B, T, N, D]
+  y = rms_norm(x, lw["attn_norm"], eps)
+  q = rope(lin(y, lw["wq"]).view(b, t, h, d))
+  kk = rope(lin(y, lw["wk"]).view(b, t, k, d))
+  vv = lin(y, lw["wv"]).view(b, t, k, d)
+  kc[at.rows, :, at.slots] = kk.to(kc.dtype)
+  vc[at.rows, :, at.slots] = vv.to(vc.dtype)
+  if at.window is not None:  # the window's slots gathered: [B, K, n, D]
+    kc, vc = (c[at.rows, :, at.window[0]].permute(0, 2, 1, 3) for c in (kc, vc))
+  g = h // k  # a group's G x T queries in one product: K and V read once, never expanded
+  qg = q.view(b, t, k, g, d).permute(0, 2, 3, 1, 4).reshape(b, k, g * t, d)  # [B, K, GT, D]
+  scores = torch.matmul(qg.float(), kc.transpose(-1, -2).float()).view(b, k, g, t, -1)
+  scores = scores / math.sqrt(d) + at.bias  # [B, K, G, T, S or n]
+  probs = torch.softmax(scores, -1).to(x.dtype).view(b, k, g * t, -1)
+  out = torch.matmul(probs, vc).view(b, k, g, t, d)  # [B, K, G, T, D]
+  out = out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+  return mlp_residual(x + lin(out, lw["wo"]), lw, eps)
+
+
+def _forward(w: dict[str, Any], tokens, lengths, ks: list, vs: list, n_heads: int,
+             n_kv_heads: int, eps: float, logits: bool = False, tree=None, window=None):
+  """T new tokens per row against the cache; the caches are written in place.
+
+  w: weights (torch layout, [out, in]); tokens [B, T] int64; lengths [B]
+  int64 (row b is written at slots lengths[b]..); ks, vs: L x [B, K, S, D];
+  tree, window: see `layout`. Returns the argmax [B, T] of the logits (or
+  the f32 logits [B, T, V]).
+  """
+  at = layout(lengths, tokens.shape[1], ks[0].shape[2], w["inv_freq"], tree, window)
   x = w["embed"][tokens]  # [B, T, E]
-  for i, (kc, vc) in enumerate(zip(ks, vs)):
-    lw = w["layers"][i]
-    y = rms_norm(x, lw["attn_norm"], eps)
-    d = kc.shape[3]
-    q = rope(lin(y, lw["wq"]).view(b, t, h, d))
-    kk = rope(lin(y, lw["wk"]).view(b, t, k, d))
-    vv = lin(y, lw["wv"]).view(b, t, k, d)
-    kc[rows, :, slots] = kk.to(kc.dtype)  # write first: the new tokens see themselves
-    vc[rows, :, slots] = vv.to(vc.dtype)
-    if window is not None:  # the window's slots gathered: [B, K, n, D]
-      kc, vc = (c[rows, :, window[0]].permute(0, 2, 1, 3) for c in (kc, vc))
-    g = h // k  # a group's G x T queries in one product: K and V read once, never expanded
-    qg = q.view(b, t, k, g, d).permute(0, 2, 3, 1, 4).reshape(b, k, g * t, d)  # [B, K, GT, D]
-    scores = torch.matmul(qg.float(), kc.transpose(-1, -2).float()).view(b, k, g, t, -1)
-    scores = scores / math.sqrt(d) + bias  # [B, K, G, T, S or n]
-    probs = torch.softmax(scores, -1).to(x.dtype).view(b, k, g * t, -1)
-    out = torch.matmul(probs, vc).view(b, k, g, t, d)  # [B, K, G, T, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
-    x = mlp_residual(x + lin(out, lw["wo"]), lw, eps)
+  for lw, kc, vc in zip(w["layers"], ks, vs):
+    x = block(x, lw, kc, vc, at, n_heads, n_kv_heads, eps)
   return lm_head(x, w, eps, logits)
 
 

@@ -1,7 +1,7 @@
 """The cost surface T(B, N, context) (issue 39, part 2): the target's
 forward over N tokens per row and one draft step of each drafter, at each
 (context, batch), in XLA (decode/probes.py) and in PyTorch (torch_spec.py's
-probes, the same weights), the engines and roles alternating within each
+and torch_eagle.py's probes, the same weights), the engines and roles alternating within each
 repetition; medians. Beside each time: the bytes of weights and of KV the
 step reads (the roofline's inputs) and the process's peak resident memory.
 
@@ -28,6 +28,7 @@ import numpy as np
 
 from specjax import workdir as wd
 from specjax.bench.backends import base as backends
+from specjax.bench.backends import torch_eagle
 from specjax.bench.backends import torch_spec
 from specjax.bench.memory import (available_bytes, device_memory, peak_rss, release_memory,
                                   reset_peak, rss)
@@ -119,7 +120,7 @@ def estimate_bytes(cfg, s: Settings, context: int, batch: int, draft_cfgs: dict)
   drafts = sum(batch * cap * slot_bytes(c) for c in draft_cfgs.values())
   logits = 3 * batch * n * cfg.vocab_size * 4
   per = {"xla": target + drafts + logits,
-         "torch": 2 * target + logits + 3 * batch * cfg.n_heads * n * cap * 4}
+         "torch": target + drafts + logits + 3 * batch * cfg.n_heads * n * cap * 4}
   return int(1.75 * sum(per[e] for e in s.engines))
 
 # ---------------------------------------------------------------- parity
@@ -152,7 +153,27 @@ def check_parity(target: steps.Runner, tmodel, s: Settings, seed: int = 0) -> di
         torch_tok[:, 0], tcache, 1, logits=True)[1]
     errs[d.spec] = backends.check_parity(ref, other.numpy(), tol,
                                          f"torch vs xla, {d.spec}'s draft step")
+  for d in (d for d in drafts if isinstance(d, eagle.EagleDrafter)):
+    errs[d.spec] = backends.check_parity(*head_logits(d.for_target(cfg), target, tmodel,
+                                                      prompt[:n]), tol,
+                                         f"torch vs xla, {d.spec}'s head")
   return errs
+
+
+def head_logits(d, target: steps.Runner, tmodel, tokens) -> tuple[np.ndarray, np.ndarray]:
+  """An EAGLE head's logits over pairs (random features, `tokens`) from an
+  empty head cache: (XLA's, torch's) [1, T, V]."""
+  cfg, dparams = target.cfg, d.draft_params(target.params, None)
+  hcfg = d.draft_config(cfg, None)
+  feats = np.random.RandomState(1).randn(1, len(tokens), cfg.dim).astype(np.float32)
+  toks = np.asarray([tokens], np.int32)
+  cap = kvc.round_capacity(len(tokens) + 1)
+  g, _ = eagle.head_forward(dparams["head"], target.params, jnp.asarray(feats), jnp.asarray(toks),
+                            eagle.new_cache(hcfg, 1, cap), hcfg, cfg, prev_tokens=jnp.asarray(toks))
+  head, torch = torch_eagle.TorchEagleHead(tmodel, dparams["head"]), tmodel.torch
+  tt = torch.from_numpy(toks).long()
+  other = head.logits(head.forward(torch.from_numpy(feats), tt, head.new_cache(1, cap), tt))
+  return np.asarray(llama.head_logits(target.params, g, cfg)), other.numpy()
 
 # ---------------------------------------------------------------- probes
 
@@ -178,6 +199,17 @@ def xla_draft_probe(drafter, target: steps.Runner, draft: steps.Runner | None, s
     probe.dstate = st.replace(hcache=random_cache(probe.sc.draft, batch, cap, context - 1, 2),
                               pending=st.pending.replace(start=probe.n - 1))
   return probe
+
+
+def torch_head_probe(d, target: steps.Runner, tmodel, s: Settings, cap: int, context: int,
+                     batch: int):
+  """PyTorch's probe of an EAGLE head's step, XLA's shape (xla_draft_probe):
+  its own cache of random K/V at the context, the refresh as wide as XLA's."""
+  d = d.for_target(target.cfg)
+  pairs = plan.SpecConfig(target.cfg, None, s.gamma, drafter=d, simulated=True).refresh_pairs(
+      batch)
+  head = torch_eagle.TorchEagleHead(tmodel, d.draft_params(target.params, None)["head"])
+  return torch_eagle.TorchHeadProbe(head, batch, cap, context, s.gamma, pairs, seed=2, k=s.k)
 
 
 def draft_reads(drafter, cfg, dcfg, context: int, gamma: int) -> tuple[int, int]:
@@ -215,6 +247,9 @@ class Point:
           self.probes["torch", spec, 1] = torch_spec.TorchDraftProbe(
               torch_spec.TorchStreamingDraft(tmodel, d.window, d.sinks), batch, cap, context,
               s.gamma, seed=1, k=s.k)
+        elif isinstance(d, eagle.EagleDrafter):
+          self.probes["torch", spec, 1] = torch_head_probe(d, target, tmodel, s, cap, context,
+                                                           batch)
         elif d.needs_draft_model:
           self.probes["torch", spec, 1] = torch_spec.TorchCostProbe(tdraft, batch, cap, context,
                                                                     k=s.k, random_kv=True)
@@ -244,7 +279,10 @@ def point_records(cfg, dcfgs: dict, weights: dict, s: Settings, context: int, ba
       per = slot_bytes(cfg)
       slots = cap if engine == "torch" else roofline.attended_slots(cfg, cap, context + n)
     else:
-      slots, per = draft_reads(registry.parse(role), cfg, dcfgs[role], context, s.gamma)
+      d = registry.parse(role)
+      slots, per = draft_reads(d, cfg, dcfgs[role], context, s.gamma)
+      if engine == "torch" and not isinstance(d, streaming.StreamingDrafter):
+        slots = cap  # the masked pass over the own cache's capacity
     recs.append({"context": context, "batch": batch, "engine": engine, "role": role, "n": n,
                  "seconds": float(np.median(ts)), "min_s": float(np.min(ts)),
                  "max_s": float(np.max(ts)), "reps": len(ts), "weight_bytes": weights[role],
