@@ -112,6 +112,21 @@ def test_an_eagle_head_in_both_engines(models, head, tmp_path, monkeypatch):
     cs.run(tmp_path / "b", s, *models)
 
 
+def test_a_draft_model_in_both_engines(models, tmp_path):
+  """The draft model's forward on its own cache (here the tiny target as its
+  own draft), timed in both engines; its weights are the draft's (a run
+  handed the draft's params where its Runner was due: a traceback, up to 063d293)."""
+  target, tmodel = models
+  s = cs.Settings(model="tiny", dtype="float32", contexts=(16,), batches=(2,), ns=(1,),
+                  drafters=("model",), gamma=2, reps=1, k=1, model_draft="tiny")
+  recs = {(r["engine"], r["role"]): r
+          for r in cs.run(tmp_path, s, target, tmodel, target, tmodel, log=lambda _: None)}
+  assert set(recs) == {(e, role) for e in ("xla", "torch") for role in ("target", "model")}
+  cap = cs.capacity_of(16, s)
+  assert recs["xla", "model"]["kv_slots"] == 16 + 2 and recs["torch", "model"]["kv_slots"] == cap
+  assert recs["torch", "model"]["weight_bytes"] == llama.param_bytes(target.params)
+
+
 def synthetic(engine, slot, contexts=(512, 2048, 4096), batches=(1, 4, 8)):
   """Records of a known surface: T = 10 ms + 2 ms B + 1 ns per byte of KV
   for the target (N = 1, 5; the verify's weights term twice the decode's), a

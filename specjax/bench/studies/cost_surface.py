@@ -307,7 +307,7 @@ def run(work: str | os.PathLike, s: Settings, target: steps.Runner, tmodel, draf
   dcfgs = {spec: d.draft_config(cfg, draft and draft.cfg) for spec, d in drafters.items()}
   weights = {"target": llama.param_bytes(target.params)}
   for spec, d in drafters.items():  # what a draft step reads of the weights
-    own = d.draft_params(target.params, draft and draft.params)
+    own = d.draft_params(target.params, draft)
     weights[spec] = (llama.param_bytes(own) if not isinstance(d, eagle.EagleDrafter)
                      else llama.param_bytes(own["head"]) + llama.param_bytes(
                          {k: v for k, v in target.params.items() if k == "lm_head"}
