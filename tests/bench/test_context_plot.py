@@ -81,6 +81,21 @@ def test_the_curves_are_the_records_and_the_fit_worked_out_by_hand(tmp_path):
   assert (tmp_path / "c.png").stat().st_size > 0
 
 
+def test_a_measured_torch_run_gets_a_measured_panel_of_its_own():
+  """Records that name the torch engine (long_batch_check.py --engine=torch)
+  are drawn in PyTorch's panel, beside its fit; XLA's panels keep theirs."""
+  speeds = tuple(s - 0.2 for s in MEASURED[(SD, 4096)])
+  torch_recs = [dict(record(SD, 4096, b, s), engine="torch") for b, s in zip((1, 4, 8), speeds)]
+  panels = cp.curves(records() + torch_recs, FIT)
+  assert [(p.engine, p.drafter, p.predicted_only) for p in panels] == [
+      ("xla", "ngram", False), ("xla", SD, False), ("torch", SD, False)]
+  assert panels[1].curves[1].measured == MEASURED[(SD, 4096)]
+  (t4k,) = panels[2].curves
+  assert t4k.context == 4096 and t4k.measured == speeds
+  for i, b in enumerate(t4k.batches):
+    assert t4k.predicted_fit[i] == pytest.approx(by_hand("torch", 4096, b)[0], rel=1e-9)
+
+
 def test_the_surface_records_give_back_its_fits_and_predicted_turn():
   recs = [json.loads(x) for x in (SURFACE / "results.jsonl").read_text().splitlines()]
   shipped = json.loads((SURFACE / "crossover.json").read_text())
@@ -113,8 +128,9 @@ BUGS = {  # name: (module, attribute, mutation)
             self.models[e]["target"].kv_share(b, 5, self.reads["target"].bytes(b, c, 5)))),
     "the turn one batch late": (cc, "turning_batch", _late),
     "the last gamma's point, not the best": (
-        cp, "chosen", lambda f: lambda recs: {(r["drafter"], r["context"], r["batch"]): r
-                                              for r in recs if r["temperature"] == 0}),
+        cp, "chosen", lambda f: lambda recs: {
+            (cp.engine_of(r), r["drafter"], r["context"], r["batch"]): r
+            for r in recs if r["temperature"] == 0}),
     "the measured engine's fit drawn for every engine": (
         cp.SurfaceFit, "speedup", lambda f: lambda self, e, r: f(self, "xla", r)),
 }

@@ -125,6 +125,10 @@ def test_a_draft_model_in_both_engines(models, tmp_path):
   cap = cs.capacity_of(16, s)
   assert recs["xla", "model"]["kv_slots"] == 16 + 2 and recs["torch", "model"]["kv_slots"] == cap
   assert recs["torch", "model"]["weight_bytes"] == llama.param_bytes(target.params)
+  other = TorchLlama(target.cfg, dict(target.params, lm_head={
+      "kernel": target.params["lm_head"]["kernel"] * 1.01}), compile=False, threads=1)
+  with pytest.raises(backends.ParityError, match="the draft model's decode step"):
+    cs.run(tmp_path / "b", s, target, tmodel, target, other)
 
 
 def synthetic(engine, slot, contexts=(512, 2048, 4096), batches=(1, 4, 8)):

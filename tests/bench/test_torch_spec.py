@@ -156,7 +156,7 @@ def test_compiled_equals_eager_and_timing(pair, baseline):
   engine, _, _ = pair
   prompts, cap = PROMPTS[:2], 32  # one capacity: three graphs (draft 1, target 1, 2)
   comp = ts.TorchSpec(ts.TorchLlama(engine.target.cfg, model=engine.target.model),
-                      ts.TorchLlama(engine.draft.cfg, model=engine.draft.model))
+                      ts.TorchLlama(engine.draft.cfg, model=engine.draft.model.model))
   got = comp.generate(prompts, N_PREDICT, 1, capacity=cap)
   assert comp.target.compile_note is None and comp.target.compiled
   assert got.tokens == baseline[:2]

@@ -1,4 +1,4 @@
-"""The streaming self-draft in PyTorch (torch_spec.TorchStreamingDraft) is
+"""The streaming self-draft in PyTorch (torch_drafts.TorchStreamingDraft) is
 the JAX drafter's (drafters/streaming.py): the same greedy drafts and the
 same logits on the same weights, ragged rows (one inside its window, one cut
 by it), with committed deliberate bugs that must each fail."""
@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.bench.backends import torch_spec as ts
-from specjax.bench.backends.torch_llama import TorchLlama
+from specjax.bench.backends import torch_drafts as ts
+from specjax.bench.backends import torch_spec
+from specjax.bench.backends.torch_llama import Cache, TorchLlama
 from specjax.decode import plan
 from specjax.drafters import streaming
 from specjax.model import config
@@ -86,6 +87,25 @@ def test_the_random_cache_and_the_draft_probe(models):
   probe = ts.TorchDraftProbe(ts.TorchStreamingDraft(tmodel, WINDOW, SINKS), 2, CAP, 31, GAMMA, k=1)
   t = probe.times([1], 1)[1]
   assert t.median > 0 and probe.cache.lengths.tolist() == [30, 30]
+
+
+def test_the_torch_loop_with_the_streaming_draft_equals_target_only(models):
+  """TorchSpec's greedy loop with the streaming draft (the target's cache,
+  no state of its own) keeps target-only's tokens, from its own prefill and
+  from row caches prefilled once, stacked and cloned."""
+  _, tmodel = models
+  engine = torch_spec.TorchSpec(tmodel, ts.TorchStreamingDraft(tmodel, WINDOW, SINKS))
+  want = engine.generate_target(PROMPTS, 12, capacity=CAP).tokens
+  got = engine.generate(PROMPTS, 12, GAMMA, capacity=CAP)
+  assert got.tokens == want and got.stats.alpha > 0
+  rows = [tmodel.new_cache(1, CAP) for _ in PROMPTS]
+  first = tmodel.torch.cat([tmodel.prefill([p], c) for p, c in zip(PROMPTS, rows)])
+  cache = Cache.stack(rows)
+  assert cache.lengths.tolist() == [len(p) for p in PROMPTS]
+  start = lambda *more: (cache.clone(), first) + more
+  assert engine.generate_target(PROMPTS, 12, capacity=CAP, start=start()).tokens == want
+  assert engine.generate(PROMPTS, 12, GAMMA, capacity=CAP, start=start(None)).tokens == want
+  assert cache.lengths.tolist() == [len(p) for p in PROMPTS]  # the clones were written
 
 
 BUGS = {

@@ -288,7 +288,9 @@ def test_long_batch_check_refuses_bad_batches_and_a_folder_of_other_settings(tmp
   (out / "records.jsonl").write_text('{"batch": 1}\n')
   (out / "settings.json").write_text(json.dumps(dict(
       context=2048, drafter="streaming:256,4", gamma=4, n_predict=64, reps=2, prompts=6,
-      model="smollm2-135m", dtype="float32")))
+      model="smollm2-135m", dtype="float32", engine="xla")))
   assert_one_line_error(run("long_batch_check.py", f"--out={out}"),
                         r"made with other settings \(context: 2048 -> 4096\)")
   assert (out / "records.jsonl").read_text() == '{"batch": 1}\n'
+  assert_one_line_error(run("long_batch_check.py", "--engine=torch", "--drafter=ngram",
+                            f"--out={tmp_path}/c"), r"--engine=torch runs the streaming draft")

@@ -284,3 +284,17 @@ class Cache:
   @property
   def capacity(self) -> int:
     return self.k[0].shape[2]
+
+  def clone(self) -> "Cache":
+    """A copy (a run that starts from a prefilled cache writes into its own)."""
+    return Cache([k.clone() for k in self.k], [v.clone() for v in self.v], self.lengths.clone())
+
+  @classmethod
+  def stack(cls, rows: Sequence["Cache"]) -> "Cache":
+    """Caches of one capacity stacked along the batch (row caches of batch 1
+    into one batch: each prompt prefilled once, run in many batches)."""
+    torch = import_torch()
+    cat = lambda xs: torch.cat(list(xs), 0)
+    return cls([cat(layer) for layer in zip(*(r.k for r in rows))],
+               [cat(layer) for layer in zip(*(r.v for r in rows))],
+               cat(r.lengths for r in rows))

@@ -21,7 +21,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specjax.bench.backends.torch_llama import Cache, TorchLlama, dynamo_graphs, window_slots
+from specjax.bench.backends.torch_drafts import REPEATS, TorchModelDraft
+from specjax.bench.backends.torch_llama import Cache, TorchLlama, dynamo_graphs
 from specjax.decode import acceptance
 from specjax.decode import generation
 from specjax.errors import ConfigError
@@ -29,8 +30,6 @@ from specjax.metrics import timing
 from specjax.metrics.stats import Records, SpecStats
 from specjax.model import kv_cache as kvc
 from specjax.model.config import ModelConfig
-
-REPEATS = 8  # forwards per timed repetition of a cost probe (probes.REPEATS)
 
 
 def check_prompts(prompts, vocab_size: int) -> None:
@@ -67,8 +66,10 @@ class TorchSpecResult:
 class TorchSpec:
   """Target-only and speculative greedy generation at batch B (see module)."""
 
-  def __init__(self, target: TorchLlama, draft: TorchLlama | None = None):
-    self.target, self.draft = target, draft
+  def __init__(self, target: TorchLlama, draft=None):
+    """draft: a draft model (TorchLlama), any torch_drafts draft, or None."""
+    self.target = target
+    self.draft = TorchModelDraft(draft) if isinstance(draft, TorchLlama) else draft
     if draft is not None and draft.cfg.vocab_size != target.cfg.vocab_size:
       raise ConfigError(f"draft and target vocabularies differ: {target.cfg.vocab_size} "
                         f"vs {draft.cfg.vocab_size}")
@@ -79,14 +80,19 @@ class TorchSpec:
     return generation.plan_capacity(self.target.cfg, max(len(p) for p in prompts),
                                     n_predict, extra=extra, capacity=capacity)
 
-  def generate_target(self, prompts, n_predict: int,
-                      capacity: int | None = None) -> TorchGenResult:
-    """n_predict greedy tokens per row from the target alone."""
+  def generate_target(self, prompts, n_predict: int, capacity: int | None = None,
+                      start=None) -> TorchGenResult:
+    """n_predict greedy tokens per row from the target alone; start: (the
+    prompts' prefilled cache, their first tokens [B]), used in place of a
+    prefill (the cache is written: hand in a copy)."""
     torch = self.torch
     cap = self._capacity(prompts, n_predict, 0, capacity)
-    cache = self.target.new_cache(len(prompts), cap)
     t0 = time.perf_counter()
-    tok = self.target.prefill(prompts, cache)
+    if start is None:
+      cache = self.target.new_cache(len(prompts), cap)
+      tok = self.target.prefill(prompts, cache)
+    else:
+      cache, tok = start
     prompt_s = time.perf_counter() - t0
     out = [tok]
     t0 = time.perf_counter()
@@ -97,8 +103,10 @@ class TorchSpec:
     return TorchGenResult(torch.stack(out, 1).tolist(), prompt_s, eval_s, n_predict - 1)
 
   def generate(self, prompts, n_predict: int, gamma: int, rule="real", seed: int = 0,
-               capacity: int | None = None) -> TorchSpecResult:
-    """n_predict greedy tokens per row, speculatively (speculative.py's step)."""
+               capacity: int | None = None, start=None) -> TorchSpecResult:
+    """n_predict greedy tokens per row, speculatively (speculative.py's step);
+    start: (the target's prefilled cache, the first tokens, the draft's
+    prefilled state), used in place of the prefills (written: hand in copies)."""
     torch = self.torch
     if self.draft is None:
       raise ConfigError("speculative generation needs a draft model")
@@ -110,10 +118,13 @@ class TorchSpec:
     gen = torch.Generator().manual_seed(int(seed))
     cap = self._capacity(prompts, n_predict, gamma, capacity)
     b = len(prompts)
-    tcache, dcache = self.target.new_cache(b, cap), self.draft.new_cache(b, cap)
     t0 = time.perf_counter()
-    first = self.target.prefill(prompts, tcache)
-    self.draft.prefill(prompts, dcache)
+    if start is None:
+      tcache, dcache = self.target.new_cache(b, cap), self.draft.new_state(b, cap)
+      first = self.target.prefill(prompts, tcache)
+      self.draft.prefill(prompts, dcache)
+    else:
+      tcache, first, dcache = start
     prompt_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     out, count, rec, n_loop = self._loop(tcache, dcache, prompts, first, n_predict, gamma,
@@ -124,7 +135,7 @@ class TorchSpec:
     stats = SpecStats.compute(records, gamma=gamma, n_predict=int(count.sum()), eval_s=eval_s)
     return TorchSpecResult(tokens, stats, records, prompt_s, eval_s, n_loop)
 
-  def _loop(self, tcache: Cache, dcache: Cache, prompts, first, n_predict, gamma,
+  def _loop(self, tcache: Cache, dcache, prompts, first, n_predict, gamma,
             simulated, probs, gen):
     """speculative.spec_loop's steps in a host loop; returns (out [B, n_predict +
     gamma + 1], count [B], records {field: [steps, B]}, steps)."""
@@ -143,16 +154,8 @@ class TorchSpec:
     while i < n_predict and not bool(done.all()):
       live = ~done
       live_np = live.numpy()
-      # draft: catch-up (feed d_gamma, left over from a fully accepted step), gamma steps
-      behind = live & (dcache.lengths < n - 1)
-      if bool(behind.any()):
-        dcache.lengths.copy_(n - 2)
-        self.draft.step(tail[:, :1], dcache, live_np)
-      tok, drafts = tail[:, 1], []
-      for _ in range(gamma):
-        tok = self.draft.step(tok[:, None], dcache, live_np)[:, 0]
-        drafts.append(tok)
-      drafts = torch.stack(drafts, 1)  # [B, gamma]
+      # draft: a catch-up where a draft is behind, then gamma tokens [B, gamma]
+      drafts, behind = self.draft.draft(tail, n, dcache, tcache, gamma, live)
       # verify: the target's argmax at [last, d_1..d_gamma]
       targ = self.target.step(torch.cat([tail[:, 1:], drafts], 1), tcache, live_np)
       # accept
@@ -183,7 +186,7 @@ class TorchSpec:
       cut = torch.stack([ext[ar, (kept - 1).clamp(min=0)], ext[ar, kept]], 1)
       tail = torch.where((dropped > 0)[:, None], cut, new_tail)
       tcache.lengths.copy_(t_len - dropped)
-      dcache.lengths.copy_(torch.minimum(d_len, n - 1))
+      self.draft.commit(dcache, torch.minimum(d_len, n - 1))
       for k, v in (("n_acc", n_acc), ("n_drafted", torch.full((b,), gamma)), ("kept", kept),
                    ("caught_up", behind.long()), ("live", live.long())):
         recs[k].append(v.numpy().astype(np.int32))
@@ -300,74 +303,6 @@ class TorchCostProbe:
         times.append((time.perf_counter() - t0) / self.k)
       out[n] = timing.Timing(times=times, compile_s=warm_s)
     return out
-
-
-class TorchStreamingDraft:
-  """drafters/streaming.py's self-draft in torch, greedy chains: the target's
-  weights on the target's own cache, fed index f written at slot n - 1 + f,
-  each fed token attending only to the first `sinks` slots, the last
-  `window` kept slots and the tokens fed before it (window_slots); the
-  lengths handed back as they were (the verify rewrites those slots)."""
-
-  def __init__(self, target: TorchLlama, window: int, sinks: int = 4):
-    self.target, self.window, self.sinks = target, int(window), int(sinks)
-
-  def propose(self, last, cache: Cache, gamma: int, logits: bool = False):
-    """gamma greedy drafts [B, gamma] after `last` [B] (the step's tail, at
-    slot lengths); with `logits`, also each feed's f32 logits [B, gamma, V]
-    (eager)."""
-    torch = self.target.torch
-    start = cache.lengths.clone()
-    win = window_slots(start, min(self.sinks, cache.capacity), min(self.window, cache.capacity),
-                       gamma, cache.capacity)
-    tok, drafts, outs = last, [], []
-    for _ in range(gamma):
-      if logits:
-        out = self.target.logits(tok[:, None], cache, window=win)
-        outs.append(out[:, 0])
-        tok = torch.argmax(out[:, 0], -1)
-      else:
-        tok = self.target.step(tok[:, None], cache, window=win)[:, 0]
-      drafts.append(tok)
-    cache.lengths.copy_(start)
-    drafts = torch.stack(drafts, 1)
-    return (drafts, torch.stack(outs, 1)) if logits else drafts
-
-
-class TorchDraftProbe:
-  """T_draft(1) of the torch streaming draft at batch `batch`: k whole
-  proposals of gamma tokens per repetition on a cache of random K/V holding
-  `depth` tokens per row (the target's n - 1), time per drafted token
-  (probes.ProposeProbe's shape; each forward a host call)."""
-
-  def __init__(self, draft: TorchStreamingDraft, batch: int, capacity: int, depth: int,
-               gamma: int, seed: int = 0, k: int = REPEATS):
-    self.draft, self.gamma, self.k = draft, gamma, k
-    self.cache = draft.target.random_cache(batch, capacity, depth - 1, seed)
-    rng = np.random.RandomState(seed)
-    self.last = draft.target.torch.from_numpy(
-        rng.randint(0, draft.target.cfg.vocab_size, (batch,)))
-    self.warm = False
-
-  def times(self, ns: Sequence[int], reps: int = 3) -> dict[int, timing.Timing]:
-    if set(ns) != {1}:
-      raise ValueError(f"TorchDraftProbe times T_draft(1) only, asked for {sorted(set(ns))}")
-
-    def run():
-      for _ in range(self.k):
-        self.draft.propose(self.last, self.cache, self.gamma)
-
-    warm_s = 0.0
-    if not self.warm:
-      t0 = time.perf_counter()
-      run()
-      warm_s, self.warm = time.perf_counter() - t0, True
-    times = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      run()
-      times.append((time.perf_counter() - t0) / (self.k * self.gamma))
-    return {1: timing.Timing(times=times, compile_s=warm_s)}
 
 
 def make_engine(tcfg: ModelConfig, tparams, dcfg: ModelConfig | None = None, dparams=None,

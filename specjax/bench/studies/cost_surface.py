@@ -1,9 +1,10 @@
 """The cost surface T(B, N, context) (issue 39, part 2): the target's
 forward over N tokens per row and one draft step of each drafter, at each
-(context, batch), in XLA (decode/probes.py) and in PyTorch (torch_spec.py's
-and torch_eagle.py's probes, the same weights), the engines and roles alternating within each
-repetition; medians. Beside each time: the bytes of weights and of KV the
-step reads (the roofline's inputs) and the process's peak resident memory.
+(context, batch), in XLA (decode/probes.py) and in PyTorch (the probes of
+torch_spec.py, torch_drafts.py and torch_eagle.py, on the same weights), the
+engines and roles alternating within each repetition; medians. Beside each
+time: the bytes of weights and of KV the step reads (the roofline's inputs)
+and the process's peak resident memory.
 
 The caches hold random K/V at the context (`random_cache`: a step's time
 does not depend on the values); parity is checked first on a real prompt.
@@ -28,6 +29,7 @@ import numpy as np
 
 from specjax import workdir as wd
 from specjax.bench.backends import base as backends
+from specjax.bench.backends import torch_drafts
 from specjax.bench.backends import torch_eagle
 from specjax.bench.backends import torch_spec
 from specjax.bench.memory import (available_bytes, device_memory, peak_rss, release_memory,
@@ -126,30 +128,31 @@ def estimate_bytes(cfg, s: Settings, context: int, batch: int, draft_cfgs: dict)
 # ---------------------------------------------------------------- parity
 
 
-def check_parity(target: steps.Runner, tmodel, s: Settings, seed: int = 0) -> dict[str, float]:
+def check_parity(target: steps.Runner, tmodel, s: Settings, seed: int = 0, draft=None,
+                 tdraft=None) -> dict[str, float]:
   """The torch engine's logits against XLA's on one real prompt (batch 1,
-  the longest window plus 16 tokens): the target's decode step and each
-  streaming draft's first feed. Raises ParityError (one line) past the
+  the longest window plus 16 tokens): the target's and the draft model's
+  decode steps, each streaming draft's first feed and each EAGLE head's
+  logits. Raises ParityError (one line) past the
   dtype's tolerance (base.PARITY_TOL); returns the errors."""
   cfg, tol = target.cfg, backends.parity_tolerance("torch", s.dtype)
   drafts = [registry.parse(d) for d in s.drafters]
   windows = [d for d in drafts if isinstance(d, streaming.StreamingDrafter)]
   n = 16 + max([d.window + d.sinks for d in windows] + [16])
   prompt = np.random.RandomState(seed).randint(0, cfg.vocab_size, n + 1).tolist()
-  cap = kvc.round_capacity(n + 2)
-  _, cache = target.prefill([prompt[:-1]], target.new_cache(1, cap))
-  tok = jnp.asarray([[prompt[-1]]], jnp.int32)
-  ref = np.asarray(llama.forward(target.params, tok, cache, cfg)[0])
-  tcache = tmodel.new_cache(1, cap)
-  tmodel.prefill([prompt[:-1]], tcache)
-  torch_tok = tmodel.torch.tensor([[prompt[-1]]])
-  errs = {"target": backends.check_parity(ref, tmodel.logits(torch_tok, tcache).numpy(), tol,
+  ref, other, cache, tcache = decode_logits(target, tmodel, prompt)
+  tok, torch_tok = jnp.asarray([[prompt[-1]]], jnp.int32), tmodel.torch.tensor([[prompt[-1]]])
+  errs = {"target": backends.check_parity(ref, other, tol,
                                           "torch vs xla, the target's decode step")}
+  if tdraft is not None:
+    ids = [t % draft.cfg.vocab_size for t in prompt[-33:]]
+    errs["model"] = backends.check_parity(*decode_logits(draft, tdraft, ids)[:2], tol,
+                                          "torch vs xla, the draft model's decode step")
   for d in windows:
     tcache.lengths.fill_(n)
     window = kvc.Window(start=cache.lengths, sinks=d.sinks, size=d.window, span=1)
     ref = np.asarray(llama.forward(target.params, tok, cache, cfg, window=window)[0])
-    other = torch_spec.TorchStreamingDraft(tmodel, d.window, d.sinks).propose(
+    other = torch_drafts.TorchStreamingDraft(tmodel, d.window, d.sinks).propose(
         torch_tok[:, 0], tcache, 1, logits=True)[1]
     errs[d.spec] = backends.check_parity(ref, other.numpy(), tol,
                                          f"torch vs xla, {d.spec}'s draft step")
@@ -158,6 +161,19 @@ def check_parity(target: steps.Runner, tmodel, s: Settings, seed: int = 0) -> di
                                                       prompt[:n]), tol,
                                          f"torch vs xla, {d.spec}'s head")
   return errs
+
+
+def decode_logits(runner: steps.Runner, tm, prompt):
+  """One decode step after prompt[:-1], in XLA and in torch: (XLA's logits,
+  torch's [1, 1, V], XLA's cache, torch's cache; both before the step)."""
+  cap = kvc.round_capacity(len(prompt) + 1)
+  _, cache = runner.prefill([prompt[:-1]], runner.new_cache(1, cap))
+  ref = llama.forward(runner.params, jnp.asarray([[prompt[-1]]], jnp.int32), cache, runner.cfg)
+  tcache = tm.new_cache(1, cap)
+  tm.prefill([prompt[:-1]], tcache)
+  other = tm.logits(tm.torch.tensor([[prompt[-1]]]), tcache).numpy()
+  tcache.lengths.fill_(len(prompt) - 1)
+  return np.asarray(ref[0]), other, cache, tcache
 
 
 def head_logits(d, target: steps.Runner, tmodel, tokens) -> tuple[np.ndarray, np.ndarray]:
@@ -244,8 +260,8 @@ class Point:
       for spec in s.drafters:
         d = registry.parse(spec)
         if isinstance(d, streaming.StreamingDrafter):
-          self.probes["torch", spec, 1] = torch_spec.TorchDraftProbe(
-              torch_spec.TorchStreamingDraft(tmodel, d.window, d.sinks), batch, cap, context,
+          self.probes["torch", spec, 1] = torch_drafts.TorchDraftProbe(
+              torch_drafts.TorchStreamingDraft(tmodel, d.window, d.sinks), batch, cap, context,
               s.gamma, seed=1, k=s.k)
         elif isinstance(d, eagle.EagleDrafter):
           self.probes["torch", spec, 1] = torch_head_probe(d, target, tmodel, s, cap, context,
@@ -314,7 +330,8 @@ def run(work: str | os.PathLike, s: Settings, target: steps.Runner, tmodel, draf
                          or target.params["embed"]))
   if "torch" in s.engines:
     log("parity: " + ", ".join(f"{k} {v:.2g}" for k, v in
-                               check_parity(target, tmodel, s).items()))
+                               check_parity(target, tmodel, s, draft=draft,
+                                            tdraft=tdraft).items()))
   finished = {(r["context"], r["batch"]) for r in done}
   grid = [(c, b) for c in s.contexts for b in s.batches]
   todo = [p for p in grid if p not in finished]

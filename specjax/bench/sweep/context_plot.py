@@ -5,8 +5,9 @@ dashed) and, given a cost-surface fit (`SurfaceFit`), the fit's
 (metrics/context_cost.speedups at the point's alpha and gamma, dash-dot)
 with the fit's KV share of the target's decode step on a second axis. Each
 line's crossover (context_cost.turning_batch) is marked and named in its
-label. The sweeps run the JAX engine: an engine the fit holds and the sweep
-did not run (PyTorch) gets panels from its fit alone, titled as predicted.
+label. The sweeps run the JAX engine (a record may name another: PyTorch's
+runs of experiments/long_batch_check.py); an engine the fit holds and no
+record ran gets panels from its fit alone, titled as predicted.
 `curves` is a pure function of the records and the fit; `plot` draws it.
 docs/long_context.md.
 """
@@ -115,33 +116,42 @@ def turn_label(batches: Sequence[int], values: Sequence[float | None] | None) ->
   return f"rises from B={b}" if b == batches[0] else f"turns at B={b}"
 
 
-def chosen(records: Sequence[Record]) -> dict[tuple[str, int, int], Record]:
-  """(drafter, context, batch) -> the record plotted: the lowest temperature's
-  (greedy when run), the best gamma's speedup."""
+def engine_of(r: Record) -> str:
+  """The engine that ran a record: the sweeps' (XLA) unless it names one
+  (experiments/long_batch_check.py --engine=torch)."""
+  return r.get("engine", MEASURED)
+
+
+def chosen(records: Sequence[Record]) -> dict[tuple[str, str, int, int], Record]:
+  """(engine, drafter, context, batch) -> the record plotted: the lowest
+  temperature's (greedy when run), the best gamma's speedup."""
   temp = min(r["temperature"] for r in records)
-  out: dict[tuple[str, int, int], Record] = {}
+  out: dict[tuple[str, str, int, int], Record] = {}
   for r in records:
-    k = (r["drafter"], r["context"], r["batch"])
+    k = (engine_of(r), r["drafter"], r["context"], r["batch"])
     if r["temperature"] == temp and (k not in out or r["speedup"] > out[k]["speedup"]):
       out[k] = r
   return out
 
 
 def curves(records: Sequence[Record], fit: SurfaceFit | None = None) -> list[Panel]:
-  """The panels (module docstring): the measured engine's, a panel per drafter,
-  then per other engine of the fit its drafters' predicted-only panels."""
+  """The panels (module docstring): each measured engine's (XLA first), a
+  panel per drafter, then per other engine of the fit its drafters'
+  predicted-only panels, at the first measured engine's points."""
   pts = chosen(records)
-  drafters = sorted({d for d, _, _ in pts})
-  engines = [MEASURED] + sorted(set(fit.models) - {MEASURED} if fit else ())
+  drafters = sorted({d for _, d, _, _ in pts})
+  ran = sorted({e for e, _, _, _ in pts}, key=lambda e: (e != MEASURED, e))
+  engines = ran + sorted(set(fit.models) - set(ran) if fit else ())
   panels = []
   for e in engines:
+    measured = e in ran
+    src = e if measured else ran[0]  # a predicted-only panel: at the measured points
     for d in drafters:
-      measured = e == MEASURED
-      if not measured and not fit.has(e, d):
+      if (not measured and not fit.has(e, d)) or not any(k[:2] == (src, d) for k in pts):
         continue
       lines = []
-      for c in sorted({c for dd, c, _ in pts if dd == d}):
-        rs = [pts[k] for k in sorted(pts) if k[:2] == (d, c)]
+      for c in sorted({k[2] for k in pts if k[:2] == (src, d)}):
+        rs = [pts[k] for k in sorted(pts) if k[:3] == (src, d, c)]
         bs = tuple(r["batch"] for r in rs)
         pred = tuple(fit.speedup(e, r) for r in rs) if fit and fit.has(e, d) else None
         lines.append(Curve(
