@@ -211,7 +211,8 @@ def report(out: str, surface: str) -> None:
   lines = ["| engine | context | batch | alpha | tokens/step | measured | predicted (its "
            "engine's fit) | error | predicted (the other's fit) | KV share of T(B, 1) |",
            "|---|" + "---:|" * 9]
-  for r in sorted(recs, key=lambda r: (r.get("engine", "xla"), r["context"], r["batch"])):
+  xla_first = lambda r: (r.get("engine", "xla") != "xla", r["context"], r["batch"])
+  for r in sorted(recs, key=xla_first):
     own = r.get("engine", "xla")  # records before the torch engine: xla
     x, t = fit.speedup(own, r), fit.speedup("torch" if own == "xla" else "xla", r)
     lines.append(f"| {own} | {r['context']} | {r['batch']} | {r['alpha']:.3f} | "
