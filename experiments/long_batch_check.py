@@ -61,7 +61,8 @@ _OUT = flags.DEFINE_string("out", "/tmp/long_batch_check", "Output folder.")
 _MODEL = flags.DEFINE_string("model", "smollm2-135m", "Target.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Its dtype.")
 _SURFACE = flags.DEFINE_string(
-    "surface", os.path.join(os.path.dirname(__file__), "..", "docs", "results", "cost_surface"),
+    "surface", os.path.join(os.path.dirname(__file__), "..", "docs", "results", "cost_surface",
+                            "quiet_daf84b8"),
     "A cost surface's workdir (experiments/cost_surface.py): the fit the predictions use.")
 _ENGINE = flags.DEFINE_enum("engine", "xla", ["xla", "torch"],
                             "specjax's loop, or PyTorch's (torch_spec.TorchSpec, eager; "
