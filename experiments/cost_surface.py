@@ -47,6 +47,9 @@ _THREADS = flags.DEFINE_integer("torch_threads", 0, "torch's threads (0: its def
 _ALPHAS = flags.DEFINE_list("alphas", "0.6,0.8", "Acceptance rates of the predicted crossover.")
 _PREDICT = flags.DEFINE_list("predict_batches", "1,2,3,4,6,8,12,16",
                              "Batches of the predicted speedup.")
+_ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "blocked", "masked"],
+                               "XLA's attention kernel (ModelConfig.attention); auto: the "
+                               "backend's.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the records and report go.")
 
 
@@ -67,12 +70,15 @@ def main(argv):
                   drafters=tuple(registry.parse(d).spec for d in _DRAFTERS.value),
                   engines=tuple(_ENGINES.value), gamma=_GAMMA.value, reps=_REPS.value, k=_K.value,
                   torch_compile=_COMPILE.value, torch_threads=_THREADS.value,
-                  model_draft=_MODEL_DRAFT.value)
+                  model_draft=_MODEL_DRAFT.value, attention=_ATTENTION.value)
   predict = tables.parse_ints(_PREDICT.value, "--predict_batches")
   cfg, params, _ = checkpoint.load_model(s.model, dtype=s.dtype)
+  if s.attention != "auto":
+    cfg = cfg.replace(attention=s.attention)
   target, draft, tmodel, tdraft = steps.Runner(cfg, params), None, None, None
   if s.model_draft:
     dcfg, dparams, _ = checkpoint.load_model(s.model_draft, dtype=s.dtype, role="draft")
+    dcfg = dcfg if s.attention == "auto" else dcfg.replace(attention=s.attention)
     draft = steps.Runner(dcfg, dparams)
   if "torch" in s.engines:
     kw = {"compile": s.torch_compile, "threads": s.torch_threads or None}

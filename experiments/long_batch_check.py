@@ -67,6 +67,9 @@ _SURFACE = flags.DEFINE_string(
 _ENGINE = flags.DEFINE_enum("engine", "xla", ["xla", "torch"],
                             "specjax's loop, or PyTorch's (torch_spec.TorchSpec, eager; "
                             "the streaming draft only).")
+_ATTENTION = flags.DEFINE_enum("attention", "auto", ["auto", "blocked", "masked"],
+                               "specjax's attention kernel (ModelConfig.attention); "
+                               "auto: the backend's.")
 _PLOT_ONLY = flags.DEFINE_bool("plot_only", False, "Only the summary and plot of OUT's records.")
 
 
@@ -255,6 +258,8 @@ def main(argv):
   settings = dict(context=_CONTEXT.value, drafter=_DRAFTER.value, gamma=_GAMMA.value,
                   n_predict=_N_PREDICT.value, reps=_REPS.value, prompts=_PROMPTS.value,
                   model=_MODEL.value, dtype=_DTYPE.value, engine=_ENGINE.value)
+  if _ATTENTION.value != "auto":  # older folders, made with the backend's kernel, still resume
+    settings["attention"] = _ATTENTION.value
   if _ENGINE.value == "torch" and not isinstance(registry.parse(_DRAFTER.value),
                                                  streaming.StreamingDrafter):
     raise ConfigError(f"--engine=torch runs the streaming draft, not {_DRAFTER.value}")
@@ -264,6 +269,8 @@ def main(argv):
     todo = [b for b in todo if b not in done]
     log(out, f"resuming: batches {sorted(done)} already recorded")
   cfg, params, tok = checkpoint.load_model(_MODEL.value, dtype=_DTYPE.value)
+  if _ATTENTION.value != "auto":
+    cfg = cfg.replace(attention=_ATTENTION.value)
   scfg = SweepConfig.from_mapping(sweep_gamma.get_config("long_context")).replace(
       contexts=(), context=_CONTEXT.value, taskbench_prompts=_PROMPTS.value)
   rows = sweep_prompts.sweep_prompts(scfg, tok, cfg.vocab_size)
@@ -280,7 +287,8 @@ def main(argv):
   for b in todo:
     rec = dict(measure(out, engine, p, len(rows), b, _N_PREDICT.value, _REPS.value),
                context=_CONTEXT.value, prompt_lens=[len(x) for x in rows],
-               target=cfg.name, precision=_DTYPE.value, engine=_ENGINE.value)
+               target=cfg.name, precision=_DTYPE.value, engine=_ENGINE.value,
+               attention=cfg.attention)
     wd.append_jsonl(os.path.join(out, "records.jsonl"), [rec])
     log(out, f"batch {b}: speedup {rec['speedup']:.3f}x ({rec['speedup_reps']}), alpha "
              f"{rec['alpha']:.3f}, tokens/step {rec['tokens_per_step']:.2f}")

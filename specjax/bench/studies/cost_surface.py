@@ -66,6 +66,7 @@ class Settings:
   torch_compile: bool = False  # eager by default: torch.compile takes minutes a shape here
   torch_threads: int = 0  # 0: torch's default (the cores)
   model_draft: str | None = None
+  attention: str = "auto"  # XLA's kernel (ModelConfig.attention, set by the caller)
 
   def __post_init__(self):
     if not set(self.engines) <= {"xla", "torch"} or not self.engines:
