@@ -12,6 +12,7 @@ from specjax.bench.backends import torch_drafts as ts
 from specjax.bench.backends import torch_spec
 from specjax.bench.backends.torch_llama import Cache, TorchLlama
 from specjax.decode import plan
+from specjax.decode import speculative
 from specjax.drafters import streaming
 from specjax.model import config
 from specjax.model import kv_cache as kvc
@@ -92,12 +93,20 @@ def test_the_random_cache_and_the_draft_probe(models):
 def test_the_torch_loop_with_the_streaming_draft_equals_target_only(models):
   """TorchSpec's greedy loop with the streaming draft (the target's cache,
   no state of its own) keeps target-only's tokens, from its own prefill and
-  from row caches prefilled once, stacked and cloned."""
-  _, tmodel = models
+  from row caches prefilled once, stacked and cloned; its drafts are the
+  JAX loop's (the same accepted counts at every row-step)."""
+  target, tmodel = models
   engine = torch_spec.TorchSpec(tmodel, ts.TorchStreamingDraft(tmodel, WINDOW, SINKS))
   want = engine.generate_target(PROMPTS, 12, capacity=CAP).tokens
   got = engine.generate(PROMPTS, 12, GAMMA, capacity=CAP)
   assert got.tokens == want and got.stats.alpha > 0
+  # the same drafts accepted at every row-step as specjax's loop with the JAX drafter
+  # (greedy output is lossless whatever is drafted: this is what checks the drafts)
+  jax_run = speculative.generate(target, None, PROMPTS, 12, GAMMA,
+                                 drafter=f"streaming:{WINDOW},{SINKS}")
+  assert jax_run.tokens == want
+  for field in ("n_acc", "step", "row"):
+    np.testing.assert_array_equal(getattr(got.records, field), getattr(jax_run.records, field))
   rows = [tmodel.new_cache(1, CAP) for _ in PROMPTS]
   first = tmodel.torch.cat([tmodel.prefill([p], c) for p, c in zip(PROMPTS, rows)])
   cache = Cache.stack(rows)
@@ -106,6 +115,16 @@ def test_the_torch_loop_with_the_streaming_draft_equals_target_only(models):
   assert engine.generate_target(PROMPTS, 12, capacity=CAP, start=start()).tokens == want
   assert engine.generate(PROMPTS, 12, GAMMA, capacity=CAP, start=start(None)).tokens == want
   assert cache.lengths.tolist() == [len(p) for p in PROMPTS]  # the clones were written
+
+
+def test_a_loop_that_drafts_from_the_wrong_token_fails(models, monkeypatch):
+  """Committed bug: the loop's draft phase fed the token before the last
+  (tail[:, 0]); the output stays target-only's, the accepted counts do not."""
+  draft = ts.TorchStreamingDraft.draft
+  monkeypatch.setattr(ts.TorchStreamingDraft, "draft",
+                      lambda self, tail, *a: draft(self, tail[:, [1, 0]], *a))
+  with pytest.raises(AssertionError):
+    test_the_torch_loop_with_the_streaming_draft_equals_target_only(models)
 
 
 BUGS = {
