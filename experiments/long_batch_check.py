@@ -94,6 +94,7 @@ class XlaRuns:
 
   def __init__(self, target, p, rows, cap: int):
     self.target, self.p, self.rows = target, p, rows
+    self.dparams = p.sc.drafter.draft_params(target.params, None)
     self.logits, self.caches = [], []
     for row in rows:
       lg, ca = block(target.prefill([row], target.new_cache(1, cap)))
@@ -116,8 +117,7 @@ class XlaRuns:
 
   def spec(self, g, ix, n_predict: int):
     """(seconds, tokens per row, its Records) of one speculative run from a copy."""
-    target, sc, key = self.target, self.p.sc, jax.random.PRNGKey(0)
-    dparams = sc.drafter.draft_params(target.params, None)
+    target, sc, key, dparams = self.target, self.p.sc, jax.random.PRNGKey(0), self.dparams
     st, first = speculative.start(target, dparams, [self.rows[i] for i in ix], g[0],
                                   copy(g[1]), key, sc)
     out = jnp.full((len(ix), n_predict + sc.gamma + 1), generation.NO_EOS, jnp.int32)

@@ -11,7 +11,6 @@ proposal for the cost surface.
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import numpy as np
@@ -101,11 +100,37 @@ class TorchStreamingDraft:
     return (drafts, torch.stack(outs, 1)) if logits else drafts
 
 
-class TorchDraftProbe:
-  """T_draft(1) of the torch streaming draft at batch `batch`: k whole
-  proposals of gamma tokens per repetition on a cache of random K/V holding
-  `depth` tokens per row (the target's n - 1), time per drafted token
-  (probes.ProposeProbe's shape; each forward a host call)."""
+class ProposalProbe:
+  """T_draft(1) of a torch draft: k whole proposals of gamma tokens per timed
+  repetition (`propose_once`, a subclass's), the first call untimed as the
+  warm-up, time per drafted token (probes.ProposeProbe's shape; each
+  forward a host call)."""
+  gamma: int
+  k: int
+  warm: bool = False
+
+  def propose_once(self) -> None:
+    raise NotImplementedError
+
+  def times(self, ns: Sequence[int], reps: int = 3) -> dict[int, timing.Timing]:
+    if set(ns) != {1}:
+      raise ValueError(f"{type(self).__name__} times T_draft(1) only, asked for "
+                       f"{sorted(set(ns))}")
+
+    def run():
+      for _ in range(self.k):
+        self.propose_once()
+
+    warm_s = 0.0
+    if not self.warm:
+      warm_s, self.warm = timing.timed(run)[1], True
+    times = [timing.timed(run)[1] / (self.k * self.gamma) for _ in range(reps)]
+    return {1: timing.Timing(times=times, compile_s=warm_s)}
+
+
+class TorchDraftProbe(ProposalProbe):
+  """ProposalProbe of the torch streaming draft at batch `batch`, on a cache
+  of random K/V holding `depth` tokens per row (the target's n - 1)."""
 
   def __init__(self, draft: TorchStreamingDraft, batch: int, capacity: int, depth: int,
                gamma: int, seed: int = 0, k: int = REPEATS):
@@ -114,24 +139,6 @@ class TorchDraftProbe:
     rng = np.random.RandomState(seed)
     self.last = draft.target.torch.from_numpy(
         rng.randint(0, draft.target.cfg.vocab_size, (batch,)))
-    self.warm = False
 
-  def times(self, ns: Sequence[int], reps: int = 3) -> dict[int, timing.Timing]:
-    if set(ns) != {1}:
-      raise ValueError(f"TorchDraftProbe times T_draft(1) only, asked for {sorted(set(ns))}")
-
-    def run():
-      for _ in range(self.k):
-        self.draft.propose(self.last, self.cache, self.gamma)
-
-    warm_s = 0.0
-    if not self.warm:
-      t0 = time.perf_counter()
-      run()
-      warm_s, self.warm = time.perf_counter() - t0, True
-    times = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      run()
-      times.append((time.perf_counter() - t0) / (self.k * self.gamma))
-    return {1: timing.Timing(times=times, compile_s=warm_s)}
+  def propose_once(self) -> None:
+    self.draft.propose(self.last, self.cache, self.gamma)

@@ -11,13 +11,12 @@ tests/bench/test_torch_eagle.py.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from specjax.bench.backends.torch_llama import Cache, TorchLlama, block, layout
-from specjax.bench.backends.torch_spec import REPEATS
-from specjax.metrics import timing
+from specjax.bench.backends.torch_drafts import REPEATS, ProposalProbe
 
 
 def root_index(n, start, width: int):
@@ -52,18 +51,8 @@ class TorchEagleHead:
     self.prev_token = self.fc.shape[1] == 3 * self.fc.shape[0]  # eagle.reads_prev_token
 
   def new_cache(self, batch: int, capacity: int) -> Cache:
-    shape = (batch, self.cfg.n_kv_heads, capacity, self.cfg.d_head)
-    zeros = lambda: [self.torch.zeros(shape, dtype=self.torch.float32)]
-    return Cache(zeros(), zeros(), self.torch.zeros((batch,), dtype=self.torch.int64))
-
-  def random_cache(self, batch: int, capacity: int, depth: int, seed: int = 0) -> Cache:
-    """Random K/V in the first `depth` slots per row (for timing at a context)."""
-    cache = self.new_cache(batch, capacity)
-    gen = self.torch.Generator().manual_seed(seed)
-    for c in cache.k + cache.v:
-      c[:, :, :depth] = self.torch.randn(c[:, :, :depth].shape, generator=gen)
-    cache.lengths.fill_(depth)
-    return cache
+    """The head's own one-layer cache (float32, as the head runs)."""
+    return Cache.zeros(self.cfg, 1, batch, capacity, self.torch.float32)
 
   def forward(self, feats, tokens, cache: Cache, prev_tokens=None):
     """T pairs (feats [B, T, E], tokens [B, T]) at cache.lengths -> the
@@ -117,37 +106,24 @@ class TorchEagleHead:
     return (drafts, torch.stack(outs, 1)) if logits else drafts
 
 
-class TorchHeadProbe:
-  """T_draft(1) of the torch head at batch `batch`: k whole proposals of
-  gamma tokens per repetition after a refresh of `pairs` pending pairs, on a
-  head cache of random K/V holding depth - 1 pairs per row (XLA's probe:
-  cost_surface.xla_draft_probe), time per drafted token."""
+class TorchHeadProbe(ProposalProbe):
+  """ProposalProbe of the torch head at batch `batch`: each proposal after a
+  refresh of `pairs` pending pairs, on a head cache of random K/V holding
+  depth - 1 pairs per row (XLA's probe: cost_surface.xla_draft_probe)."""
 
   def __init__(self, head: TorchEagleHead, batch: int, capacity: int, depth: int, gamma: int,
                pairs: int, seed: int = 0, k: int = REPEATS):
     torch = head.torch
     self.head, self.gamma, self.k = head, gamma, k
-    self.cache = head.random_cache(batch, capacity, depth - 1, seed)
+    self.cache = head.new_cache(batch, capacity).randomized(depth - 1, seed)
     gen = torch.Generator().manual_seed(seed)
     self.feats = torch.randn((batch, pairs, head.cfg.dim), generator=gen)
     self.tokens = torch.randint(0, head.cfg.vocab_size, (batch, pairs), generator=gen)
     self.prev = self.tokens[:, 0].clone()
     self.n = torch.full((batch,), depth, dtype=torch.int64)
     self.start = self.n - 1
-    self.warm = False
 
-  def times(self, ns: Sequence[int], reps: int = 3) -> dict[int, timing.Timing]:
-    if set(ns) != {1}:
-      raise ValueError(f"TorchHeadProbe times T_draft(1) only, asked for {sorted(set(ns))}")
-
-    def run():
-      with self.head.torch.inference_mode():
-        for _ in range(self.k):
-          self.head.propose(self.feats, self.tokens, self.prev, self.start, self.n, self.cache,
-                            self.gamma)
-
-    warm_s = 0.0
-    if not self.warm:
-      warm_s, self.warm = timing.timed(run)[1], True
-    times = [timing.timed(run)[1] / (self.k * self.gamma) for _ in range(reps)]
-    return {1: timing.Timing(times=times, compile_s=warm_s)}
+  def propose_once(self) -> None:
+    with self.head.torch.inference_mode():
+      self.head.propose(self.feats, self.tokens, self.prev, self.start, self.n, self.cache,
+                        self.gamma)

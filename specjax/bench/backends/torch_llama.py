@@ -209,13 +209,7 @@ class TorchLlama:
       self._fn = torch.compile(eager, dynamic=False)
 
   def new_cache(self, batch: int, capacity: int) -> "Cache":
-    if capacity <= 0 or batch <= 0:
-      raise CacheOverflowError(f"cache needs batch>0 and capacity>0, got "
-                                   f"batch={batch}, capacity={capacity}")
-    torch, c = self.torch, self.cfg
-    shape = (batch, c.n_kv_heads, capacity, c.d_head)  # [B, K, S, D]
-    zeros = lambda: [torch.zeros(shape, dtype=self.dtype) for _ in range(c.n_layers)]
-    return Cache(zeros(), zeros(), torch.zeros((batch,), dtype=torch.int64))
+    return Cache.zeros(self.cfg, self.cfg.n_layers, batch, capacity, self.dtype)
 
   def _check(self, tokens, cache: "Cache", live=None) -> None:
     lens = cache.lengths.numpy()
@@ -267,12 +261,7 @@ class TorchLlama:
   def random_cache(self, batch: int, capacity: int, depth: int, seed: int = 0) -> "Cache":
     """A cache whose first `depth` slots per row hold random K/V (not the
     model's; cost_surface.random_cache in torch, for timing at a long context)."""
-    cache = self.new_cache(batch, capacity)
-    gen = self.torch.Generator().manual_seed(seed)
-    for c in cache.k + cache.v:
-      c[:, :, :depth] = self.torch.randn(c[:, :, :depth].shape, generator=gen, dtype=c.dtype)
-    cache.lengths.fill_(depth)
-    return cache
+    return self.new_cache(batch, capacity).randomized(depth, seed)
 
 
 @dataclasses.dataclass
@@ -284,6 +273,27 @@ class Cache:
   @property
   def capacity(self) -> int:
     return self.k[0].shape[2]
+
+  @classmethod
+  def zeros(cls, cfg: ModelConfig, layers: int, batch: int, capacity: int, dtype) -> "Cache":
+    """An empty cache of `layers` layers, [B, K, S, D] each (cfg's K and D)."""
+    if capacity <= 0 or batch <= 0:
+      raise CacheOverflowError(f"cache needs batch>0 and capacity>0, got "
+                               f"batch={batch}, capacity={capacity}")
+    torch = import_torch()
+    shape = (batch, cfg.n_kv_heads, capacity, cfg.d_head)
+    zeros = lambda: [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+    return cls(zeros(), zeros(), torch.zeros((batch,), dtype=torch.int64))
+
+  def randomized(self, depth: int, seed: int = 0) -> "Cache":
+    """This cache with random K/V in its first `depth` slots per row and
+    every length at `depth` (a long context without its prefill, for timing)."""
+    torch = import_torch()
+    gen = torch.Generator().manual_seed(seed)
+    for c in self.k + self.v:
+      c[:, :, :depth] = torch.randn(c[:, :, :depth].shape, generator=gen, dtype=c.dtype)
+    self.lengths.fill_(depth)
+    return self
 
   def clone(self) -> "Cache":
     """A copy (a run that starts from a prefilled cache writes into its own)."""
